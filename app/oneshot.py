@@ -1,0 +1,86 @@
+"""`panechat run` and `panechat tokenize`: one reply or one tokenization, then exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..engine.default_model import resolve_model_path
+from ..engine.engine import Engine, EngineConfig
+from ..engine.events import FinishEvent, TokenEvent
+from ..engine.loader import load_model
+from ..engine.sampling import SamplingParams
+from .cli import UsageError
+
+
+def read_messages(args: argparse.Namespace) -> list[dict]:
+    """Messages from --messages FILE, --system and PROMPT, validated."""
+    messages: list[dict] = []
+    if args.messages:
+        path = Path(args.messages)
+        if not path.is_file():
+            raise UsageError(f"messages file not found: {path}")
+        try:
+            messages = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"{path} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}); "
+                             "it must be a list of {role, content} objects") from None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise UsageError(f"{path} must hold a JSON list of {{\"role\": ..., \"content\": ...}} objects")
+    if args.system:
+        messages = [m for m in messages if m["role"] != "system"]
+        messages.insert(0, {"role": "system", "content": args.system})
+    if args.prompt is not None:
+        messages.append({"role": "user", "content": args.prompt})
+    if not any(m["content"].strip() for m in messages if m["role"] != "system"):
+        raise UsageError("empty prompt: give PROMPT or --messages FILE with a user message")
+    return messages
+
+
+def run(args: argparse.Namespace) -> int:
+    messages = read_messages(args)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    params.validate()
+    lm = load_model(resolve_model_path(args.model), args.backend, max_positions=args.ctx_size)
+    engine = Engine(lm, EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1,
+                                     ctx_size=args.ctx_size, verify_invariance=False)).start()
+    try:
+        gen = engine.submit(messages, params=params)
+        for ev in gen:
+            if isinstance(ev, TokenEvent) and not args.json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+        fin: FinishEvent = gen.finish
+    finally:
+        engine.stop()
+    if fin.reason == "error":
+        raise UsageError(fin.error or "generation failed")
+    if args.json:
+        print(json.dumps({
+            "text": fin.text, "token_ids": fin.token_ids,
+            "prompt_tokens": fin.usage["prompt_tokens"], "completion_tokens": fin.usage["completion_tokens"],
+            "finish_reason": fin.reason,
+        }))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def tokenize(args: argparse.Namespace) -> int:
+    from ..engine.gguf_file import GGUFFile
+    from ..engine.tokenizer import Tokenizer
+
+    gf = GGUFFile.open(resolve_model_path(args.model))
+    try:
+        tok = Tokenizer.from_metadata(gf.metadata)
+    except ValueError as e:
+        raise UsageError(f"{gf.path}: {e}") from None
+    ids = tok.encode(args.text, add_bos=None, parse_special=True)
+    print(json.dumps({"ids": ids}) if args.json else " ".join(map(str, ids)))
+    return 0

@@ -1,0 +1,92 @@
+"""The small interface every array backend implements (numpy, MLX, CuPy).
+
+The model code in `panechat.engine.model` is written once against these operations.
+Every operation must be *row-invariant*: the result for one row (a token of one
+sequence) may depend only on that row's inputs, never on how many other rows share
+the call or where the row sits. `self_check()` verifies that on the running device.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+Array = Any  # the backend's array type
+
+
+class Backend(ABC):
+    """Array operations for one device. Arrays stay on the device between calls."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line naming backend, device and kernel policy (for the start-up line)."""
+
+    # -- moving data -----------------------------------------------------------------
+    @abstractmethod
+    def asarray(self, a: np.ndarray) -> Array:
+        """Copy a host array to the device (dtype kept)."""
+
+    @abstractmethod
+    def to_numpy(self, a: Array) -> np.ndarray:
+        """Copy a device array to the host."""
+
+    @abstractmethod
+    def linear_weight(self, w: np.ndarray, qtype: str = "F32") -> Any:
+        """Prepare a float32 [N, K] weight for `linear` (layout, dtype, device)."""
+
+    def nbytes(self, w: Any) -> int:
+        """Resident bytes of a prepared weight."""
+        return int(getattr(w, "nbytes", 0))
+
+    # -- the forward pass's operations -------------------------------------------------
+    @abstractmethod
+    def embed(self, table: Array, ids: Array) -> Array:
+        """Rows of `table` [V, D] for token ids [R] -> [R, D]."""
+
+    @abstractmethod
+    def linear(self, x: Array, w: Any) -> Array:
+        """x [R, K] @ w.T -> [R, N], each output row independent of the others."""
+
+    @abstractmethod
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """x / sqrt(mean(x^2) + eps) * weight, per row."""
+
+    @abstractmethod
+    def rope(self, x: Array, positions: Array, style: str) -> Array:
+        """Rotary embedding of x [R, H, hd] at `positions` [R]; style 'normal' or 'neox'."""
+
+    @abstractmethod
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        """silu(gate) * up, elementwise."""
+
+    @abstractmethod
+    def new_kv(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int) -> Any:
+        """Allocate the KV store: per layer, K and V of shape [slots, n_kv, ctx, head_dim]."""
+
+    @abstractmethod
+    def attend(self, kv: Any, layer: int, q: Array, k: Array, v: Array,
+               slots: Array, positions: Array, scale: float) -> Array:
+        """Write k, v [R, n_kv, hd] at (slot, position) per row, then causal attention of
+        q [R, n_head, hd] over keys 0..position of the row's slot -> [R, n_head, hd]."""
+
+    @abstractmethod
+    def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
+        """Copy the first n_tokens cached positions of slot src into slot dst."""
+
+    def set_rope(self, rope_dim: int, base: float, max_pos: int,
+                 freq_factors: np.ndarray | None = None) -> None:
+        """Precompute rotary tables once at load."""
+        inv = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+        if freq_factors is not None:
+            inv = inv / freq_factors.astype(np.float64)
+        angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # (P, rope_dim/2)
+        self._rope_cos = self.asarray(np.cos(angles).astype(np.float32))
+        self._rope_sin = self.asarray(np.sin(angles).astype(np.float32))
+
+    def self_check(self) -> str | None:
+        """None when rows are batch-invariant on this device, else what differed."""
+        return None

@@ -1,0 +1,333 @@
+"""The engine: one compute thread owns the model and every KV slot.
+
+Requests come in from any thread (or asyncio task) through `submit`; each step the
+scheduler picks the rows, the model computes them in one forward pass, and every
+sequence's sampled token goes back on its own event stream (llama.cpp server's
+one-thread task loop; mlx-lm's BatchGenerator insert/next/remove).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .events import Event, FinishEvent, PrefillEvent, TokenEvent
+from .invariance import check_model_invariance
+from .kv_slots import SlotPool
+from .loader import LoadedModel
+from .metrics import EngineMetrics
+from .model import Batch
+from .request import Request, RequestState
+from .sampling import SamplingParams, make_sampler
+from .scheduler import QueueFull, Scheduler
+from .tokenizer import StreamDecoder
+
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong"]
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the per-conversation context (never truncated silently)."""
+
+
+@dataclass
+class EngineConfig:
+    """Limits and batching knobs (the CLI flags of the same names)."""
+
+    max_concurrent: int = 4
+    kv_sessions: int | None = None  # default: 2 x max_concurrent
+    max_queue: int = 8
+    ctx_size: int = 4096
+    prefill_chunk: int = 512
+    straggler_ms: float = 2.0
+    verify_invariance: bool = True
+
+
+class Generation:
+    """Handle for one submitted request: iterate its events (sync or async), or cancel."""
+
+    def __init__(self, engine: "Engine", request_id: str):
+        self.engine = engine
+        self.id = request_id
+        self.finish: FinishEvent | None = None
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._aq: asyncio.Queue = asyncio.Queue()
+        except RuntimeError:
+            self._loop = None
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def _emit(self, ev: Event) -> None:  # called on the engine thread
+        if self._loop is None:
+            self._q.put(ev)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+        except RuntimeError:  # the consumer's loop is gone: nobody listens any more
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop generating; a FinishEvent with reason 'cancelled' follows."""
+        self.engine.cancel(self.id)
+
+    def __iter__(self):
+        while True:
+            ev = self._q.get()
+            yield ev
+            if isinstance(ev, FinishEvent):
+                self.finish = ev
+                return
+
+    async def __aiter__(self):
+        while True:
+            ev = await self._aq.get()
+            yield ev
+            if isinstance(ev, FinishEvent):
+                self.finish = ev
+                return
+
+    def result(self) -> FinishEvent:
+        """Block until finished (sync use only); returns the FinishEvent."""
+        for _ in self:
+            pass
+        assert self.finish is not None
+        return self.finish
+
+
+class Engine:
+    """Batched, batch-invariant generation over resident KV slots."""
+
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None):
+        self.lm = lm
+        self.cfg = cfg = config or EngineConfig()
+        args = lm.model.args
+        self.ctx = min(cfg.ctx_size, args.context_length)
+        if self.ctx < 16:
+            raise ValueError("ctx-size must be at least 16")
+        n_slots = cfg.kv_sessions or 2 * cfg.max_concurrent
+        be = lm.model.backend
+        self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
+        self.pool = SlotPool(n_slots)
+        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
+        self.metrics = EngineMetrics(cfg.max_concurrent)
+        self.metrics.kv_total = n_slots
+        self.invariance_problem = check_model_invariance(lm.model, self.kv) if cfg.verify_invariance else None
+        self.batching = self.invariance_problem is None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ids = itertools.count(1)
+        self._by_id: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # -- public API ------------------------------------------------------------------
+    def startup_lines(self) -> list[str]:
+        """Human-readable start-up report: backend, KV memory, concurrency mode."""
+        be, m = self.lm.model.backend, self.lm.model
+        per_slot = self.kv.bytes_per_slot
+        n = len(self.pool.slots)
+        lines = [
+            f"model: {self.lm.name} ({m.args.architecture}, {m.args.n_layer} layers, "
+            f"loaded in {m.load_seconds:.1f} s, {m.weight_bytes / 2**20:.0f} MiB of weights)",
+            f"backend: {be.describe()}",
+            f"context: {self.ctx} tokens per conversation; KV {per_slot / 2**20:.0f} MiB per slot, "
+            f"{n} slots = {per_slot * n / 2**20:.0f} MiB",
+        ]
+        k = self.cfg.max_concurrent
+        if self.batching:
+            lines.append(f"concurrency: {k} generations at once, each on its own KV slot, "
+                         "decode batched, answers identical to solo")
+        else:
+            lines.append(f"concurrency: {k} generations at once, decode NOT batched (one sequence "
+                         f"per step) because the invariance self-check failed: {self.invariance_problem}")
+        return lines
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="panechat-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Cancel everything and join the compute thread."""
+        with self._lock:
+            for r in list(self._by_id.values()):
+                r.cancelled = True
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+               params: SamplingParams | None = None, conversation: str | None = None,
+               stop: tuple[str, ...] | list[str] = ()) -> Generation:
+        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull."""
+        params = params or SamplingParams()
+        params.validate()
+        if prompt_ids is None:
+            if not messages:
+                raise ValueError("empty prompt: give at least one message")
+            prompt_ids = self.lm.prompt_ids(messages)
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.ctx:
+            raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens but the context holds {self.ctx}; "
+                                "shorten the conversation or raise --ctx-size")
+        rid = f"req-{next(self._ids)}"
+        gen = Generation(self, rid)
+        tok = self.lm.tokenizer
+        req = Request(
+            id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
+            sampler=make_sampler(params), decoder=StreamDecoder(tok), emit=gen._emit,
+            stop_ids=tok.stop_ids, stop_strings=tuple(s for s in stop if s),
+        )
+        with self._lock:
+            try:
+                self.scheduler.add(req)
+            except QueueFull:
+                self.metrics.refused += 1
+                raise
+            self._by_id[rid] = req
+        self._wake.set()
+        return gen
+
+    def cancel(self, request_id: str) -> None:
+        req = self._by_id.get(request_id)
+        if req is not None:
+            req.cancelled = True
+            self._wake.set()
+
+    def stats(self) -> dict:
+        """Snapshot of streams, batch occupancy, queue and KV slots (cheap)."""
+        snap = self.metrics.snapshot()
+        snap["batching"] = self.batching
+        snap["ctx"] = self.ctx
+        return snap
+
+    # -- the compute thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            with self._lock:
+                self._reap_cancelled()
+                plan = self.scheduler.schedule()
+                if plan.requests and not self.batching:
+                    plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
+                self._publish_state()
+            if not plan.requests:
+                self.metrics.idle()
+                self._wake.wait(0.5)
+                if self._wake.is_set():
+                    self._wake.clear()
+                    time.sleep(self.cfg.straggler_ms / 1000.0)  # let near-simultaneous arrivals join
+                continue
+            try:
+                self._step(plan)
+            except Exception as e:  # a bug must not kill the server: fail these requests
+                with self._lock:
+                    for r in plan.requests:
+                        self._finish(r, "error", error=f"internal error: {type(e).__name__}: {e}",
+                                     keep_cache=False)
+
+    def _step(self, plan) -> None:
+        tokens, slots, positions, logit_rows, sampled = [], [], [], [], []
+        now = time.perf_counter()
+        for r, n in zip(plan.requests, plan.n_tokens):
+            if r.t_start == 0.0:
+                r.t_start = now
+                self.metrics.record_admit(len(r.prompt_ids), r.reused)
+            known = r.known
+            tokens.extend(known[r.computed:r.computed + n])
+            positions.extend(range(r.computed, r.computed + n))
+            slots.extend([r.slot] * n)
+            r.computed += n
+            if r.computed == r.n_known:  # caught up: this row's logits give the next token
+                logit_rows.append(len(tokens) - 1)
+                sampled.append(r)
+        batch = Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
+                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64))
+        logits = self.lm.model.forward(self.kv, batch)
+        now = time.perf_counter()
+        with self._lock:
+            for r in plan.requests:
+                if r.state == RequestState.PREFILLING and r not in sampled:
+                    r.emit(PrefillEvent(r.id, r.computed, len(r.prompt_ids)))
+            for i, r in enumerate(sampled):
+                self._accept(r, r.sampler(logits[i]), now)
+        self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
+
+    def _accept(self, r: Request, tok: int, now: float) -> None:
+        if r.state == RequestState.PREFILLING:
+            r.state = RequestState.DECODING
+            r.t_first = now
+            r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
+        if tok in r.stop_ids:
+            self._flush(r)
+            self._finish(r, "stop")
+            return
+        r.output_ids.append(tok)
+        r.emit(TokenEvent(r.id, tok, r.take_text(r.decoder.push(tok))))
+        if r.finish_reason == "stop":
+            self._finish(r, "stop")
+        elif len(r.output_ids) >= r.params.max_tokens or r.n_known >= self.ctx:
+            self._flush(r)
+            self._finish(r, "length")
+
+    @staticmethod
+    def _flush(r: Request) -> None:
+        """Emit text still held back (a partial character or a partial stop string)."""
+        tail = r.flush_text(r.decoder.flush())
+        if tail:
+            r.emit(TokenEvent(r.id, -1, tail))
+
+    def _reap_cancelled(self) -> None:
+        for r in [r for r in self._by_id.values() if r.cancelled]:
+            self._finish(r, "cancelled")
+
+    def _finish(self, r: Request, reason: str, error: str | None = None, keep_cache: bool = True) -> None:
+        if r.state == RequestState.FINISHED:
+            return
+        self.scheduler.finish(r, keep_cache=keep_cache)
+        self._by_id.pop(r.id, None)
+        r.t_end = time.perf_counter()
+        ttft = (r.t_first - r.t_submit) if r.t_first else None
+        n_out = len(r.output_ids)
+        decode_s = r.t_end - r.t_first if r.t_first else 0.0
+        usage = {"prompt_tokens": len(r.prompt_ids), "completion_tokens": n_out,
+                 "reused_tokens": r.reused}
+        timings = {
+            "queue_ms": 1000 * ((r.t_start or r.t_end) - r.t_submit),
+            "prompt_ms": 1000 * ((r.t_first - r.t_start) if r.t_first else 0.0),
+            "ttft_ms": 1000 * ttft if ttft is not None else None,
+            "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+            "total_ms": 1000 * (r.t_end - r.t_submit),
+        }
+        self.metrics.record_finish(reason, ttft)
+        r.emit(FinishEvent(r.id, reason, r.text, list(r.output_ids), usage, timings, error))
+
+    def _publish_state(self) -> None:
+        now = time.perf_counter()
+        streams = []
+        for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            if r.state == RequestState.WAITING:
+                state = "queued"
+            elif r.state == RequestState.PREFILLING:
+                state = f"prefill {100 * r.computed // max(1, len(r.prompt_ids))}%"
+            else:
+                state = "decoding"
+            n = len(r.output_ids)
+            dt = now - r.t_first if r.t_first else 0.0
+            streams.append({
+                "id": r.id, "conversation": r.conversation, "state": state, "tokens": n,
+                "tok_s": (n - 1) / dt if n > 1 and dt > 0 else 0.0,
+                "ttft_ms": 1000 * (r.t_first - r.t_submit) if r.t_first else None,
+                "prefill_pct": 100 * r.computed // max(1, len(r.prompt_ids)),
+            })
+        self.metrics.set_state(streams, len(self.scheduler.waiting), self.pool.in_use,
+                               self.pool.resident, len(self.pool.slots), self.pool.evictions)

@@ -1,0 +1,45 @@
+"""Load a GGUF file into everything generation needs: weights, tokenizer, chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..backends import get_backend
+from ..backends.base import Backend
+from .chat_template import ChatTemplate
+from .gguf_file import GGUFFile, ModelFileError
+from .model import Model
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate: forward pass, tokenizer and chat template."""
+
+    path: Path
+    model: Model
+    tokenizer: Tokenizer
+    template: ChatTemplate
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Render `messages` with the model's template and tokenize (special tokens parsed)."""
+        text = self.template.render(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True)
+
+
+def load_model(path: str | Path, backend: str | Backend = "auto", max_positions: int | None = None) -> LoadedModel:
+    """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
+    gf = GGUFFile.open(path)
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    try:
+        tokenizer = Tokenizer.from_metadata(gf.metadata)
+        template = ChatTemplate.from_metadata(gf.metadata, tokenizer)
+    except ValueError as e:
+        raise ModelFileError(f"{gf.path}: {e}") from None
+    model = Model.load(gf, be, max_positions=max_positions)
+    return LoadedModel(gf.path, model, tokenizer, template)

@@ -1,0 +1,96 @@
+"""Engine statistics: updated once per step by the engine thread, read by anyone.
+
+`snapshot()` copies a small dict under a lock, cheap enough for 10 reads a second."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+class EngineMetrics:
+    """Counters and recent history; every mutation happens on the engine thread."""
+
+    def __init__(self, max_batch: int, window_s: float = 60.0):
+        self._lock = threading.Lock()
+        self.max_batch = max_batch
+        self.step_hist = [0] * (max_batch + 1)  # steps by number of sequences in the step
+        self.batch_now = 0
+        self.rows_now = 0
+        self.steps = 0
+        self.requests_total = 0
+        self.requests_finished = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
+        self.refused = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.reused_tokens = 0
+        self.ttft_s: deque[float] = deque(maxlen=1024)  # recent TTFTs, for histograms
+        self._recent: deque[tuple[float, int, int]] = deque()  # (t, sequences, tokens) per step
+        self.window_s = window_s
+        self.streams: list[dict] = []
+        self.queue_depth = 0
+        self.kv_in_use = 0
+        self.kv_resident = 0
+        self.kv_total = 0
+        self.evictions = 0
+
+    def record_step(self, n_seqs: int, n_rows: int, n_sampled: int, now: float) -> None:
+        with self._lock:
+            self.steps += 1
+            self.batch_now, self.rows_now = n_seqs, n_rows
+            self.step_hist[min(n_seqs, self.max_batch)] += 1
+            self.generated_tokens += n_sampled
+            self._recent.append((now, n_seqs, n_sampled))
+            while self._recent and now - self._recent[0][0] > self.window_s:
+                self._recent.popleft()
+
+    def set_state(self, streams: list[dict], queue_depth: int, kv_in_use: int, kv_resident: int,
+                  kv_total: int, evictions: int) -> None:
+        with self._lock:
+            self.streams, self.queue_depth = streams, queue_depth
+            self.kv_in_use, self.kv_resident, self.kv_total = kv_in_use, kv_resident, kv_total
+            self.evictions = evictions
+
+    def record_finish(self, reason: str, ttft: float | None) -> None:
+        with self._lock:
+            self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+            if ttft is not None:
+                self.ttft_s.append(ttft)
+
+    def record_admit(self, prompt_tokens: int, reused: int) -> None:
+        with self._lock:
+            self.requests_total += 1
+            self.prompt_tokens += prompt_tokens
+            self.reused_tokens += reused
+
+    def idle(self) -> None:
+        with self._lock:
+            self.batch_now = self.rows_now = 0
+
+    def snapshot(self) -> dict:
+        """A consistent copy of everything, plus tok/s over the last second."""
+        now = time.perf_counter()
+        with self._lock:
+            last = [(t, n, k) for t, n, k in self._recent if now - t <= 1.0]
+            return {
+                "batch_now": self.batch_now,
+                "batch_max": self.max_batch,
+                "rows_now": self.rows_now,
+                "steps": self.steps,
+                "step_hist": list(self.step_hist),
+                "tok_s": float(sum(k for _, _, k in last)),
+                "queue_depth": self.queue_depth,
+                "kv_in_use": self.kv_in_use,
+                "kv_resident": self.kv_resident,
+                "kv_total": self.kv_total,
+                "evictions": self.evictions,
+                "streams": [dict(s) for s in self.streams],
+                "requests_total": self.requests_total,
+                "requests_finished": dict(self.requests_finished),
+                "refused": self.refused,
+                "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens,
+                "reused_tokens": self.reused_tokens,
+                "ttft_recent_s": list(self.ttft_s)[-64:],
+            }

@@ -1,0 +1,150 @@
+"""The decoder-only transformer forward pass (llama and qwen2 families).
+
+Written once against the `Backend` interface; follows llama.cpp's `llm_build_llama` /
+`llm_build_qwen2` graphs. The forward pass holds no cache state of its own: the KV store
+comes in as an argument, and each row of a batch carries its own slot and position, so
+rows of different sequences (prefill chunks and decode tokens alike) share one pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import Backend
+from .gguf_file import GGUFFile, ModelFileError
+from .model_args import ModelArgs
+
+
+@dataclass
+class Layer:
+    """One transformer block's weights; names follow the GGUF tensor names."""
+
+    attn_norm: Any
+    attn_q: Any
+    attn_k: Any
+    attn_v: Any
+    attn_output: Any
+    ffn_norm: Any
+    ffn_gate: Any
+    ffn_up: Any
+    ffn_down: Any
+    attn_q_bias: Any = None
+    attn_k_bias: Any = None
+    attn_v_bias: Any = None
+
+
+@dataclass
+class Batch:
+    """Rows to compute in one step: token, slot and position per row, plus the rows whose
+    logits are wanted (the last row of each sequence in the step)."""
+
+    tokens: np.ndarray  # (R,) int32
+    slots: np.ndarray  # (R,) int32
+    positions: np.ndarray  # (R,) int32
+    logit_rows: np.ndarray  # (L,) int64
+
+
+@dataclass
+class Model:
+    """Weights on a backend plus the forward pass."""
+
+    args: ModelArgs
+    backend: Backend
+    token_embd: Any
+    output_norm: Any
+    output: Any
+    layers: list[Layer]
+    load_seconds: float = 0.0
+    weight_bytes: int = 0
+    qtypes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None = None) -> "Model":
+        """Dequantize every tensor of `gf` onto `backend`; timed in `load_seconds`."""
+        t0 = time.perf_counter()
+        args = ModelArgs.from_metadata(gf.metadata)
+        qtypes: dict[str, int] = {}
+        nbytes = 0
+
+        def tensor(name: str, required: bool = True) -> np.ndarray | None:
+            if not gf.has(name):
+                if required:
+                    raise ModelFileError(f"{gf.path}: tensor {name} is missing; the file is incomplete")
+                return None
+            qtypes[gf.tensor_type(name)] = qtypes.get(gf.tensor_type(name), 0) + 1
+            return gf.tensor(name)
+
+        def vec(name: str, required: bool = True):
+            a = tensor(name, required)
+            return None if a is None else backend.asarray(a.reshape(-1))
+
+        def lin(name: str):
+            nonlocal nbytes
+            w = backend.linear_weight(tensor(name), gf.tensor_type(name))
+            nbytes += backend.nbytes(w)
+            return w
+
+        embd = tensor("token_embd.weight")
+        _check_shape("token_embd.weight", embd, (args.vocab_size, args.n_embd), gf)
+        out_w = tensor("output.weight", required=False)
+        layers = []
+        for i in range(args.n_layer):
+            p = f"blk.{i}."
+            layers.append(Layer(
+                attn_norm=vec(p + "attn_norm.weight"),
+                attn_q=lin(p + "attn_q.weight"),
+                attn_k=lin(p + "attn_k.weight"),
+                attn_v=lin(p + "attn_v.weight"),
+                attn_output=lin(p + "attn_output.weight"),
+                ffn_norm=vec(p + "ffn_norm.weight"),
+                ffn_gate=lin(p + "ffn_gate.weight"),
+                ffn_up=lin(p + "ffn_up.weight"),
+                ffn_down=lin(p + "ffn_down.weight"),
+                attn_q_bias=vec(p + "attn_q.bias", required=False),
+                attn_k_bias=vec(p + "attn_k.bias", required=False),
+                attn_v_bias=vec(p + "attn_v.bias", required=False),
+            ))
+        output = backend.linear_weight(out_w if out_w is not None else embd)
+        nbytes += backend.nbytes(output) + embd.nbytes
+        freq_factors = tensor("rope_freqs.weight", required=False)
+        backend.set_rope(args.rope_dim, args.rope_base, max_positions or args.context_length,
+                         freq_factors)
+        return cls(args, backend, backend.asarray(embd), vec("output_norm.weight"), output, layers,
+                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, qtypes=qtypes)
+
+    def forward(self, kv: Any, batch: Batch) -> np.ndarray:
+        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
+        a, be = self.args, self.backend
+        tokens = be.asarray(batch.tokens)
+        slots = be.asarray(batch.slots)
+        positions = be.asarray(batch.positions)
+        R = len(batch.tokens)
+        scale = 1.0 / float(np.sqrt(a.head_dim))
+        x = be.embed(self.token_embd, tokens)  # (R, D)
+        for i, L in enumerate(self.layers):
+            h = be.rms_norm(x, L.attn_norm, a.rms_eps)
+            q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
+            k = _biased(be.linear(h, L.attn_k), L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
+            v = _biased(be.linear(h, L.attn_v), L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
+            q = be.rope(q, positions, a.rope_style)
+            k = be.rope(k, positions, a.rope_style)
+            o = be.attend(kv, i, q, k, v, slots, positions, scale)  # (R, n_head, hd)
+            x = x + be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
+            h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
+            x = x + be.linear(be.silu_mul(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down)
+        rows = be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))
+        h = be.rms_norm(x[rows], self.output_norm, a.rms_eps)
+        return be.to_numpy(be.linear(h, self.output))
+
+
+def _biased(y, bias):
+    return y if bias is None else y + bias
+
+
+def _check_shape(name: str, a: np.ndarray, want: tuple[int, ...], gf: GGUFFile) -> None:
+    if tuple(a.shape) != want:
+        raise ModelFileError(f"{gf.path}: tensor {name} has shape {a.shape}, metadata says {want}")
