@@ -34,9 +34,14 @@ class Backend(ABC):
     def to_numpy(self, a: Array) -> np.ndarray:
         """Copy a device array to the host."""
 
+    #: True when `linear_weight` wants the GGUF blocks too (`raw=(blocks, qtype)`), so
+    #: quantized weights can stay quantized on the device.
+    wants_raw: bool = False
+
     @abstractmethod
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32") -> Any:
-        """Prepare a float32 [N, K] weight for `linear` (layout, dtype, device)."""
+    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> Any:
+        """Prepare a float32 [N, K] weight for `linear` (layout, dtype, device). `raw` is
+        `GGUFFile.raw(name)` when the backend sets `wants_raw`, else None."""
 
     def nbytes(self, w: Any) -> int:
         """Resident bytes of a prepared weight."""

@@ -113,7 +113,8 @@ class Engine:
         be = lm.model.backend
         self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
         self.pool = SlotPool(n_slots)
-        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
+        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk,
+                                   copy_prefix=lambda src, dst, n: be.copy_slot(self.kv, src, dst, n))
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_slots
         self.invariance_problem = check_model_invariance(lm.model, self.kv) if cfg.verify_invariance else None

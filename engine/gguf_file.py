@@ -78,6 +78,12 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: tensor {name} is unreadable ({_one_line(e)})") from None
         return np.ascontiguousarray(data, dtype=np.float32)
 
+    def raw(self, name: str) -> tuple[np.ndarray, str]:
+        """The tensor as stored, not dequantized: quantized types as uint8 blocks
+        [rows, bytes per row] (GGML block layout), plus the type name."""
+        t = self._tensors[name]
+        return np.asarray(t.data), t.tensor_type.name
+
 
 def _field_value(field: Any) -> Any:
     value = field.contents()

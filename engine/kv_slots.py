@@ -20,6 +20,16 @@ class Slot:
     last_used: float = 0.0
 
 
+@dataclass(frozen=True)
+class Grant:
+    """A slot given to a request: the first `reuse` prompt tokens are cached in it once
+    the KV of that many positions is copied from slot `copy_from` (when not None)."""
+
+    slot: Slot
+    reuse: int
+    copy_from: int | None
+
+
 class SlotPool:
     """Bookkeeping for `n` KV slots; the arrays live in the backend's KV store."""
 
@@ -37,31 +47,44 @@ class SlotPool:
     def resident(self) -> int:
         return sum(1 for s in self.slots if s.tokens or s.busy)
 
-    def acquire(self, conversation: str, prompt: list[int]) -> tuple[Slot, int] | None:
-        """Take the idle slot sharing the longest prefix with `prompt` (the conversation's
-        own slot wins ties), else an empty one, else evict the LRU idle one.
+    def acquire(self, conversation: str, prompt: list[int]) -> Grant | None:
+        """Choose a slot for `prompt`, or None when every slot is busy.
 
-        Returns (slot, reusable prefix length) or None when every slot is busy. At least
-        one prompt token is always left to compute, so the step yields its logits."""
+        1. An idle slot whose whole content starts the prompt: continue in it (longest wins,
+           the conversation's own slot breaks ties); nothing cached is lost.
+        2. Otherwise an empty slot, else the least recently used idle one (an eviction);
+           the longest prefix shared with any slot is copied into it rather than taken
+           from a slot that still holds another conversation's history.
+        At least one prompt token is always left to compute, so the step yields logits."""
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
-        best, best_len = None, 0
-        for s in idle:
+        limit = len(prompt) - 1
+        whole = [s for s in idle if s.tokens and _common_prefix(s.tokens, prompt) == len(s.tokens)]
+        if whole:
+            slot = max(whole, key=lambda s: (len(s.tokens), s.conversation == conversation))
+            return self._grant(slot, conversation, min(len(slot.tokens), limit), None)
+        empty = [s for s in idle if not s.tokens]
+        if empty:
+            slot = empty[0]
+        else:
+            slot = min(idle, key=lambda s: s.last_used)
+            self.evictions += 1
+        source, shared = None, 0
+        for s in self.slots:
             n = _common_prefix(s.tokens, prompt)
-            if n > best_len or (n == best_len and n > 0 and s.conversation == conversation):
-                best, best_len = s, n
-        if best is None:
-            empty = [s for s in idle if not s.tokens]
-            if empty:
-                best = empty[0]
-            else:
-                best = min(idle, key=lambda s: s.last_used)
-                self.evictions += 1
-        reuse = min(best_len, len(prompt) - 1)
-        del best.tokens[reuse:]
-        best.busy, best.conversation, best.last_used = True, conversation, time.monotonic()
-        return best, reuse
+            if n > shared:
+                source, shared = s, n
+        shared = min(shared, limit)
+        if source is slot or shared == 0:
+            return self._grant(slot, conversation, shared if source is slot else 0, None)
+        slot.tokens = list(prompt[:shared])
+        return self._grant(slot, conversation, shared, source.index)
+
+    def _grant(self, slot: Slot, conversation: str, reuse: int, copy_from: int | None) -> Grant:
+        del slot.tokens[reuse:]
+        slot.busy, slot.conversation, slot.last_used = True, conversation, time.monotonic()
+        return Grant(slot, reuse, copy_from)
 
     def release(self, slot: Slot, tokens: list[int] | None) -> None:
         """Return a slot; `tokens` are those now cached in it (None drops its contents)."""

@@ -10,6 +10,7 @@ from ..backends.base import Backend
 from .chat_template import ChatTemplate
 from .gguf_file import GGUFFile, ModelFileError
 from .model import Model
+from .model_args import ModelArgs
 from .tokenizer import Tokenizer
 
 
@@ -35,6 +36,7 @@ class LoadedModel:
 def load_model(path: str | Path, backend: str | Backend = "auto", max_positions: int | None = None) -> LoadedModel:
     """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
     gf = GGUFFile.open(path)
+    ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
     be = get_backend(backend) if isinstance(backend, str) else backend
     try:
         tokenizer = Tokenizer.from_metadata(gf.metadata)

@@ -8,6 +8,9 @@ import threading
 import time
 from collections import deque
 
+#: Upper bounds (seconds) of the cumulative time-to-first-token histogram (Prometheus `le`).
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 
 class EngineMetrics:
     """Counters and recent history; every mutation happens on the engine thread."""
@@ -26,6 +29,8 @@ class EngineMetrics:
         self.generated_tokens = 0
         self.reused_tokens = 0
         self.ttft_s: deque[float] = deque(maxlen=1024)  # recent TTFTs, for histograms
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # per bucket (last: over the top), cumulative
+        self.ttft_sum = 0.0
         self._recent: deque[tuple[float, int, int]] = deque()  # (t, sequences, tokens) per step
         self.window_s = window_s
         self.streams: list[dict] = []
@@ -57,6 +62,9 @@ class EngineMetrics:
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
             if ttft is not None:
                 self.ttft_s.append(ttft)
+                self.ttft_sum += ttft
+                self.ttft_counts[next((i for i, b in enumerate(TTFT_BUCKETS) if ttft <= b),
+                                      len(TTFT_BUCKETS))] += 1
 
     def record_admit(self, prompt_tokens: int, reused: int) -> None:
         with self._lock:
@@ -93,4 +101,6 @@ class EngineMetrics:
                 "generated_tokens": self.generated_tokens,
                 "reused_tokens": self.reused_tokens,
                 "ttft_recent_s": list(self.ttft_s)[-64:],
+                "ttft_hist": {"le": list(TTFT_BUCKETS), "counts": list(self.ttft_counts),
+                              "sum": self.ttft_sum},
             }

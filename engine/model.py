@@ -82,9 +82,11 @@ class Model:
             a = tensor(name, required)
             return None if a is None else backend.asarray(a.reshape(-1))
 
-        def lin(name: str):
+        def lin(name: str, w: np.ndarray | None = None):
             nonlocal nbytes
-            w = backend.linear_weight(tensor(name), gf.tensor_type(name))
+            w = tensor(name) if w is None else w
+            kw = {"raw": gf.raw(name)} if backend.wants_raw else {}
+            w = backend.linear_weight(w, gf.tensor_type(name), **kw)
             nbytes += backend.nbytes(w)
             return w
 
@@ -108,8 +110,8 @@ class Model:
                 attn_k_bias=vec(p + "attn_k.bias", required=False),
                 attn_v_bias=vec(p + "attn_v.bias", required=False),
             ))
-        output = backend.linear_weight(out_w if out_w is not None else embd)
-        nbytes += backend.nbytes(output) + embd.nbytes
+        output = lin("output.weight", out_w) if out_w is not None else lin("token_embd.weight", embd)
+        nbytes += embd.nbytes
         freq_factors = tensor("rope_freqs.weight", required=False)
         backend.set_rope(args.rope_dim, args.rope_base, max_positions or args.context_length,
                          freq_factors)

@@ -35,6 +35,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if not (0.0 <= self.min_p < 1.0):
             raise ValueError("min_p must be in [0, 1)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise ValueError("seed must be a non-negative integer")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 

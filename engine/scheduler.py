@@ -35,10 +35,11 @@ class Scheduler:
     """Owns the waiting queue, the running set and the KV slot bookkeeping."""
 
     def __init__(self, pool: SlotPool, max_concurrent: int = 4, max_queue: int = 8,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, copy_prefix=lambda src, dst, n: None):
         if max_concurrent < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max-concurrent and prefill-chunk must be >= 1, max-queue >= 0")
         self.pool = pool
+        self.copy_prefix = copy_prefix  # (src slot, dst slot, n tokens): copies cached KV
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -75,12 +76,13 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_concurrent:
             req = self.waiting[0]
-            got = self.pool.acquire(req.conversation, req.prompt_ids)
-            if got is None:
+            grant = self.pool.acquire(req.conversation, req.prompt_ids)
+            if grant is None:
                 return  # every slot busy: wait for a running request to finish
-            slot, reuse = got
+            if grant.copy_from is not None:
+                self.copy_prefix(grant.copy_from, grant.slot.index, grant.reuse)
             self.waiting.popleft()
-            req.slot, req.reused, req.computed = slot.index, reuse, reuse
+            req.slot, req.reused, req.computed = grant.slot.index, grant.reuse, grant.reuse
             req.state = RequestState.PREFILLING
             self.running.append(req)
 

@@ -24,14 +24,16 @@ def _byte_vocab() -> list[str]:
 
 def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64,
                     n_head: int = 4, n_kv: int = 2, n_ff: int = 96, qtype: str = "F32",
-                    tied: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
+                    tied: bool = True, seed: int = 0,
+                    zero_raw: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Write a random model; return its float32 weights as the file stores them
-    (after quantization round-trip), keyed by GGUF tensor name."""
+    (after quantization round-trip), keyed by GGUF tensor name. `zero_raw` maps tensor
+    names to a GGML type whose zero blocks are stored instead (for unsupported types)."""
     import gguf
     from gguf import quants
 
     rng = np.random.default_rng(seed)
-    vocab = _byte_vocab() + ["<|im_start|>", "<|im_end|>"]
+    vocab = _byte_vocab() + ["he", "<|im_start|>", "<|im_end|>"]
     n_vocab = len(vocab)
     hd = n_embd // n_head
     w = gguf.GGUFWriter(str(path), arch)
@@ -47,8 +49,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(vocab)
-    w.add_token_types([1] * 256 + [3, 3])
-    w.add_token_merges([])
+    w.add_token_types([1] * 257 + [3, 3])
+    w.add_token_merges(["h e"])
     w.add_bos_token_id(n_vocab - 2)
     w.add_eos_token_id(n_vocab - 1)
     w.add_add_bos_token(False)
@@ -59,6 +61,12 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
 
     def add(name: str, a: np.ndarray, quantize: bool = True) -> None:
         a = a.astype(np.float32)
+        if zero_raw and name in zero_raw:
+            raw_type = getattr(gguf.GGMLQuantizationType, zero_raw[name])
+            block, size = gguf.GGML_QUANT_SIZES[raw_type]
+            raw = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=raw_type)
+            return
         if quantize and qtype != "F32" and a.ndim == 2:
             q = quants.quantize(a, qt)
             w.add_tensor(name, q, raw_dtype=qt)

@@ -1,0 +1,15 @@
+"""`panechat bench ...`: measured speed, never asserted in tests."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.bench_command == "sweep":
+        from .sweep import run_sweep
+
+        return run_sweep(args)
+    from .chat import run_chat
+
+    return run_chat(args)

@@ -1,0 +1,90 @@
+"""The promise: a sequence's logits are bit-identical alone or inside any batch.
+
+vLLM's batch-invariance suite style: each sequence alone, then all of them together at
+rotating row positions beside extra sequences, logits compared with exact equality;
+and the inverse test: with a non-invariant kernel (OpenBLAS GEMM) a difference shows."""
+
+import numpy as np
+import pytest
+
+from panechat.backends.numpy_backend import NumpyBackend
+from panechat.engine.invariance import check_model_invariance
+from panechat.engine.model import Batch, Model
+
+PROMPTS = [[1, 9690, 198, 2683, 359, 253], [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198],
+           [504, 2365, 6354], [28120, 198, 6693, 1116, 216, 2899, 5600, 4861, 4966]]
+EXTRA = [[57, 5248, 2090], [19556, 905, 30, 338, 314, 260, 12619]]
+
+
+class GemmBackend(NumpyBackend):
+    """Deliberately not invariant: one OpenBLAS sgemm over all rows."""
+
+    def linear(self, x, w):
+        return np.ascontiguousarray(x) @ w.T
+
+
+def _run(model, kv, seqs, steps, order_seed):
+    """Prefill every seq (slot i) in one batch, then `steps` greedy decode steps, all
+    sequences in one batch per step in a shuffled row order. Returns logits[seq][step]."""
+    rng = np.random.default_rng(order_seed)
+    n = len(seqs)
+    toks = [list(s) for s in seqs]
+    out = [[] for _ in range(n)]
+    done = [0] * n
+    for step in range(steps + 1):
+        order = rng.permutation(n)
+        tokens, slots, positions, last = [], [], [], []
+        for i in order:
+            new = toks[i][done[i]:]
+            tokens += new
+            slots += [i] * len(new)
+            positions += list(range(done[i], done[i] + len(new)))
+            last.append(len(tokens) - 1)
+            done[i] = len(toks[i])
+        logits = model.forward(kv, Batch(np.array(tokens, np.int32), np.array(slots, np.int32),
+                                         np.array(positions, np.int32), np.array(last)))
+        for row, i in enumerate(order):
+            out[i].append(logits[row].copy())
+            toks[i].append(int(np.argmax(logits[row])))
+    return out
+
+
+def _kv(model, n):
+    a = model.args
+    return model.backend.new_kv(n, a.n_layer, a.n_kv_head, 128, a.head_dim)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    from panechat.engine.gguf_file import GGUFFile
+
+    return Model.load(GGUFFile.open(model_path), NumpyBackend(), max_positions=128)
+
+
+def test_logits_bit_identical_alone_vs_batched(model):
+    """4 sequences x 12 decode steps: alone vs together (+ 0..2 extra sequences), rows in
+    random order every step: every logit of every step is bit-identical."""
+    steps = 12
+    alone = [_run(model, _kv(model, 1), [p], steps, 0)[0] for p in PROMPTS]
+    for extra, seed in ((0, 1), (2, 2)):
+        together = _run(model, _kv(model, 6), PROMPTS + EXTRA[:extra], steps, seed)
+        for i in range(len(PROMPTS)):
+            for s in range(steps + 1):
+                assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s} with {extra} extra"
+
+
+def test_inverse_gemm_kernel_breaks_invariance(model):
+    """With OpenBLAS GEMM for the matmuls, the same comparison finds differences, and the
+    start-up self-check notices: proof that the tests above can fail."""
+    gemm = Model(model.args, GemmBackend(kernels="gemv"), model.token_embd, model.output_norm,
+                 model.output, model.layers)
+    gemm.backend._rope_cos, gemm.backend._rope_sin = model.backend._rope_cos, model.backend._rope_sin
+    alone = [_run(gemm, _kv(gemm, 1), [p], 4, 0)[0] for p in PROMPTS]
+    together = _run(gemm, _kv(gemm, 6), PROMPTS + EXTRA, 4, 3)
+    differs = any(not np.array_equal(alone[i][s], together[i][s]) for i in range(4) for s in range(5))
+    assert differs
+    assert check_model_invariance(gemm, _kv(gemm, 3)) is not None
+
+
+def test_startup_self_check_passes(model):
+    assert check_model_invariance(model, _kv(model, 3)) is None
