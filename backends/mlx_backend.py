@@ -1,0 +1,371 @@
+"""The MLX backend: Apple silicon GPU (Metal), or the CPU where MLX runs without Metal.
+
+Weights: GGUF Q4_0, Q4_1 and Q8_0 tensors stay quantized. Each is exactly an MLX affine
+quantization with group size 32 (w = scale * q + bias, q unsigned):
+  Q4_1  w = d*q + m        -> bits 4, scale d, bias m
+  Q4_0  w = d*(q - 8)      -> bits 4, scale d, bias -8d
+  Q8_0  w = d*q, q int8    -> bits 8, q + 128, scale d, bias -128d
+built from the raw GGUF blocks (`GGUFFile.raw`), with float32 scales and biases (every
+f16 d and m, and -8d, -128d, is exact in float32), so the weights MLX multiplies are
+bit for bit the dequantized GGUF weights. Other tensor types are dequantized: float32 on
+the CPU device (exact; MLX's CPU float16 matmul is no faster there), float16 on the GPU
+(activations are cast to float16 for those matmuls), F32 tensors stay float32.
+
+Kernel policy. MLX picks kernels by row count: on Metal a quantized matmul of M rows
+uses the qmv vector kernel below a device-dependent limit (6..32 rows) and the tiled qmm
+kernel above it, a float matmul gemv for M = 1 and gemm otherwise, and the kernels round
+differently. Policies (`policy=` or PANECHAT_MLX_POLICY):
+- "rowwise" (default): every `linear` is R independent matrix-vector products. x is
+  viewed as [R, 1, K] and the weight gets a batch axis [1, N, K], so M = 1 for every row
+  whatever R is (float weights: x also as a transposed view, so Metal cannot fold the
+  batch back into M). Same kernel, same shapes, for a row alone or among 100.
+- "tile": on the GPU (on the CPU it is "rowwise"), rows are padded with zero rows to a multiple of TILE (32 >= every
+  qmv limit), so every call takes the tiled qmm/gemm kernels, which read the weights once
+  per 32 rows (batching pays off) but whose invariance rests on the tiled kernels
+  rounding a row the same at every tile position: the self-check must confirm it.
+- "plain": 2-D calls as MLX chooses (expected to fail the self-check on Metal).
+On the CPU device, quantized matmuls are plain 2-D calls under every policy: MLX's CPU
+kernel computes the rows one after another with the same code (a batch axis there would
+copy the weight once per row); float matmuls follow the policy.
+Attention: a row attends over a key length that depends only on its own position
+(position + 1 rounded up to ATTN_BLOCK, masked past the position); rows of different
+lengths run as separate groups, so neither the other rows' positions nor their count
+change a row's reductions. `self_check()` verifies all of it on the running device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import mlx.core as mx
+
+from .base import Array, Backend
+
+GROUP = 32  # GGUF block size == MLX affine group size
+TILE = 32  # "tile" policy: rows padded to a multiple of this
+POLICIES = ("rowwise", "tile", "plain")
+ATTN_BLOCK = 128  # attention key lengths are rounded up to a multiple of this
+
+# (bytes per block, bits) of the GGUF types kept quantized
+_AFFINE = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+
+
+@dataclass
+class MLXWeight:
+    """A prepared [N, K] weight: affine-quantized (q, scales, biases, bits) or float (w)."""
+
+    n: int
+    k: int
+    w: Any  # affine: uint32 [N, K*bits/32]; float: [N, K]
+    scales: Any = None  # [N, K/32] float32
+    biases: Any = None
+    bits: int = 0  # 0 = float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.w, self.scales, self.biases) if a is not None)
+
+
+class MLXKV:
+    """K and V per layer, each [slots, n_kv, ctx, head_dim] float32 MLX arrays (updated
+    by scatter; MLX reuses the buffer, so a write costs only the written rows)."""
+
+    def __init__(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int):
+        shape = (n_slots, n_kv, ctx, head_dim)
+        self.k = [mx.zeros(shape, dtype=mx.float32) for _ in range(n_layer)]
+        self.v = [mx.zeros(shape, dtype=mx.float32) for _ in range(n_layer)]
+        mx.eval(self.k, self.v)
+        self.ctx = ctx
+        self.bytes_per_slot = 2 * n_layer * n_kv * ctx * head_dim * 4
+
+
+def affine_from_gguf(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """GGUF Q4_0/Q4_1/Q8_0 blocks [n, k/32 * block bytes] -> MLX affine (w_q uint32
+    [n, k*bits/32], scales float32 [n, k/32], biases float32 [n, k/32], bits)."""
+    nbytes, bits = _AFFINE[qtype]
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // GROUP, nbytes)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q8_0":
+        q = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128  # 0..255
+        packed = q.astype(np.uint8).reshape(n, k)
+        return packed.view(np.uint32), d, np.float32(-128.0) * d, bits
+    if qtype == "Q4_1":
+        bias = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:20]
+    else:  # Q4_0
+        bias = np.float32(-8.0) * d
+        qs = b[..., 2:18]
+    # GGML: byte j holds element j (low nibble) and element j+16 (high nibble);
+    # MLX: element i sits at bits 4*(i%8) of uint32 word i//8 (little endian).
+    vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, groups, 32] in order
+    packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8).reshape(n, k // 2)
+    return packed.view(np.uint32), d, bias, bits
+
+
+class MLXBackend(Backend):
+    """MLX arrays on the default MLX device; quantized GGUF weights stay quantized."""
+
+    name = "mlx"
+    wants_raw = True
+
+    def __init__(self, device: str | None = None, policy: str | None = None,
+                 float_dtype: str | None = None):
+        if device is not None:
+            mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+        policy = policy or os.environ.get("PANECHAT_MLX_POLICY") or "rowwise"
+        if policy not in POLICIES:
+            raise ValueError(f"unknown MLX kernel policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.on_gpu = mx.default_device() == mx.gpu
+        if float_dtype is None:
+            float_dtype = "float16" if self.on_gpu else "float32"
+        self.float_dtype = getattr(mx, float_dtype)
+        self._plan: Any = None
+        self._dirty: list[MLXKV] = []
+
+    def describe(self) -> str:
+        dev = "cpu"
+        if self.on_gpu:
+            dev = "gpu (Metal)" if _available("metal") else "gpu (CUDA)" if _available("cuda") else "gpu"
+        policy = {"rowwise": "row-wise kernels (one matrix-vector product per row)",
+                  "tile": f"tiled kernels (rows padded to {TILE})",
+                  "plain": "plain batched kernels (not batch-invariant on Metal)"}[self.policy]
+        return (f"mlx {mx.__version__} on {dev}, Q4_0/Q4_1/Q8_0 kept quantized, {policy}, "
+                f"attention in {ATTN_BLOCK}-position buckets")
+
+    # -- moving data -----------------------------------------------------------------
+    def asarray(self, a: np.ndarray) -> Array:
+        return mx.array(np.ascontiguousarray(a))
+
+    def to_numpy(self, a: Array) -> np.ndarray:
+        pending = [x for kv in self._dirty for x in (*kv.k, *kv.v)]
+        self._dirty = []
+        mx.eval(a, *pending)
+        return np.array(a, copy=True)
+
+    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> MLXWeight:
+        n, k = w.shape
+        if raw is not None and qtype in _AFFINE and k % GROUP == 0:
+            blocks, raw_type = raw
+            if raw_type == qtype:
+                wq, scales, biases, bits = affine_from_gguf(blocks, qtype, n, k)
+                out = MLXWeight(n, k, mx.array(wq), mx.array(scales), mx.array(biases), bits)
+                mx.eval(out.w, out.scales, out.biases)
+                return out
+        dtype = mx.float32 if qtype == "F32" else self.float_dtype
+        out = MLXWeight(n, k, mx.array(np.ascontiguousarray(w, dtype=np.float32)).astype(dtype))
+        mx.eval(out.w)
+        return out
+
+    def nbytes(self, w: Any) -> int:
+        return int(w.nbytes)
+
+    # -- the forward pass's operations -------------------------------------------------
+    def embed(self, table: Array, ids: Array) -> Array:
+        return mx.take(table, ids, axis=0)
+
+    def linear(self, x: Array, w: MLXWeight) -> Array:
+        R = x.shape[0]
+        if self.policy == "plain" or (w.bits and not self.on_gpu):
+            return self._linear2d(x, w)
+        if self.policy == "tile" and self.on_gpu:
+            pad = -R % TILE
+            if pad:
+                x = mx.concatenate([x, mx.zeros((pad, x.shape[1]), dtype=x.dtype)], axis=0)
+            y = self._linear2d(x, w)
+            return y[:R] if pad else y
+        if w.bits:
+            # w with a batch axis: Metal keeps M = 1 (qmv for every row) instead of
+            # folding the R rows into one qmm.
+            y = mx.quantized_matmul(x[:, None, :], w.w[None], w.scales[None], w.biases[None],
+                                    transpose=True, group_size=GROUP, bits=w.bits)
+            return y.reshape(R, w.n)
+        # x as a transposed [R, 1, K] view: a batch MLX cannot collapse into M rows.
+        xv = x.astype(w.w.dtype)[:, :, None].swapaxes(1, 2)
+        return _float_out(mx.matmul(xv, w.w[None].swapaxes(1, 2))).reshape(R, w.n)
+
+    @staticmethod
+    def _linear2d(x: Array, w: MLXWeight) -> Array:
+        if w.bits:
+            return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True,
+                                       group_size=GROUP, bits=w.bits)
+        return _float_out(x.astype(w.w.dtype) @ w.w.T)
+
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def rope(self, x: Array, positions: Array, style: str) -> Array:
+        cos = self._rope_cos[positions][:, None, :]  # (R, 1, rope_dim/2)
+        sin = self._rope_sin[positions][:, None, :]
+        half = cos.shape[-1]
+        rest = x[..., 2 * half:]
+        if style == "neox":
+            a, b = x[..., :half], x[..., half:2 * half]
+            parts = [a * cos - b * sin, b * cos + a * sin]
+        else:
+            a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+            rot = mx.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
+            parts = [rot.reshape(*x.shape[:-1], 2 * half)]
+        if rest.shape[-1]:
+            parts.append(rest)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        return gate * mx.sigmoid(gate) * up
+
+    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> MLXKV:
+        return MLXKV(n_slots, n_layer, n_kv, ctx, head_dim)
+
+    def attend(self, kv: MLXKV, layer, q, k, v, slots, positions, scale):
+        R, n_head, hd = q.shape
+        n_kv = k.shape[1]
+        rep = n_head // n_kv
+        heads = mx.arange(n_kv)[None, :]
+        kv.k[layer][slots[:, None], heads, positions[:, None]] = k
+        kv.v[layer][slots[:, None], heads, positions[:, None]] = v
+        if not self._dirty or self._dirty[-1] is not kv:
+            self._dirty.append(kv)
+        kc, vc = kv.k[layer], kv.v[layer]
+        groups = self._groups(slots, positions, kv.ctx)
+        outs = []
+        for length, rows, rows_np, slots_g, pos_g in groups:
+            qg = q if rows is None else q[rows]
+            keys = kc[:, :, :length][slots_g]  # (Rg, n_kv, L, hd)
+            vals = vc[:, :, :length][slots_g]
+            qg = qg.reshape(-1, n_kv, rep, 1, hd)
+            s = mx.matmul(qg, keys[:, :, None].swapaxes(-1, -2)) * scale  # (Rg, n_kv, rep, 1, L)
+            mask = mx.arange(length)[None, :] <= pos_g[:, None]  # (Rg, L)
+            s = mx.where(mask[:, None, None, None, :], s, -mx.inf)
+            p = mx.softmax(s, axis=-1)
+            o = mx.matmul(p, vals[:, :, None])  # (Rg, n_kv, rep, 1, hd)
+            outs.append(o.reshape(-1, n_head, hd))
+        if len(groups) == 1:
+            return outs[0]
+        order = np.concatenate([g[2] for g in groups])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return mx.concatenate(outs, axis=0)[mx.array(inverse.astype(np.int32))]
+
+    def _groups(self, slots: Array, positions: Array, ctx: int):
+        """Rows grouped by attention length (position + 1 rounded up to ATTN_BLOCK, at
+        most ctx); cached per forward pass (same positions array for every layer)."""
+        plan = self._plan
+        if plan is not None and plan[0] is positions and plan[1] is slots and plan[2] == ctx:
+            return plan[3]
+        pos = np.array(positions, dtype=np.int64)
+        lengths = np.minimum((pos // ATTN_BLOCK + 1) * ATTN_BLOCK, ctx)
+        uniq = np.unique(lengths)
+        groups = []
+        if len(uniq) == 1:
+            groups.append((int(uniq[0]), None, np.arange(len(pos)), slots, positions))
+        else:
+            for length in uniq:
+                rows_np = np.nonzero(lengths == length)[0]
+                rows = mx.array(rows_np.astype(np.int32))
+                groups.append((int(length), rows, rows_np, slots[rows], positions[rows]))
+        self._plan = (positions, slots, ctx, groups)  # holds the arrays: `is` stays valid
+        return groups
+
+    def copy_slot(self, kv: MLXKV, src: int, dst: int, n_tokens: int) -> None:
+        for layer in range(len(kv.k)):
+            kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
+            kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
+        mx.eval(kv.k, kv.v)
+
+    # -- verification ------------------------------------------------------------------
+    def self_check(self) -> str | None:
+        """Rows alone vs in batches of several sizes and positions, bit for bit, for
+        each weight kind and for attention; None when all agree, else the first problem."""
+        try:
+            return _self_check(self)
+        except Exception as e:  # a failing kernel is a failed check, not a crash
+            return f"MLX self-check raised {type(e).__name__}: {e}"
+
+
+def _available(module: str) -> bool:
+    try:
+        return bool(getattr(mx, module).is_available())
+    except Exception:
+        return False
+
+
+def _float_out(y: Array) -> Array:
+    return y if y.dtype == mx.float32 else y.astype(mx.float32)
+
+
+def _self_check(be: MLXBackend) -> str | None:
+    rng = np.random.default_rng(1234)
+    sizes = (1, 2, 3, 5, 8, 13, 17, 33, 40)  # crosses Metal's qmv/qmm and gemv/gemm limits
+    for qtype, k, n in (("Q4_1", 576, 96), ("Q4_0", 128, 64), ("Q8_0", 512, 72), ("F32", 64, 48),
+                        ("F16", 256, 40)):
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        raw = None
+        if qtype in _AFFINE:
+            from gguf import GGMLQuantizationType, quants
+
+            t = getattr(GGMLQuantizationType, qtype)
+            blocks = quants.quantize(w, t)
+            w, raw = quants.dequantize(blocks, t).astype(np.float32), (blocks, qtype)
+        wt = be.linear_weight(w, qtype, raw=raw)
+        x = rng.standard_normal((max(sizes), k)).astype(np.float32)
+        alone = [np.array(be.linear(be.asarray(x[i:i + 1]), wt)) for i in range(len(x))]
+        for size in sizes[1:]:
+            for start in {0, len(x) - size, (len(x) - size) // 2}:
+                got = np.array(be.linear(be.asarray(x[start:start + size]), wt))
+                for j in range(size):
+                    if not np.array_equal(got[j], alone[start + j][0]):
+                        return (f"mlx linear ({qtype} {n}x{k}) row differs alone vs at row {j} "
+                                f"of {size}")
+    for size in sizes[1:]:
+        x = rng.standard_normal((size, 576)).astype(np.float32)
+        g = be.asarray(rng.standard_normal(576).astype(np.float32))
+        full = np.array(be.rms_norm(be.asarray(x), g, 1e-5))
+        for j in (0, size - 1):
+            if not np.array_equal(full[j], np.array(be.rms_norm(be.asarray(x[j:j + 1]), g, 1e-5))[0]):
+                return f"mlx rms_norm row differs alone vs at row {j} of {size}"
+    return _check_attention(be, rng)
+
+
+def _check_attention(be: MLXBackend, rng) -> str | None:
+    n_head, n_kv, hd, ctx = 6, 2, 64, 3 * ATTN_BLOCK + 40
+    kv = be.new_kv(4, 1, n_kv, ctx, hd)
+    # fill every slot's cache (positions 0..ctx-1) with random keys and values
+    for slot in range(4):
+        pos = np.arange(ctx, dtype=np.int32)
+        kk = rng.standard_normal((ctx, n_kv, hd)).astype(np.float32)
+        vv = rng.standard_normal((ctx, n_kv, hd)).astype(np.float32)
+        be.attend(kv, 0, be.asarray(np.zeros((ctx, n_head, hd), np.float32)), be.asarray(kk),
+                  be.asarray(vv), be.asarray(np.full(ctx, slot, np.int32)), be.asarray(pos), 0.125)
+    be.to_numpy(mx.zeros(1))
+
+    def run(rows):  # rows: (slot, position, q, k, v)
+        slots = np.array([r[0] for r in rows], np.int32)
+        pos = np.array([r[1] for r in rows], np.int32)
+        q = np.stack([r[2] for r in rows])
+        kk = np.stack([r[3] for r in rows])
+        vv = np.stack([r[4] for r in rows])
+        return be.to_numpy(be.attend(kv, 0, be.asarray(q), be.asarray(kk), be.asarray(vv),
+                                     be.asarray(slots), be.asarray(pos), 0.125))
+
+    def row(slot, position):
+        return (slot, position, rng.standard_normal((n_head, hd)).astype(np.float32),
+                rng.standard_normal((n_kv, hd)).astype(np.float32),
+                rng.standard_normal((n_kv, hd)).astype(np.float32))
+
+    probe = [row(0, 5), row(1, ATTN_BLOCK + 3), row(2, ctx - 1)]
+    alone = [run([r])[0] for r in probe]
+    others = [row(3, p) for p in (0, 7, ATTN_BLOCK - 1, ATTN_BLOCK, 2 * ATTN_BLOCK + 9, ctx - 2)]
+    batches = [probe, probe[::-1], others[:2] + probe + others[2:], others[3:] + [probe[1]] + others[:3],
+               [probe[2]] + others * 3 + [probe[0]]]
+    for batch in batches:
+        got = run(batch)
+        for i, r in enumerate(batch):
+            for p, a in zip(probe, alone):
+                if r is p and not np.array_equal(got[i], a):
+                    return (f"mlx attention at position {p[1]} differs alone vs at row {i} "
+                            f"of {len(batch)}")
+    return None
