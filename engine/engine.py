@@ -156,25 +156,27 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        """Cancel everything and join the compute thread."""
-        with self._lock:
-            for r in list(self._by_id.values()):
-                r.cancelled = True
+        """Cancel everything (each generation gets its FinishEvent) and join the thread.
+        Later submits are refused."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        with self._lock:
+            for r in list(self._by_id.values()):
+                self._finish(r, "cancelled")
 
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:
         """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull."""
+        if self._stop:
+            raise RuntimeError("the engine is stopped")
         params = params or SamplingParams()
         params.validate()
         if prompt_ids is None:
-            if not messages:
-                raise ValueError("empty prompt: give at least one message")
+            _validate_messages(messages)
             prompt_ids = self.lm.prompt_ids(messages)
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -200,6 +202,7 @@ class Engine:
         return gen
 
     def cancel(self, request_id: str) -> None:
+        """Ask for a request to end; its FinishEvent (reason 'cancelled') follows."""
         req = self._by_id.get(request_id)
         if req is not None:
             req.cancelled = True
@@ -332,3 +335,17 @@ class Engine:
             })
         self.metrics.set_state(streams, len(self.scheduler.waiting), self.pool.in_use,
                                self.pool.resident, len(self.pool.slots), self.pool.evictions)
+
+
+def _validate_messages(messages) -> None:
+    """Raise ValueError (one line) unless messages is a non-empty list of {role, content}
+    strings that are valid Unicode (a lone surrogate cannot be tokenized)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("empty prompt: give at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i} must be an object with string 'role' and 'content'")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"message {i} content is not valid Unicode (lone surrogate)") from None

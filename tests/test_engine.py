@@ -182,3 +182,18 @@ def _wait_idle(e, timeout=5.0):
     end = time.time() + timeout
     while time.time() < end and (e.stats()["kv_in_use"] or e.stats()["streams"]):
         time.sleep(0.05)
+
+
+def test_stop_finishes_every_generation_and_refuses_new_ones(loaded_model):
+    e = Engine(loaded_model, EngineConfig(ctx_size=512)).start()
+    gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
+    next(iter(gen))
+    e.stop()
+    assert gen.result().reason == "cancelled"
+    with pytest.raises(RuntimeError, match="stopped"):
+        e.submit(_msgs("hi"))
+
+
+def test_invalid_unicode_is_a_clear_value_error(make_engine):
+    with pytest.raises(ValueError, match="surrogate"):
+        make_engine().submit(_msgs("bad \ud800 text"))
