@@ -1,0 +1,74 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `APIError`; the app turns it (and Starlette's own 404/405) into a JSON
+response with that body, so every client library that understands OpenAI errors shows
+the message.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
+
+
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote any input."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body; `headers` go on the response."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return ErrorJSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <token>' "
+                    "(the token given to panechat serve --token)",
+                    type="authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(404, message, type="not_found_error", param=param, code=code)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+
+
+def queue_full(message: str, retry_after: int = 1) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def loading() -> APIError:
+    return APIError(503, "the model is still loading; retry shortly", type="server_error",
+                    code="model_loading", headers={"Retry-After": "1"})

@@ -1,0 +1,379 @@
+"""OpenAI-compatible routes: `POST /v1/chat/completions` (streaming or not), `GET /v1/models`.
+
+Requests are validated up front (400 in OpenAI's error shape, naming the parameter); the
+whole message history is passed to the engine, whose KV slots reuse the longest cached
+prefix, so a client that resends its history prefills only the new turn. `usage` reports
+the reused tokens as `prompt_tokens_details.cached_tokens`, and `timings` follows
+llama.cpp's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ...engine.engine import PromptTooLong, QueueFull
+from ...engine.events import FinishEvent, TokenEvent
+from ...engine.sampling import SamplingParams
+from . import errors
+from .app import ServerState, parse_json, set_log_detail, state_of
+from .errors import APIError, bad_request
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+# -- validation -----------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt_num(body: dict, key: str, default):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad_request(f"'{key}' must be a number", param=key, code="invalid_type")
+    return float(v)
+
+
+def _opt_int(body: dict, key: str, default):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad_request(f"'{key}' must be an integer", param=key, code="invalid_type")
+    return v
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: only text is supported
+        out = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": str}} "
+                                  "(only text content is supported)", param=f"messages[{i}].content")
+            out.append(part["text"])
+        return "".join(out)
+    raise bad_request(f"messages[{i}].content must be a string", param=f"messages[{i}].content",
+                      code="invalid_type")
+
+
+def parse_messages(v) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad_request("'messages' must be a non-empty list of {\"role\", \"content\"} objects",
+                          param="messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad_request(f"messages[{i}].role must be one of system, user, assistant",
+                              param=f"messages[{i}].role")
+        out.append({"role": ROLES[role], "content": _content(m, i)})
+    return out
+
+
+def parse_stop(v) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_request("'stop' must be a string or a list of strings", param="stop")
+    if len(v) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in v):
+        raise bad_request(f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters",
+                          param="stop")
+    return [s for s in v if s]
+
+
+def sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, ctx: int) -> SamplingParams:
+    """SamplingParams from already type-checked values; ValueError for out-of-range ones."""
+    if max_tokens is None:
+        max_tokens = ctx
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    if seed is not None:
+        seed %= 2**64  # numpy seeds are non-negative; keep any integer deterministic
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                       max_tokens=min(max_tokens, ctx))
+    p.validate()
+    return p
+
+
+def parse_chat_request(body, st: ServerState) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    ids = st.model_ids()
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model", code="invalid_type")
+    if model is not None and model not in ids:
+        raise errors.not_found(f"the model '{model[:200]}' does not exist; this server serves "
+                               f"'{st.model_id()}' (see GET /v1/models)", param="model", code="model_not_found")
+    messages = parse_messages(body.get("messages"))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be true or false", param="stream", code="invalid_type")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    include_usage = bool((opts or {}).get("include_usage", False))
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    if body.get("tools"):
+        raise bad_request("tools are not supported by this server", param="tools")
+    if body.get("logprobs"):
+        raise bad_request("logprobs are not supported by this server", param="logprobs")
+    max_tokens = _opt_int(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", None)
+    seed = _opt_int(body, "seed", None)
+    try:
+        params = sampling_params(
+            temperature=_opt_num(body, "temperature", 1.0),  # OpenAI's default
+            top_p=_opt_num(body, "top_p", 1.0), top_k=_opt_int(body, "top_k", 0),
+            min_p=_opt_num(body, "min_p", 0.0), seed=seed, max_tokens=max_tokens, ctx=st.engine.ctx)
+    except ValueError as e:
+        msg = str(e)
+        raise bad_request(msg, param=msg.split(" ")[0], code="invalid_value") from None
+    stop = parse_stop(body.get("stop"))
+    return ChatRequest(model or st.model_id(), messages, params, stop, bool(stream), include_usage)
+
+
+# -- responses --------------------------------------------------------------------------------
+def usage_of(fin: FinishEvent) -> dict:
+    u = fin.usage
+    p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": u.get("reused_tokens", 0)}}
+
+
+def timings_of(fin: FinishEvent) -> dict:
+    """llama.cpp server's `timings` object, plus panechat's queue/ttft/total times."""
+    u, t = fin.usage, fin.timings
+    cache_n = u.get("reused_tokens", 0)
+    prompt_n = max(0, u.get("prompt_tokens", 0) - cache_n)
+    prompt_ms = t.get("prompt_ms") or 0.0
+    n = u.get("completion_tokens", 0)
+    ttft = t.get("ttft_ms")
+    predicted_ms = max(0.0, t.get("total_ms", 0.0) - ttft) if ttft is not None else 0.0
+    tok_s = t.get("decode_tok_s") or 0.0
+    return {
+        "cache_n": cache_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1000.0 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+        "predicted_n": n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": 1000.0 / tok_s if tok_s else 0.0,
+        "predicted_per_second": tok_s,
+        "queue_ms": t.get("queue_ms"),
+        "ttft_ms": ttft,
+        "total_ms": t.get("total_ms"),
+    }
+
+
+def _finish_reason(fin: FinishEvent) -> str:
+    return fin.reason if fin.reason in ("stop", "length") else "stop"
+
+
+def _log_line(fin: FinishEvent, stream: bool) -> str:
+    u, t = fin.usage, fin.timings
+    ttft = t.get("ttft_ms")
+    rate = t.get("decode_tok_s")
+    return (f"{'stream ' if stream else ''}prompt={u.get('prompt_tokens')} reused={u.get('reused_tokens')} "
+            f"out={u.get('completion_tokens')} ttft={ttft / 1000 if ttft is not None else 0:.2f}s "
+            f"{rate or 0:.1f}tok/s {fin.reason}")
+
+
+async def _watch_disconnect(request: Request, gen) -> None:
+    """Cancel `gen` when the client goes away (the body is already read, so the next
+    ASGI message is the disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            gen.cancel()
+            return
+
+
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    st.check_bearer(request)
+    st.require_engine()
+    body = await read_body(request, st.max_body)
+    try:
+        data = parse_json(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    req = parse_chat_request(data, st)
+    try:
+        gen = await st.submit(req.messages, req.params, req.stop)
+    except PromptTooLong as e:
+        raise bad_request(str(e), param="messages", code="context_length_exceeded") from None
+    except QueueFull as e:
+        raise errors.queue_full(str(e)) from None
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from None
+    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    if req.stream:
+        return SSEResponse(request, gen, req, cid, created)
+    watcher = asyncio.create_task(_watch_disconnect(request, gen))
+    try:
+        async for _ev in gen:
+            pass
+    finally:
+        watcher.cancel()
+        if gen.finish is None:
+            gen.cancel()
+    fin = gen.finish
+    set_log_detail(request, _log_line(fin, False))
+    if fin.reason == "error":
+        raise APIError(500, fin.error or "generation failed", type="server_error", code="generation_error")
+    if fin.reason == "cancelled":  # the client left, or the server is shutting down
+        raise APIError(503, "the generation was cancelled", type="server_error", code="cancelled")
+    return JSONResponse({
+        "id": cid, "object": "chat.completion", "created": created, "model": req.model,
+        "system_fingerprint": "panechat",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text},
+                     "logprobs": None, "finish_reason": _finish_reason(fin)}],
+        "usage": usage_of(fin),
+        "timings": timings_of(fin),
+    })
+
+
+class SSEResponse(Response):
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+    A watcher task cancels the generation the moment the client disconnects (also while
+    the request still waits in the queue), so its KV slot is freed at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, request: Request, gen, req: ChatRequest, cid: str, created: int):
+        self.request, self.gen, self.req, self.cid, self.created = request, gen, req, cid, created
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> bytes:
+        obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.req.model, "system_fingerprint": "panechat",
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+    async def __call__(self, scope, receive, send) -> None:
+        gen, req = self.gen, self.req
+        watcher = asyncio.create_task(_watch_disconnect(self.request, gen))
+        alive = True
+
+        async def emit(data: bytes, more: bool = True) -> None:
+            nonlocal alive
+            if not alive:
+                return
+            try:
+                await send({"type": "http.response.body", "body": data, "more_body": more})
+            except OSError:  # the client is gone: stop generating
+                alive = False
+                gen.cancel()
+
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await emit(self._chunk({"role": "assistant", "content": ""}))
+            async for ev in gen:
+                if isinstance(ev, TokenEvent) and ev.text:
+                    await emit(self._chunk({"content": ev.text}))
+            fin = gen.finish
+            set_log_detail(self.request, _log_line(fin, True))
+            if fin.reason == "error":
+                err = errors.error_body(fin.error or "generation failed", "server_error", None, "generation_error")
+                await emit(b"data: " + json.dumps(err).encode() + b"\n\n")
+            elif fin.reason != "cancelled":
+                await emit(self._chunk({}, _finish_reason(fin), usage=usage_of(fin), timings=timings_of(fin)))
+                if req.include_usage:
+                    obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+                           "model": req.model, "system_fingerprint": "panechat", "choices": [],
+                           "usage": usage_of(fin)}
+                    await emit(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            await emit(b"data: [DONE]\n\n")
+            await emit(b"", more=False)
+        finally:
+            watcher.cancel()
+            if gen.finish is None:
+                gen.cancel()
+
+
+# -- body -----------------------------------------------------------------------------------
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 when it exceeds `limit` bytes (the rest is drained, up to
+    64x the limit, so the client reads the error instead of a reset connection)."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            if int(cl) > 64 * limit:
+                raise errors.too_large(limit)
+        except ValueError:
+            raise bad_request("bad Content-Length header") from None
+    buf = bytearray()
+    over = 0
+    async for chunk in request.stream():
+        if over or len(buf) + len(chunk) > limit:
+            over += len(chunk)
+            if over > 64 * limit:
+                break
+            continue
+        buf += chunk
+    if over:
+        raise errors.too_large(limit)
+    return bytes(buf)
+
+
+# -- models ---------------------------------------------------------------------------------
+def _model_obj(st: ServerState) -> dict:
+    e = st.require_engine()
+    return {"id": e.lm.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+            "meta": {"ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
+                     "backend": e.lm.model.backend.describe()}}
+
+
+async def list_models(request: Request) -> Response:
+    st = state_of(request)
+    st.check_bearer(request)
+    return JSONResponse({"object": "list", "data": [_model_obj(st)]})
+
+
+async def get_model(request: Request) -> Response:
+    st = state_of(request)
+    st.check_bearer(request)
+    name = request.path_params["model"]
+    if name not in st.model_ids():
+        raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(_model_obj(st))

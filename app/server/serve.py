@@ -1,0 +1,217 @@
+"""Run the server: `panechat serve`, and `ServerThread` for hosting it inside any process.
+
+Hosting in-process (what `panechat --share` does)::
+
+    from panechat.app.server.serve import start_in_background
+    srv = start_in_background(engine, host="127.0.0.1", port=8765, token=None)
+    print(srv.url, srv.ws_url)      # http://127.0.0.1:8765  ws://127.0.0.1:8765/ws
+    srv.state.terminals             # websocket terminals connected right now
+    ...
+    srv.stop()                      # the engine keeps running; stop it yourself
+
+The server runs uvicorn on its own thread and event loop; the engine runs on its own
+thread, so hosting costs the host's event loop nothing. Request log lines go to the
+`panechat.server` logger (silent unless configured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from .app import MAX_BODY, ServerState, create_app
+
+__all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
+
+#: uvicorn's websocket implementation on the `websockets` library (its legacy "websockets"
+#: protocol class is deprecated in uvicorn >= 0.35 in favour of the sans-I/O one).
+WS_IMPL = "websockets-sansio" if "websockets-sansio" in uvicorn.config.WS_PROTOCOLS else "websockets"
+#: Frames above MAX_BODY get an error frame; frames above this close the socket (1009).
+WS_MAX_SIZE = 16 * MAX_BODY
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free port). OSError names host:port and the fix."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; "
+                      "pass another --port (or stop the process using it)") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
+class ServerThread:
+    """uvicorn serving an ASGI app on a background thread.
+
+    The port is bound in the constructor (so errors raise in the caller, and port 0 picks
+    a free port: read `.port`). `start()` returns once the server accepts connections;
+    `stop()` shuts it down (open websockets are closed, streams get a few seconds)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8765, *,
+                 log_config: dict | None = None, graceful_s: float = 3.0):
+        self.app = app
+        self.host = host
+        self._sock = _bind(host, port)
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, ws=WS_IMPL, ws_max_size=WS_MAX_SIZE, lifespan="off",
+                                access_log=False, log_config=log_config, log_level="warning",
+                                timeout_graceful_shutdown=graceful_s)
+        self.server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def state(self) -> ServerState:
+        """The app's shared state (engine, terminals, conversations)."""
+        return self.app.state.panechat
+
+    @property
+    def url(self) -> str:
+        """Base HTTP URL, e.g. http://127.0.0.1:8765 (the OpenAI base URL is url + '/v1')."""
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{_url_host(self.host)}:{self.port}/ws"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(target=self._run, name="panechat-server", daemon=True)
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the server failed to start: {self._error!r}")
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start in time")
+            time.sleep(0.01)
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve(sockets=[self._sock]))
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving (the engine is not stopped)."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self.server.force_exit = True
+                self._thread.join(timeout)
+            self._thread = None
+        self._sock.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_in_background(engine, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+                        *, logger: logging.Logger | None = None) -> ServerThread:
+    """Serve a started `Engine` on host:port from a background thread; returns the
+    running ServerThread (`.url`, `.ws_url`, `.port`, `.state.terminals`, `.stop()`).
+
+    Raises OSError (one line: host, port, fix) when the port cannot be bound."""
+    app = create_app(engine, token=token, logger=logger)
+    return ServerThread(app, host, port).start()
+
+
+def banner_urls(host: str, port: int, token: str | None) -> list[str]:
+    h = _url_host(host)
+    lines = [
+        f"OpenAI API: http://{h}:{port}/v1  (OPENAI_BASE_URL=http://{h}:{port}/v1)",
+        f"websocket:  ws://{h}:{port}/ws  (panechat --connect ws://{h}:{port})",
+        f"health:     http://{h}:{port}/health   metrics: http://{h}:{port}/metrics",
+    ]
+    if token:
+        lines.append("auth:       token required (HTTP: Authorization: Bearer <token>; websocket: hello.token)")
+    elif host not in ("127.0.0.1", "localhost", "::1"):
+        lines.append("auth:       NONE, and listening beyond this machine: anyone who can reach "
+                     "this port can use it (set --token)")
+    return lines
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`panechat serve`: listen at once (/health answers 503 while the model loads), load
+    the model in the background, then serve until Ctrl-C."""
+    from ...engine.default_model import resolve_model_path
+    from ..engine_factory import build_engine, engine_config
+
+    engine_config(args)  # flag errors before anything else
+    resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
+    logger = logging.getLogger("panechat.server")
+    if not logger.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(h)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    token = getattr(args, "token", None)
+    app = create_app(None, token=token, logger=logger)
+    state: ServerState = app.state.panechat
+    sock = _bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, ws=WS_IMPL, ws_max_size=WS_MAX_SIZE, lifespan="off", access_log=False,
+                            log_level="warning", timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    print(f"panechat serve: listening on http://{_url_host(args.host)}:{port} (loading the model ...)",
+          file=sys.stderr, flush=True)
+    result = {"rc": 0, "engine": None}
+
+    def load() -> None:
+        try:
+            engine = build_engine(args, quiet=True)
+        except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
+            text = str(e).strip().splitlines()
+            msg = text[0] if text else type(e).__name__
+            state.fail(msg)
+            print(f"panechat: error: {msg}", file=sys.stderr, flush=True)
+            result["rc"] = 2
+            server.should_exit = True
+            return
+        result["engine"] = engine
+        for line in engine.startup_lines() + banner_urls(args.host, port, token):
+            print(line, file=sys.stderr)
+        state.attach(engine)
+        print("ready.", file=sys.stderr, flush=True)
+
+    loader = threading.Thread(target=load, name="panechat-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        server.should_exit = True
+        loader.join(timeout=60)
+        if result["engine"] is not None:
+            result["engine"].stop()
+        sock.close()
+    return result["rc"]

@@ -1,0 +1,373 @@
+"""`/ws`: the panechat websocket protocol, version 1 (docs/protocol.md).
+
+One `Connection` per socket: a receive loop that answers frames in order, one pump task
+per generation forwarding engine events as frames, and an optional stats task. Sends go
+through one lock. A bad frame gets an `error` frame; the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from urllib.parse import urlsplit
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ...engine.engine import PromptTooLong, QueueFull
+from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
+from .app import SERVER_NAME, ServerState, parse_json
+from .conversations import Conversation
+from .openai_api import sampling_params
+
+PROTOCOL = 1
+MAX_ID = 256  # characters in a conversation or request id
+
+
+class FrameError(Exception):
+    def __init__(self, code: str, message: str, request: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.request = code, message, request
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _id(frame: dict, key: str, required: bool, request: str | None = None) -> str | None:
+    v = frame.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_ID:
+        raise FrameError("bad_frame", f"'{key}' must be a non-empty string of at most {MAX_ID} characters",
+                         request)
+    return v
+
+
+def _opt_str(frame: dict, key: str, request: str | None = None) -> str | None:
+    v = frame.get(key)
+    if v is not None and not isinstance(v, str):
+        raise FrameError("bad_frame", f"'{key}' must be a string", request)
+    return v
+
+
+def parse_params(p, ctx: int, request: str | None):
+    """SamplingParams and stop strings from a `send` frame's `params` (engine defaults:
+    greedy, 256 tokens)."""
+    if p is None:
+        p = {}
+    if not isinstance(p, dict):
+        raise FrameError("bad_params", "'params' must be an object", request)
+
+    def num(key, default):
+        v = p.get(key)
+        if v is None:
+            return default
+        if not _is_num(v):
+            raise FrameError("bad_params", f"params.{key} must be a number", request)
+        return float(v)
+
+    def integer(key, default):
+        v = p.get(key)
+        if v is None:
+            return default
+        if not _is_int(v):
+            raise FrameError("bad_params", f"params.{key} must be an integer", request)
+        return v
+
+    stop = p.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+        raise FrameError("bad_params", "params.stop must be a string or a list of at most 16 strings", request)
+    try:
+        params = sampling_params(temperature=num("temperature", 0.0), top_p=num("top_p", 1.0),
+                                 top_k=integer("top_k", 0), min_p=num("min_p", 0.0),
+                                 seed=integer("seed", None), max_tokens=integer("max_tokens", 256), ctx=ctx)
+    except ValueError as e:
+        raise FrameError("bad_params", str(e), request) from None
+    return params, [s for s in stop if s]
+
+
+class Connection:
+    """One websocket client ("terminal")."""
+
+    def __init__(self, st: ServerState, ws: WebSocket):
+        self.st, self.ws = st, ws
+        self.terminal: str | None = None
+        self.authed = False
+        self.closed = False
+        self.lock = asyncio.Lock()
+        self.gens: dict[str, object] = {}  # request id -> Generation in flight
+        self.pumps: set[asyncio.Task] = set()
+        self.stats_task: asyncio.Task | None = None
+        client = ws.client
+        self.peer = f"{client.host}:{client.port}" if client else "-"
+
+    async def send(self, obj: dict) -> None:
+        if self.closed:
+            return
+        data = json.dumps(obj, ensure_ascii=False)
+        async with self.lock:
+            try:
+                await self.ws.send_text(data)
+            except Exception:  # noqa: BLE001 - any failure means the peer is gone
+                self.closed = True
+
+    async def error(self, code: str, message: str, request: str | None = None) -> None:
+        frame = {"type": "error", "code": code, "message": message}
+        if request is not None:
+            frame["request"] = request
+        await self.send(frame)
+
+    # -- main loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while not self.closed:
+                try:
+                    msg = await self.ws.receive()
+                except (WebSocketDisconnect, RuntimeError):
+                    break
+                if msg["type"] == "websocket.disconnect":
+                    break
+                await self.on_message(msg)
+        finally:
+            await self.shutdown()
+
+    async def on_message(self, msg: dict) -> None:
+        text = msg.get("text")
+        if text is None:
+            if msg.get("bytes") is not None:
+                await self.error("bad_frame", "binary frames are not supported; send JSON text frames")
+            return
+        limit = self.st.max_body
+        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+            await self.error("too_large", f"frame is larger than {limit} bytes")
+            return
+        try:
+            frame = parse_json(text)
+        except ValueError as e:
+            await self.error("bad_frame", f"not valid JSON: {e}")
+            return
+        if not isinstance(frame, dict):
+            await self.error("bad_frame", "a frame must be a JSON object with a \"type\"")
+            return
+        kind = frame.get("type")
+        rid = frame.get("request") if isinstance(frame.get("request"), str) else None
+        if not isinstance(kind, str):
+            await self.error("bad_frame", "missing or non-string \"type\"", rid)
+            return
+        handler = HANDLERS.get(kind)
+        if handler is None:
+            await self.error("unknown_type", f"unknown frame type {kind[:64]!r}", rid)
+            return
+        if not self.authed and kind != "hello":
+            await self.error("hello_required", "send {\"type\": \"hello\", \"protocol\": 1} first", rid)
+            return
+        try:
+            await handler(self, frame)
+        except FrameError as e:
+            await self.error(e.code, e.message, e.request)
+        except Exception as e:  # a bug must not take the connection down
+            self.st.log.exception("ws %s: internal error on a %r frame", self.peer, kind)
+            await self.error("internal", f"internal server error: {type(e).__name__}", rid)
+
+    async def shutdown(self) -> None:
+        self.closed = True
+        if self.stats_task is not None:
+            self.stats_task.cancel()
+        for gen in list(self.gens.values()):
+            gen.cancel()
+        if self.pumps:  # let them record the partial replies
+            _, pending = await asyncio.wait(self.pumps, timeout=10)
+            for t in pending:
+                t.cancel()
+        if self.authed:
+            self.st.terminals -= 1
+            self.st.log.info("ws %s %s disconnected", self.peer, self.terminal)
+
+    # -- frames -----------------------------------------------------------------------------
+    async def on_hello(self, frame: dict) -> None:
+        proto = frame.get("protocol", PROTOCOL)
+        try:
+            if isinstance(proto, bool):
+                raise ValueError
+            major = int(proto) if _is_num(proto) else int(str(proto).split(".")[0])
+        except (ValueError, OverflowError):
+            raise FrameError("bad_frame", "'protocol' must be a version number such as 1") from None
+        if major > PROTOCOL:
+            raise FrameError("protocol", f"this server speaks protocol {PROTOCOL}; client asked for {proto}")
+        if not self.st.token_ok(frame.get("token")):
+            await self.error("unauthorized", "missing or wrong token (the one given to panechat serve --token)")
+            self.closed = True
+            try:
+                await self.ws.close(code=4401)
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        engine = await self.st.wait_engine()
+        if engine is None:
+            raise FrameError("unavailable", f"the model failed to load: {self.st.load_error}")
+        if not self.authed:
+            self.authed = True
+            self.terminal = f"t-{next(self.st.terminal_ids)}"
+            self.st.terminals += 1
+            self.st.log.info("ws %s %s connected (%s)", self.peer, self.terminal,
+                             str(frame.get("client", "?"))[:64])
+        await self.send({
+            "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME, "model": engine.lm.name,
+            "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
+            "max_concurrent": engine.cfg.max_concurrent, "batching": engine.batching,
+            "terminal": self.terminal,
+        })
+
+    async def on_open(self, frame: dict) -> None:
+        cid = _id(frame, "conversation", required=False)
+        system = _opt_str(frame, "system")
+        conv, created = self.st.conversations.open(cid)
+        if system is not None:
+            conv.set_system(system)
+        await self.send({"type": "opened", "conversation": conv.id, "created": created,
+                         "messages": conv.snapshot()})
+
+    async def on_list(self, frame: dict) -> None:
+        await self.send({"type": "conversations", "conversations": self.st.conversations.list()})
+
+    async def on_send(self, frame: dict) -> None:
+        rid = _id(frame, "request", required=True)
+        cid = _id(frame, "conversation", required=True, request=rid)
+        content = frame.get("content")
+        if not isinstance(content, str):
+            raise FrameError("bad_frame", "'content' must be a string", rid)
+        system = _opt_str(frame, "system", rid)
+        params, stop = parse_params(frame.get("params"), self.st.engine.ctx, rid)
+        if rid in self.gens:
+            raise FrameError("duplicate_request", f"request {rid!r} is already running on this connection", rid)
+        conv = self.st.conversations.get(cid)
+        if conv is None:
+            raise FrameError("unknown_conversation", f"no conversation {cid!r}; send open first", rid)
+        if conv.busy is not None:
+            raise FrameError("conversation_busy", f"conversation {cid!r} is already generating "
+                             f"(request {conv.busy!r}); wait for it or cancel it", rid)
+        messages = conv.snapshot()
+        if system is not None:  # applied to the conversation only once the send is accepted
+            if messages and messages[0]["role"] == "system":
+                messages.pop(0)
+            if system:
+                messages.insert(0, {"role": "system", "content": system})
+        messages.append({"role": "user", "content": content})
+        conv.busy = rid  # reserved while the prompt is tokenized off the loop
+        try:
+            gen = await self.st.submit(messages, params, stop, conversation=cid)
+        except Exception as e:
+            conv.busy = None
+            if isinstance(e, PromptTooLong):
+                raise FrameError("prompt_too_long", str(e), rid) from None
+            if isinstance(e, QueueFull):
+                raise FrameError("queue_full", str(e), rid) from None
+            if isinstance(e, ValueError):
+                raise FrameError("bad_params", str(e), rid) from None
+            raise
+        if system is not None:
+            conv.set_system(system)
+        conv.append("user", content)
+        self.gens[rid] = gen
+        await self.send({"type": "queued", "request": rid, "conversation": cid})
+        task = asyncio.create_task(self.pump(rid, conv, gen))
+        self.pumps.add(task)
+        task.add_done_callback(self.pumps.discard)
+
+    async def pump(self, rid: str, conv: Conversation, gen) -> None:
+        try:
+            async for ev in gen:
+                if isinstance(ev, TokenEvent):
+                    await self.send({"type": "delta", "request": rid, "text": ev.text, "token_id": ev.token_id})
+                elif isinstance(ev, PrefillEvent):
+                    await self.send({"type": "prefill", "request": rid, "done": ev.done, "total": ev.total})
+            fin: FinishEvent = gen.finish
+            if fin.text:
+                conv.append("assistant", fin.text)
+            frame = {"type": "finished", "request": rid, "conversation": conv.id, "reason": fin.reason,
+                     "text": fin.text, "usage": fin.usage, "timings": fin.timings}
+            if fin.error:
+                frame["error"] = fin.error
+            await self.send(frame)
+            u, t = fin.usage, fin.timings
+            self.st.log.info("ws %s %s %s %s prompt=%s reused=%s out=%s ttft=%.2fs %.1ftok/s %s",
+                             self.peer, self.terminal, conv.id, rid, u.get("prompt_tokens"),
+                             u.get("reused_tokens"), u.get("completion_tokens"),
+                             (t.get("ttft_ms") or 0) / 1000, t.get("decode_tok_s") or 0, fin.reason)
+        finally:
+            if gen.finish is None:
+                gen.cancel()
+            self.gens.pop(rid, None)
+            if conv.busy == rid:
+                conv.busy = None
+
+    async def on_cancel(self, frame: dict) -> None:
+        rid = _id(frame, "request", required=True)
+        gen = self.gens.get(rid)
+        if gen is not None:
+            gen.cancel()
+
+    async def on_subscribe(self, frame: dict) -> None:
+        iv = frame.get("interval_ms", 250)
+        if not _is_num(iv):
+            raise FrameError("bad_frame", "'interval_ms' must be a number (100..5000)")
+        iv = min(5000.0, max(100.0, float(iv)))
+        if self.stats_task is not None:
+            self.stats_task.cancel()
+        self.stats_task = asyncio.create_task(self.push_stats(iv / 1000.0))
+
+    async def on_unsubscribe(self, frame: dict) -> None:
+        if self.stats_task is not None:
+            self.stats_task.cancel()
+            self.stats_task = None
+
+    async def push_stats(self, interval: float) -> None:
+        engine = self.st.engine
+        model, backend = engine.lm.name, engine.lm.model.backend.describe()
+        nxt = time.monotonic()
+        while not self.closed:
+            frame = {"type": "stats", **engine.stats(), "terminals": self.st.terminals,
+                     "model": model, "backend": backend}
+            await self.send(frame)
+            nxt += interval
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+
+
+HANDLERS = {
+    "hello": Connection.on_hello,
+    "open": Connection.on_open,
+    "list": Connection.on_list,
+    "send": Connection.on_send,
+    "cancel": Connection.on_cancel,
+    "subscribe": Connection.on_subscribe,
+    "unsubscribe": Connection.on_unsubscribe,
+}
+
+
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+def origin_allowed(ws: WebSocket) -> bool:
+    """Browsers send an Origin; only pages served from this host or loopback may connect
+    (a web page elsewhere must not drive a local server). Terminal clients send none."""
+    origin = ws.headers.get("origin")
+    if not origin:
+        return True
+    host = urlsplit(origin).hostname or ""
+    own = urlsplit("//" + ws.headers.get("host", "")).hostname or ""
+    return host in LOCAL_HOSTS or (own != "" and host == own)
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    if not origin_allowed(ws):
+        await ws.close(code=4403)  # before accept: the handshake is refused with HTTP 403
+        return
+    await ws.accept()
+    await Connection(ws.app.state.panechat, ws).run()

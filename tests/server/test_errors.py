@@ -1,0 +1,166 @@
+"""Every error code in OpenAI's shape, over raw HTTP; the server stays healthy."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from panechat.app.server import ServerThread, create_app
+from panechat.engine.engine import Engine, EngineConfig
+
+from .conftest import wait_idle
+
+OK = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def _is_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"", b"\xff\xfe\x00", b'{"a": NaN}', b"[" * 100000])
+def test_400_bad_json(http, raw):
+    err = _is_error(http.post("/v1/chat/completions", content=raw,
+                              headers={"content-type": "application/json"}), 400)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [
+    ([], None),
+    ("hello", None),
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({**OK, "temperature": "hot"}, "temperature"),
+    ({**OK, "temperature": -0.5}, "temperature"),
+    ({**OK, "top_p": 0}, "top_p"),
+    ({**OK, "top_p": 1.5}, "top_p"),
+    ({**OK, "max_tokens": 0}, "max_tokens"),
+    ({**OK, "max_tokens": 2.5}, "max_tokens"),
+    ({**OK, "max_tokens": True}, "max_tokens"),
+    ({**OK, "max_completion_tokens": -3}, "max_tokens"),
+    ({**OK, "seed": "x"}, "seed"),
+    ({**OK, "stop": 3}, "stop"),
+    ({**OK, "stop": ["a", None]}, "stop"),
+    ({**OK, "stop": ["s"] * 40}, "stop"),
+    ({**OK, "stream": "yes"}, "stream"),
+    ({**OK, "n": 2}, "n"),
+    ({**OK, "model": 7}, "model"),
+])
+def test_400_bad_params(http, body, param):
+    err = _is_error(http.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == param
+
+
+def test_400_infinite_number(http):
+    raw = b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": 1e999}'
+    err = _is_error(http.post("/v1/chat/completions", content=raw), 400)
+    assert err["param"] == "temperature"
+
+
+def test_400_prompt_too_long(http, live):
+    long = "word " * (live.engine.ctx + 50)
+    err = _is_error(http.post("/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": long}], "max_tokens": 2}), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_404_route_and_model(http):
+    err = _is_error(http.get("/v2/whatever"), 404)
+    assert err["type"] == "not_found_error"
+    _is_error(http.post("/v1/completions/nope", json=OK), 404)
+    err = _is_error(http.post("/v1/chat/completions", json={**OK, "model": "gpt-4o"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    _is_error(http.get("/v1/models/gpt-4o"), 404)
+    _is_error(http.get("/v1/chat/completions"), 405)
+
+
+def test_413_body_too_large(http):
+    big = {"messages": [{"role": "user", "content": "x" * (1 << 20)}], "max_tokens": 2}
+    err = _is_error(http.post("/v1/chat/completions", json=big), 413)
+    assert err["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit holds while streaming the body in
+        for _ in range(40):
+            yield b" " * 65536
+    _is_error(http.post("/v1/chat/completions", content=chunks()), 413)
+    assert http.post("/v1/chat/completions", json=OK).status_code == 200
+
+
+@pytest.fixture
+def busy_server(loaded_model, live):
+    """max-concurrent 1, max-queue 0: a second request while one runs is refused."""
+    live.wait_idle()  # the shared engine is idle while this one computes
+    engine = Engine(loaded_model, EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=0,
+                                               ctx_size=512)).start()
+    srv = ServerThread(create_app(engine), "127.0.0.1", 0).start()
+    yield engine, srv
+    srv.stop()
+    engine.stop()
+
+
+def test_429_with_retry_after_when_the_queue_is_full(busy_server):
+    engine, srv = busy_server
+    started = threading.Event()
+    got: dict = {}
+
+    def long_stream():
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
+                    "stream": True}
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                got["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content": "' in line:
+                        started.set()
+                    if got.get("stop"):
+                        break  # leaving the block closes the connection
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    try:
+        assert started.wait(60), "the long generation never started"
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json=OK)
+            err = _is_error(r, 429)
+            assert err["type"] == "rate_limit_error"
+            assert int(r.headers["retry-after"]) >= 1
+            assert c.get("/health").status_code == 200
+    finally:
+        got["stop"] = True
+        t.join(60)
+    assert got["status"] == 200
+    s = wait_idle(engine)  # the abandoned stream was cancelled and its slot freed
+    assert s["refused"] == 1 and s["requests_finished"]["cancelled"] == 1
+    with httpx.Client(base_url=srv.url, timeout=60) as c:  # and the server takes work again
+        assert c.post("/v1/chat/completions", json=OK).status_code == 200
+
+
+def test_503_while_loading():
+    app = create_app(None)
+    with ServerThread(app, "127.0.0.1", 0) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        err = _is_error(c.post("/v1/chat/completions", json=OK), 503)
+        assert err["code"] == "model_loading" and r.headers["retry-after"]
+        m = c.get("/metrics")
+        assert m.status_code == 200 and "panechat_ready 0.0" in m.text
+
+
+def test_server_still_healthy_after_errors(http, live):
+    t0 = time.monotonic()
+    assert http.get("/health").json()["status"] == "ok"
+    assert http.post("/v1/chat/completions", json=OK).status_code == 200
+    s = live.wait_idle()
+    assert s["kv_in_use"] == 0 and time.monotonic() - t0 < 60
