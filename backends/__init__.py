@@ -20,6 +20,11 @@ def get_backend(name: str = "auto") -> Backend:
         raise BackendUnavailable(f"unknown backend '{name}'; choose one of: {', '.join(BACKENDS)}")
     if name == "auto":
         name = _auto()
+        if name != "numpy":
+            try:
+                return get_backend(name)
+            except BackendUnavailable:
+                name = "numpy"  # a device without a usable toolchain: fall back to the CPU
     if name == "numpy":
         from .numpy_backend import NumpyBackend
 

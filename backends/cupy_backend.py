@@ -1,0 +1,427 @@
+"""The CuPy backend: NVIDIA GPUs through CUDA, with panechat's own row-invariant kernels.
+
+Importing this module needs neither cupy nor a GPU; `CupyBackend()` raises
+`BackendUnavailable` with a one-line reason when either is missing. See docs/cupy.md.
+
+Weights live on the GPU:
+  Q8_0, Q4_0, Q4_1  int8 q [N, K] + float32 scale d (and min m for Q4_1) per 32 weights,
+                    from the raw GGUF blocks: w = q*d (Q4_0: q-8), Q4_1 w = q*d + m -- exactly
+                    the floats gguf dequantizes (q*d is exact in float32, + m rounds once).
+  F32               float32, exact.
+  F16               float16, exact.
+  anything else     (BF16, K-quants, Q5_x, ...) dequantized on the host, then float16
+                    (float32 if a value exceeds float16's range, or when
+                    PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
+The embedding table is float32 (rows are gathered, not multiplied). Activations, the KV
+cache (`ArrayKV`, float32 [slots, n_kv, ctx, head_dim] per layer) and all arithmetic are
+float32.
+
+Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
+of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
+whose per-element arithmetic is fixed by the source; rope, residual adds, bias adds and
+the embedding gather are single elementwise CuPy operations (one IEEE operation per
+element, so nothing to reorder). Logits come back to the host for sampling.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import BackendUnavailable
+from .array_backend import ArrayBackend, ArrayKV
+from .cupy_kernels import MAX_HEAD_DIM, EmulatedModule, Kernels, build_module
+
+# GGUF types kept quantized on the device: bytes per block of 32 weights
+KEPT_QUANT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+F16_MAX = 65504.0
+
+
+@dataclass
+class CupyWeight:
+    """A prepared [n, k] weight. kind 'f32' / 'f16': w is the matrix; 'q8': w is int8 q,
+    scales float32 [n, k/32], mins float32 [n, k/32] or None."""
+
+    kind: str
+    n: int
+    k: int
+    w: Any
+    scales: Any = None
+    mins: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.w, self.scales, self.mins) if a is not None)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+
+def q8_from_gguf(blocks: np.ndarray, qtype: str, n: int, k: int):
+    """GGUF Q8_0 / Q4_0 / Q4_1 blocks [n, k/32 * bytes] -> (q int8 [n, k], d float32
+    [n, k/32], m float32 [n, k/32] or None) with w = q*d (+ m)."""
+    nb = KEPT_QUANT[qtype]
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // 32, nb)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q8_0":
+        return np.ascontiguousarray(b[..., 2:].copy().view(np.int8).reshape(n, k)), d, None
+    if qtype == "Q4_1":
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:20]
+    else:
+        m, qs = None, b[..., 2:18]
+    # GGML: byte j holds element j (low nibble) and element j + 16 (high nibble)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
+    if qtype == "Q4_0":
+        q -= 8
+    return np.ascontiguousarray(q.reshape(n, k)), d, m
+
+
+def prepare_weight(w: np.ndarray, qtype: str = "F32", raw: Any = None,
+                   float_weights: str = "f16") -> CupyWeight:
+    """The host-side form of a weight for the kernels (numpy arrays; see module doc)."""
+    n, k = w.shape
+    if raw is not None and qtype in KEPT_QUANT and k % 32 == 0:
+        blocks, raw_type = raw
+        if raw_type == qtype:
+            q, d, m = q8_from_gguf(blocks, qtype, n, k)
+            return CupyWeight("q8", n, k, q, d, m)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if qtype == "F32" or float_weights == "f32":
+        return CupyWeight("f32", n, k, w)
+    if qtype == "F16" or not w.size or float(np.abs(w).max()) <= F16_MAX:
+        return CupyWeight("f16", n, k, w.astype(np.float16))
+    return CupyWeight("f32", n, k, w)
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken install raising on import
+        raise BackendUnavailable(
+            f"the CuPy backend needs cupy ({_one_line(e)}); install it with: pip install 'panechat[cuda]'"
+        ) from None
+    return cupy
+
+
+def _driver_version() -> str:
+    """The NVIDIA kernel driver's version (e.g. 580.159.03) where Linux exposes it."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            for word in f.readline().split():
+                if word[:1].isdigit() and word.count(".") >= 1:
+                    return word
+    except OSError:
+        pass
+    return "?"
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+class CupyBackend(ArrayBackend):
+    """CuPy arrays on the current CUDA device (CUDA_VISIBLE_DEVICES picks it)."""
+
+    name = "cupy"
+    wants_raw = True
+
+    def __init__(self, float_weights: str | None = None):
+        cp = _import_cupy()
+        try:
+            n_dev = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:
+            raise BackendUnavailable(
+                f"the CuPy backend found no usable CUDA GPU ({_one_line(e)}); check nvidia-smi and that "
+                "the cupy wheel matches the driver (cupy-cuda12x for CUDA 12 drivers, cupy-cuda13x for 13)"
+            ) from None
+        if n_dev < 1:
+            raise BackendUnavailable("the CuPy backend found no CUDA GPU (cupy sees 0 devices)")
+        self.xp = cp
+        self.float_weights = float_weights or os.environ.get("PANECHAT_CUPY_WEIGHTS", "f16")
+        if self.float_weights not in ("f16", "f32"):
+            raise ValueError("float_weights must be 'f16' or 'f32'")
+        try:
+            self.kernels = Kernels(build_module(cp), cp)
+            self.kernels.compile_all()
+        except Exception as e:
+            raise BackendUnavailable(
+                f"the CuPy backend cannot build its CUDA kernels ({_one_line(e)}); cupy needs NVRTC from "
+                "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
+            ) from None
+        self.emulated = False
+        self._info = self._device_info(cp)
+
+    @classmethod
+    def emulated_on_cpu(cls, float_weights: str = "f16") -> "CupyBackend":
+        """This backend's host code on numpy arrays with every kernel run by the numpy
+        emulation of `cupy_kernels` (bit for bit what the GPU must compute). For tests and
+        for checking the GPU; slow."""
+        self = cls.__new__(cls)
+        self.xp = np
+        self.float_weights = float_weights
+        self.kernels = Kernels(EmulatedModule(), np)
+        self.emulated = True
+        self._info = "numpy emulation of the CUDA kernels on the CPU"
+        return self
+
+    @staticmethod
+    def _device_info(cp: Any) -> str:
+        dev = cp.cuda.Device()
+        try:
+            props = cp.cuda.runtime.getDeviceProperties(dev.id)
+            name = props.get("name", b"?")
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            mem = props.get("totalGlobalMem", 0) / 2**30
+            sms = props.get("multiProcessorCount", "?")
+        except Exception:
+            name, mem, sms = "?", 0.0, "?"
+        try:
+            drv = _cuda_version(cp.cuda.runtime.driverGetVersion())
+            rt = _cuda_version(cp.cuda.runtime.runtimeGetVersion())
+        except Exception:
+            drv = rt = "?"
+        cc = dev.compute_capability
+        return (f"{name} (sm_{cc}, {sms} SMs, {mem:.0f} GiB; driver {_driver_version()}, CUDA {drv}; "
+                f"runtime {rt}; cupy {cp.__version__})")
+
+    def describe(self) -> str:
+        floats = "float32" if self.float_weights == "f32" else "float16"
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1 as int8 + float32 scales, F32 float32, "
+                f"others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
+                "(no cuBLAS), row-invariant")
+
+    # -- weights ---------------------------------------------------------------------
+    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> CupyWeight:
+        h = prepare_weight(w, qtype, raw, self.float_weights)
+        xp = self.xp
+        return CupyWeight(h.kind, h.n, h.k, xp.asarray(h.w),
+                          None if h.scales is None else xp.asarray(h.scales),
+                          None if h.mins is None else xp.asarray(h.mins))
+
+    def nbytes(self, w: Any) -> int:
+        return int(w.nbytes)
+
+    # -- the forward pass's operations -------------------------------------------------
+    def _f32(self, a: Any) -> Any:
+        return self.xp.ascontiguousarray(a, dtype=self.xp.float32)
+
+    def linear(self, x: Any, w: CupyWeight) -> Any:
+        x = self._f32(x)
+        out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        return self.kernels.linear(x, w, out)
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        x = self._f32(x)
+        D = x.shape[-1]
+        out = self.xp.empty_like(x)
+        self.kernels.rms_norm(x.reshape(-1, D), self._f32(weight), eps, out.reshape(-1, D))
+        return out
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        gate, up = self._f32(gate), self._f32(up)
+        out = self.xp.empty_like(gate)
+        return self.kernels.silu_mul(gate, up, out)
+
+    def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
+               slots: Any, positions: Any, scale: float) -> Any:
+        xp = self.xp
+        q, k, v = self._f32(q), self._f32(k), self._f32(v)
+        slots = xp.ascontiguousarray(slots, dtype=xp.int32)
+        positions = xp.ascontiguousarray(positions, dtype=xp.int32)
+        if q.shape[-1] > MAX_HEAD_DIM:
+            raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
+        kc, vc = kv.k[layer], kv.v[layer]
+        self.kernels.kv_write(k, v, kc, vc, slots, positions)
+        out = xp.empty_like(q)
+        return self.kernels.attention(q, kc, vc, slots, positions, scale, out)
+
+    # -- start-up self check -----------------------------------------------------------
+    def self_check(self) -> str | None:
+        """None when a row computed alone and the same row inside batches of several
+        sizes, at several positions, give the same bits in every kernel; else what
+        differed. Covers every linear kind and kernel variant (row tiles 1..16, 1 and 4
+        columns per warp, the any-K kernel), RMS norm and attention (GQA, a head_dim below
+        and one at 128, rows of other slots and positions around, prefill vs one row)."""
+        rng = np.random.default_rng(1234)
+        batches = (2, 3, 5, 8, 9, 17, 33) if self.emulated else (2, 3, 4, 5, 8, 9, 16, 17, 33, 64)
+        try:
+            return (self._check_linear(rng, batches) or self._check_rms(rng, batches)
+                    or self._check_attention(rng, batches))
+        except Exception as e:  # a kernel that cannot run is a failed check, not a crash
+            return f"self-check raised {_one_line(e)}"
+
+    def _rows_agree(self, name: str, run, k: int, rng, batches) -> str | None:
+        """run(x [B, k] host) -> host rows; compare row alone with the row in batches."""
+        row = rng.standard_normal((1, k), dtype=np.float32)
+        alone = run(row)[0]
+        for B in batches:
+            pos = int(rng.integers(B))
+            x = rng.standard_normal((B, k), dtype=np.float32)
+            x[pos] = row[0]
+            if not np.array_equal(run(x)[pos], alone):
+                return f"{name}: row alone != row {pos} of a batch of {B}"
+        return None
+
+    def _check_linear(self, rng, batches) -> str | None:
+        wide = 8200  # > WIDE_N: the 4-columns-per-warp kernels
+        cases = [(70, 96, "F32"), (70, 96, "F16"), (64, 200, "F16"), (37, 44, "F32"),
+                 (70, 96, "Q8_0"), (70, 128, "Q4_1"), (wide, 64, "F16"), (wide, 32, "Q8_0")]
+        for N, K, qtype in cases:
+            w = rng.standard_normal((N, K), dtype=np.float32)
+            raw = None
+            if qtype in KEPT_QUANT:
+                from gguf import quants, GGMLQuantizationType
+
+                qt = getattr(GGMLQuantizationType, qtype)
+                blocks = quants.quantize(w, qt)
+                w = quants.dequantize(blocks, qt).astype(np.float32)
+                raw = (blocks, qtype)
+            pw = self.linear_weight(w, qtype, raw)
+            bs = batches if N < 1000 else batches[:3] + (17,)
+
+            def run(x, pw=pw):
+                return self.to_numpy(self.linear(self.asarray(x), pw))
+
+            err = self._rows_agree(f"linear {pw.kind} N={N} K={K}", run, K, rng, bs)
+            if err:
+                return err
+        return None
+
+    def _check_rms(self, rng, batches) -> str | None:
+        D = 300  # a tail past the 256 threads
+        wt = self.asarray(rng.standard_normal(D, dtype=np.float32))
+
+        def run(x):
+            return self.to_numpy(self.rms_norm(self.asarray(x), wt, 1e-5))
+
+        return self._rows_agree("rms_norm D=300", run, D, rng, batches)
+
+    def _check_attention(self, rng, batches) -> str | None:
+        for S, G, C, D, H in ((4, 2, 80, 40, 6), (3, 1, 300, 128, 2)):
+            kv = self.new_kv(S, 1, G, C, D)
+            kv.k[0][...] = self.asarray(rng.standard_normal((S, G, C, D), dtype=np.float32))
+            kv.v[0][...] = self.asarray(rng.standard_normal((S, G, C, D), dtype=np.float32))
+            slot, p = 1, C - 43
+            q1 = rng.standard_normal((1, H, D), dtype=np.float32)
+            kn = rng.standard_normal((1, G, D), dtype=np.float32)
+            vn = rng.standard_normal((1, G, D), dtype=np.float32)
+
+            def run(q, k, v, slots, poss, kv=kv, D=D):
+                out = self.attend(kv, 0, self.asarray(q), self.asarray(k), self.asarray(v),
+                                  self.asarray(np.asarray(slots, np.int32)),
+                                  self.asarray(np.asarray(poss, np.int32)), D ** -0.5)
+                return self.to_numpy(out)
+
+            alone = run(q1, kn, vn, [slot], [p])[0]
+            for B in batches:
+                pos = int(rng.integers(B))
+                q = rng.standard_normal((B, H, D), dtype=np.float32)
+                k = rng.standard_normal((B, G, D), dtype=np.float32)
+                v = rng.standard_normal((B, G, D), dtype=np.float32)
+                slots = rng.choice([s for s in range(S) if s != slot], B)  # others write elsewhere
+                poss = rng.integers(0, C, B)
+                q[pos], k[pos], v[pos], slots[pos], poss[pos] = q1[0], kn[0], vn[0], slot, p
+                if not np.array_equal(run(q, k, v, slots, poss)[pos], alone):
+                    return f"attention D={D}: row alone != row {pos} of a batch of {B}"
+            # prefill rows (one slot, consecutive positions) vs the same rows one at a time
+            n = 24
+            qp = rng.standard_normal((n, H, D), dtype=np.float32)
+            kp = rng.standard_normal((n, G, D), dtype=np.float32)
+            vp = rng.standard_normal((n, G, D), dtype=np.float32)
+            poss = np.arange(7, 7 + n)
+            full = run(qp, kp, vp, np.zeros(n, np.int32), poss)
+            for i in (0, 11, n - 1):  # the cache already holds every prefill row's K, V
+                one = run(qp[i:i + 1], kp[i:i + 1], vp[i:i + 1], [0], [poss[i]])[0]
+                if not np.array_equal(full[i], one):
+                    return f"attention D={D}: prefill row {i} != the same row computed alone"
+        return None
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest distance in float32 units in the last place between a and b."""
+    ia = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+    ib = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)  # monotone integer order
+    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return int(np.abs(ia - ib).max()) if ia.size else 0
+
+
+def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[str]:
+    """Run every kernel (each linear variant: row tiles 1..16, 1 and 4 columns per warp,
+    the any-K kernel; RMS norm; SiLU; the KV write; attention) on `backend` and on the
+    numpy emulation with the same inputs; return one line per result that is not bit for
+    bit identical (empty: the device computes exactly the documented contract)."""
+    emu = CupyBackend.emulated_on_cpu(backend.float_weights)
+    rng = np.random.default_rng(seed)
+    problems: list[str] = []
+
+    def same(name: str, got: Any, want: np.ndarray) -> None:
+        got = backend.to_numpy(got)
+        if got.shape != want.shape:
+            problems.append(f"{name}: shape {got.shape} != {want.shape}")
+        elif not np.array_equal(got.view(np.uint32), np.asarray(want, np.float32).view(np.uint32)):
+            n = int((got.view(np.uint32) != want.view(np.uint32)).sum())
+            problems.append(f"{name}: {n} of {got.size} values differ, up to {_ulps(got, want)} ulp")
+
+    from gguf import GGMLQuantizationType, quants
+
+    linear_cases = [(1, 40, 64), (2, 70, 96), (3, 33, 288), (4, 9000, 64), (8, 70, 4096),
+                    (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77)]
+    for qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0"):
+        for M, N, K in linear_cases:
+            if qtype in KEPT_QUANT and K % 32:
+                continue
+            w = rng.standard_normal((N, K), dtype=np.float32)
+            raw = None
+            if qtype in KEPT_QUANT:
+                qt = getattr(GGMLQuantizationType, qtype)
+                blocks = quants.quantize(w, qt)
+                w, raw = quants.dequantize(blocks, qt).astype(np.float32), (blocks, qtype)
+            x = rng.standard_normal((M, K), dtype=np.float32)
+            pw, ew = backend.linear_weight(w, qtype, raw), emu.linear_weight(w, qtype, raw)
+            same(f"linear {qtype} M={M} N={N} K={K}", backend.linear(backend.asarray(x), pw),
+                 emu.linear(x, ew))
+    for R, D in ((5, 300), (3, 4096), (1, 64)):
+        x = rng.standard_normal((R, D), dtype=np.float32) * 3
+        wt = rng.standard_normal(D, dtype=np.float32)
+        same(f"rms_norm R={R} D={D}", backend.rms_norm(backend.asarray(x), backend.asarray(wt), 1e-6),
+             emu.rms_norm(x, wt, 1e-6))
+    g = np.concatenate([np.linspace(-120, 120, 4001, dtype=np.float32),
+                        rng.standard_normal(6000, dtype=np.float32) * 4])
+    u = rng.standard_normal(g.size, dtype=np.float32)
+    same("silu_mul", backend.silu_mul(backend.asarray(g), backend.asarray(u)), emu.silu_mul(g, u))
+    for S, G, C, D, H, R in ((4, 2, 80, 40, 6, 7), (3, 1, 300, 128, 2, 5), (2, 2, 700, 64, 8, 9)):
+        kvs = []
+        for be in (backend, emu):
+            kv = be.new_kv(S, 1, G, C, D)
+            kvs.append(kv)
+        init_k = rng.standard_normal((S, G, C, D), dtype=np.float32)
+        init_v = rng.standard_normal((S, G, C, D), dtype=np.float32)
+        kvs[0].k[0][...] = backend.asarray(init_k)
+        kvs[0].v[0][...] = backend.asarray(init_v)
+        kvs[1].k[0][...] = init_k
+        kvs[1].v[0][...] = init_v
+        pairs = rng.choice(S * C, R, replace=False)  # distinct (slot, position) per row
+        slots, poss = (pairs // C).astype(np.int32), (pairs % C).astype(np.int32)
+        poss[0] = C - 1  # the longest key range
+        q = rng.standard_normal((R, H, D), dtype=np.float32) * 2
+        k = rng.standard_normal((R, G, D), dtype=np.float32)
+        v = rng.standard_normal((R, G, D), dtype=np.float32)
+        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R}"
+        got = backend.attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
+                             backend.asarray(slots), backend.asarray(poss), D ** -0.5)
+        want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5)
+        same(name, got, want)
+        same(name + " K cache", kvs[0].k[0], kvs[1].k[0])
+        same(name + " V cache", kvs[0].v[0], kvs[1].v[0])
+    return problems
