@@ -42,9 +42,9 @@ class ArrayBackend(Backend):
         ms = xp.mean(x * x, axis=-1, keepdims=True, dtype=xp.float32)
         return x * (1.0 / xp.sqrt(ms + xp.float32(eps))) * weight
 
-    def rope(self, x: Array, positions: Array, style: str) -> Array:
-        cos = self._rope_cos[positions][:, None, :]  # (R, 1, rope_dim/2)
-        sin = self._rope_sin[positions][:, None, :]
+    def rope(self, x: Array, positions: Array, style: str, tables: tuple[Array, Array]) -> Array:
+        cos = tables[0][positions][:, None, :]  # (R, 1, rope_dim/2)
+        sin = tables[1][positions][:, None, :]
         half = cos.shape[-1]
         out = x.copy()
         if style == "neox":  # rotate the first half against the second

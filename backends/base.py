@@ -61,8 +61,9 @@ class Backend(ABC):
         """x / sqrt(mean(x^2) + eps) * weight, per row."""
 
     @abstractmethod
-    def rope(self, x: Array, positions: Array, style: str) -> Array:
-        """Rotary embedding of x [R, H, hd] at `positions` [R]; style 'normal' or 'neox'."""
+    def rope(self, x: Array, positions: Array, style: str, tables: tuple[Array, Array]) -> Array:
+        """Rotary embedding of x [R, H, hd] at `positions` [R]; style 'normal' or 'neox';
+        `tables` = (cos, sin) [max_pos, rope_dim/2] from `rope_tables`."""
 
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:
@@ -82,15 +83,16 @@ class Backend(ABC):
     def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
         """Copy the first n_tokens cached positions of slot src into slot dst."""
 
-    def set_rope(self, rope_dim: int, base: float, max_pos: int,
-                 freq_factors: np.ndarray | None = None) -> None:
-        """Precompute rotary tables once at load."""
+    def rope_tables(self, rope_dim: int, base: float, max_pos: int,
+                    freq_factors: np.ndarray | None = None) -> tuple[Array, Array]:
+        """Rotary (cos, sin) tables [max_pos, rope_dim/2], computed once at load (float64
+        angles, stored float32 on the device); the model owns them."""
         inv = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
         if freq_factors is not None:
             inv = inv / freq_factors.astype(np.float64)
         angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # (P, rope_dim/2)
-        self._rope_cos = self.asarray(np.cos(angles).astype(np.float32))
-        self._rope_sin = self.asarray(np.sin(angles).astype(np.float32))
+        return (self.asarray(np.cos(angles).astype(np.float32)),
+                self.asarray(np.sin(angles).astype(np.float32)))
 
     def self_check(self) -> str | None:
         """None when rows are batch-invariant on this device, else what differed."""

@@ -198,9 +198,9 @@ class MLXBackend(Backend):
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         return mx.fast.rms_norm(x, weight, eps)
 
-    def rope(self, x: Array, positions: Array, style: str) -> Array:
-        cos = self._rope_cos[positions][:, None, :]  # (R, 1, rope_dim/2)
-        sin = self._rope_sin[positions][:, None, :]
+    def rope(self, x: Array, positions: Array, style: str, tables: tuple[Array, Array]) -> Array:
+        cos = tables[0][positions][:, None, :]  # (R, 1, rope_dim/2)
+        sin = tables[1][positions][:, None, :]
         half = cos.shape[-1]
         rest = x[..., 2 * half:]
         if style == "neox":

@@ -58,6 +58,7 @@ class Model:
     output_norm: Any
     output: Any
     layers: list[Layer]
+    rope: tuple = ()  # (cos, sin) tables on the backend
     load_seconds: float = 0.0
     weight_bytes: int = 0
     qtypes: dict[str, int] = field(default_factory=dict)
@@ -113,10 +114,10 @@ class Model:
         output = lin("output.weight", out_w) if out_w is not None else lin("token_embd.weight", embd)
         nbytes += embd.nbytes
         freq_factors = tensor("rope_freqs.weight", required=False)
-        backend.set_rope(args.rope_dim, args.rope_base, max_positions or args.context_length,
-                         freq_factors)
+        rope = backend.rope_tables(args.rope_dim, args.rope_base, max_positions or args.context_length,
+                                   freq_factors)
         return cls(args, backend, backend.asarray(embd), vec("output_norm.weight"), output, layers,
-                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, qtypes=qtypes)
+                   rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, qtypes=qtypes)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
         """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
@@ -132,8 +133,8 @@ class Model:
             q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
             k = _biased(be.linear(h, L.attn_k), L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
             v = _biased(be.linear(h, L.attn_v), L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
-            q = be.rope(q, positions, a.rope_style)
-            k = be.rope(k, positions, a.rope_style)
+            q = be.rope(q, positions, a.rope_style, self.rope)
+            k = be.rope(k, positions, a.rope_style, self.rope)
             o = be.attend(kv, i, q, k, v, slots, positions, scale)  # (R, n_head, hd)
             x = x + be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)

@@ -32,7 +32,6 @@ optional parts (reported as SKIP) if the time runs out.
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import os
 import platform
@@ -387,9 +386,9 @@ def tiny_models(rep: Report, be, tmp: Path) -> list:
             path = tmp / f"tiny-{arch}-{qtype}-{len(shape)}.gguf"
             weights = write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3, **shape)
             gf = GGUFFile.open(path)
-            gm = Model.load(gf, copy.copy(be), max_positions=64)  # rope tables live on the backend:
-            em = Model.load(gf, CupyBackend.emulated_on_cpu(), max_positions=64)  # one per model
-            nm = Model.load(gf, copy.copy(nb), max_positions=64)
+            gm = Model.load(gf, be, max_positions=64)
+            em = Model.load(gf, CupyBackend.emulated_on_cpu(), max_positions=64)
+            nm = Model.load(gf, nb, max_positions=64)
             tokens = np.random.default_rng(1).integers(0, gm.args.vocab_size, 23).tolist()
             ref = reference_logits(weights, arch, tokens)
             exact, worst_ref = True, 0.0
@@ -450,7 +449,7 @@ def real_width(rep: Report, be, tmp: Path, cases=MID) -> list:
             path = tmp / f"mid-{arch}.gguf"
             weights = write_tiny_gguf(path, arch, qtype=qtype, tied=True, seed=5, **shape)
             gf = GGUFFile.open(path)
-            gm = Model.load(gf, copy.copy(be), max_positions=64)
+            gm = Model.load(gf, be, max_positions=64)
             nm = Model.load(gf, NumpyBackend(), max_positions=64)
             tokens = np.random.default_rng(2).integers(0, gm.args.vocab_size, 12).tolist()
             ref = reference_logits(weights, arch, tokens)
@@ -531,7 +530,7 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -
             write_synthetic(path, spec, n_layer)
             t_write = time.perf_counter() - t
             t = time.perf_counter()
-            model = Model.load(GGUFFile.open(path), copy.copy(be), max_positions=1024)
+            model = Model.load(GGUFFile.open(path), be, max_positions=1024)
             t_load = time.perf_counter() - t
             path.unlink()
             lin = [model.output] + [getattr(L, n) for L in model.layers for n in

@@ -77,8 +77,7 @@ def test_inverse_gemm_kernel_breaks_invariance(model):
     """With OpenBLAS GEMM for the matmuls, the same comparison finds differences, and the
     start-up self-check notices: proof that the tests above can fail."""
     gemm = Model(model.args, GemmBackend(kernels="gemv"), model.token_embd, model.output_norm,
-                 model.output, model.layers)
-    gemm.backend._rope_cos, gemm.backend._rope_sin = model.backend._rope_cos, model.backend._rope_sin
+                 model.output, model.layers, rope=model.rope)
     alone = [_run(gemm, _kv(gemm, 1), [p], 4, 0)[0] for p in PROMPTS]
     together = _run(gemm, _kv(gemm, 6), PROMPTS + EXTRA, 4, 3)
     differs = any(not np.array_equal(alone[i][s], together[i][s]) for i in range(4) for s in range(5))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from panechat.engine.engine import Engine, EngineConfig, PromptTooLong, QueueFull
-from panechat.engine.events import FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.events import PrefillEvent, TokenEvent
 from panechat.engine.sampling import SamplingParams
 
 QUESTIONS = ["Name a fruit.", "Why is the sky blue?", "Write a haiku about the sea.",
