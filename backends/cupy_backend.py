@@ -34,9 +34,10 @@ import numpy as np
 from . import BackendUnavailable
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, EmulatedModule, Kernels, build_module
+from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 
 # GGUF types kept quantized on the device: bytes per block of 32 weights
-KEPT_QUANT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+KEPT_QUANT = BLOCK_BYTES
 F16_MAX = 65504.0
 
 
@@ -61,35 +62,13 @@ class CupyWeight:
         return (self.n, self.k)
 
 
-def q8_from_gguf(blocks: np.ndarray, qtype: str, n: int, k: int):
-    """GGUF Q8_0 / Q4_0 / Q4_1 blocks [n, k/32 * bytes] -> (q int8 [n, k], d float32
-    [n, k/32], m float32 [n, k/32] or None) with w = q*d (+ m)."""
-    nb = KEPT_QUANT[qtype]
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // 32, nb)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if qtype == "Q8_0":
-        return np.ascontiguousarray(b[..., 2:].copy().view(np.int8).reshape(n, k)), d, None
-    if qtype == "Q4_1":
-        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = b[..., 4:20]
-    else:
-        m, qs = None, b[..., 2:18]
-    # GGML: byte j holds element j (low nibble) and element j + 16 (high nibble)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
-    if qtype == "Q4_0":
-        q -= 8
-    return np.ascontiguousarray(q.reshape(n, k)), d, m
-
-
 def prepare_weight(w: np.ndarray, qtype: str = "F32", raw: Any = None,
                    float_weights: str = "f16") -> CupyWeight:
     """The host-side form of a weight for the kernels (numpy arrays; see module doc)."""
     n, k = w.shape
-    if raw is not None and qtype in KEPT_QUANT and k % 32 == 0:
-        blocks, raw_type = raw
-        if raw_type == qtype:
-            q, d, m = q8_from_gguf(blocks, qtype, n, k)
-            return CupyWeight("q8", n, k, q, d, m)
+    if kept_quantized(qtype, raw, k):
+        q, d, m = unpack(raw[0], qtype, n, k)
+        return CupyWeight("q8", n, k, q, d, m)
     w = np.ascontiguousarray(w, dtype=np.float32)
     if qtype == "F32" or float_weights == "f32":
         return CupyWeight("f32", n, k, w)

@@ -44,6 +44,7 @@ import numpy as np
 import mlx.core as mx
 
 from .base import Array, Backend
+from .gguf_blocks import unpack
 
 GROUP = 32  # GGUF block size == MLX affine group size
 TILE = 32  # "tile" policy: rows padded to a multiple of this
@@ -51,7 +52,7 @@ POLICIES = ("rowwise", "tile", "plain")
 ATTN_BLOCK = 128  # attention key lengths are rounded up to a multiple of this
 
 # (bytes per block, bits) of the GGUF types kept quantized
-_AFFINE = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+_AFFINE = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # bits per weight in MLX
 
 
 @dataclass
@@ -86,24 +87,16 @@ class MLXKV:
 def affine_from_gguf(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, ...]:
     """GGUF Q4_0/Q4_1/Q8_0 blocks [n, k/32 * block bytes] -> MLX affine (w_q uint32
     [n, k*bits/32], scales float32 [n, k/32], biases float32 [n, k/32], bits)."""
-    nbytes, bits = _AFFINE[qtype]
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // GROUP, nbytes)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if qtype == "Q8_0":
-        q = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128  # 0..255
-        packed = q.astype(np.uint8).reshape(n, k)
-        return packed.view(np.uint32), d, np.float32(-128.0) * d, bits
-    if qtype == "Q4_1":
-        bias = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = b[..., 4:20]
-    else:  # Q4_0
-        bias = np.float32(-8.0) * d
-        qs = b[..., 2:18]
-    # GGML: byte j holds element j (low nibble) and element j+16 (high nibble);
+    q, d, m = unpack(blocks, qtype, n, k)
+    bits = _AFFINE[qtype]
+    offset = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 0}[qtype]  # MLX stores unsigned values
+    vals = (q.astype(np.int16) + offset).astype(np.uint8)  # [n, k] in order
+    bias = m if m is not None else np.float32(-offset) * d
+    if bits == 8:
+        return vals.view(np.uint32), d, bias, bits
     # MLX: element i sits at bits 4*(i%8) of uint32 word i//8 (little endian).
-    vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, groups, 32] in order
-    packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8).reshape(n, k // 2)
-    return packed.view(np.uint32), d, bias, bits
+    packed = (vals[:, 0::2] | (vals[:, 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(packed).view(np.uint32), d, bias, bits
 
 
 class MLXBackend(Backend):

@@ -3,16 +3,42 @@
 Kernel policy: OpenBLAS sgemm is fast but its rows are not batch-invariant (an output
 row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
-arithmetic is fixed by the source. Elementwise ops and per-row reductions use numpy.
+arithmetic is fixed by the source. Q8_0/Q4_0/Q4_1 weights stay quantized (int8 plus a
+scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32 and
+bit-identical to the float32 kernel on the dequantized weights. Elementwise ops and
+per-row reductions use numpy (`ArrayBackend`).
+
+`PANECHAT_NUMPY_KERNELS=gemv` selects the slower stacked-GEMV reference policy
+(OpenBLAS gemv per row), for comparison in benchmarks.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
+from .gguf_blocks import kept_quantized, unpack
+
+
+@dataclass
+class QuantWeight:
+    """w[n, k] = q[n, k] * scales[n, k // 32] (+ mins[n, k // 32])."""
+
+    q: np.ndarray  # int8 [N, K]
+    scales: np.ndarray  # float32 [N, K/32]
+    mins: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
 
 
 class NumpyBackend(ArrayBackend):
@@ -20,22 +46,31 @@ class NumpyBackend(ArrayBackend):
 
     name = "numpy"
 
-    def __init__(self, kernels: str = "auto"):
+    wants_raw = True
+
+    def __init__(self, kernels: str | None = None):
+        kernels = kernels or os.environ.get("PANECHAT_NUMPY_KERNELS", "numba")
         self.kernels = _load_kernels() if kernels != "gemv" else None
 
     def describe(self) -> str:
         threads = os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count()
-        policy = "numba row-invariant kernels" if self.kernels else "stacked GEMV (OpenBLAS)"
+        policy = ("numba row-invariant kernels, Q8_0/Q4_0/Q4_1 kept quantized" if self.kernels
+                  else "stacked GEMV (OpenBLAS gemv per row)")
         return f"numpy on CPU ({threads} threads), {policy}"
 
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32") -> np.ndarray:
+    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> np.ndarray | QuantWeight:
+        if self.kernels is not None and kept_quantized(qtype, raw, w.shape[1]):
+            return QuantWeight(*unpack(raw[0], qtype, *w.shape))
         return np.ascontiguousarray(w, dtype=np.float32)
 
-    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
         if self.kernels is not None:
             out = np.empty((x.shape[0], w.shape[0]), np.float32)
-            self.kernels.linear(x, w, out)
+            if isinstance(w, QuantWeight):
+                self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
+            else:
+                self.kernels.linear(x, w, out)
             return out
         # A stacked GEMV: one BLAS gemv per row, identical to the row computed alone.
         return np.matmul(w, x[:, :, None])[:, :, 0]

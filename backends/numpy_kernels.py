@@ -1,0 +1,886 @@
+"""Batch-invariant CPU kernels (numba) for the numpy backend.
+
+Why this module exists
+----------------------
+panechat promises that batching never changes an answer: a row's logits must be
+bit-for-bit identical whether it is decoded alone or beside 1..31 other rows, at
+any row position.  OpenBLAS ``x @ w.T`` breaks that promise: sgemm picks
+different micro-kernels, blockings and summation orders depending on M and on
+where a row falls inside a tile, so the same row yields different bits in
+different batches.  A stacked GEMV (``np.matmul(w, x[:, :, None])``) is
+invariant but re-reads every weight once per row, which is far too slow.
+
+The kernels below fix each output element's arithmetic in the source code:
+
+* Dot products use ``LANES`` (16) independent partial sums: lane ``l``
+  accumulates ``x[k] * w[k]`` for ``k = c*16 + l`` in increasing ``c``
+  (a rounded multiply, then a rounded add), the lanes are combined by a fixed
+  halving tree (8, 4, 2, 1), and a K tail (``K % 16``) is then added
+  sequentially.  This is written with explicit ``<16 x float>`` LLVM vectors
+  (see the SIMD vocabulary below) and compiled WITHOUT fast-math, so LLVM may
+  not reassociate and no FMA contraction happens.
+* Work is split over output columns (and over (row, kv-head) in attention);
+  register tiles of several rows x columns only change which elements are
+  computed together, never how one element is computed.  So a row's bits do
+  not depend on M, on its position, on the tile that handled it, on the
+  thread count -- nor on the ISA: AVX-512, AVX2 and generic x86-64 builds
+  give identical bits (verified with NUMBA_CPU_NAME=haswell / generic).
+* Attention computes every (row, head) from its own q, K and V with the same
+  lane scheme for q . k, a fixed-order max, an explicit polynomial exp (no
+  libm, so also the same everywhere), a fixed-order sum and a weighted V sum
+  accumulated sequentially over positions.
+
+Kernels (all arrays C-contiguous; the wrappers raise ValueError otherwise):
+
+  linear(x f32[M,K], w f32[N,K], out f32[M,N])              out = x @ w.T
+  linear_q8(x, wq i8[N,K], scales f32[N,K/32], out, mins=None)  int8 blocks
+  attention(q f32[R,H,hd], k_cache, v_cache f32[S,G,ctx,hd],
+            row_slot i32[R], row_pos i32[R], scale, out f32[R,H,hd])
+  self_check() -> None | str
+
+``self_check()`` verifies the property on this machine at start-up.
+
+Compilation uses ``cache=True``: the first import on a machine compiles the
+kernels (~15 s for all of them on 2 cores), later processes load them from
+numba's on-disk cache (< 1 s).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic, models, register_model
+
+__all__ = [
+    "LANES",
+    "QBLOCK",
+    "linear",
+    "linear_q8",
+    "quantize_q8",
+    "dequantize_q8",
+    "attention",
+    "self_check",
+]
+
+LANES = 16  # width of the explicit vectors; part of the numerical contract
+QBLOCK = 32  # weights per quantisation block (GGUF Q8_0 / Q4_0 / Q4_1)
+
+_JIT = dict(cache=True, nogil=True)  # never fastmath: it would allow reordering
+
+
+# ---------------------------------------------------------------------------
+# SIMD vocabulary: a numba type backed by the LLVM vector <16 x float>.
+# Every operation is a plain IEEE instruction (no fast-math flags).
+# ---------------------------------------------------------------------------
+
+_VEC = ir.VectorType(ir.FloatType(), LANES)
+_I32 = ir.IntType(32)
+
+
+class _F32Vec(types.Type):
+    def __init__(self):
+        super().__init__(name=f"f32x{LANES}")
+
+
+f32vec = _F32Vec()
+
+
+@register_model(_F32Vec)
+class _F32VecModel(models.PrimitiveModel):
+    """A <16 x float> in registers; a plain [16 x float] (4-byte aligned) in memory.
+
+    The memory form matters when a vector is stored inside a container (list,
+    heap tuple): a <16 x float> there would be assumed 64-byte aligned.
+    """
+
+    _MEM = ir.ArrayType(ir.FloatType(), LANES)
+
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VEC)
+
+    def get_data_type(self):
+        return self._MEM
+
+    def as_data(self, builder, value):
+        arr = ir.Constant(self._MEM, None)
+        for i in range(LANES):
+            arr = builder.insert_value(arr, builder.extract_element(value, ir.Constant(_I32, i)), i)
+        return arr
+
+    def from_data(self, builder, value):
+        vec = ir.Constant(_VEC, None)
+        for i in range(LANES):
+            vec = builder.insert_element(vec, builder.extract_value(value, i), ir.Constant(_I32, i))
+        return vec
+
+
+def _is_c_array(a, dtype):
+    return isinstance(a, types.Array) and a.dtype == dtype and a.layout == "C"
+
+
+def _element_ptr(context, builder, arrty, arr, idxty, idx):
+    data = context.make_array(arrty)(context, builder, arr).data
+    return builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
+
+
+@intrinsic
+def vzero(typingctx):
+    """All-zero vector."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VEC, None)
+
+    return f32vec(), codegen
+
+
+@intrinsic
+def vsplat(typingctx, s):
+    """Vector with every lane equal to the float32 scalar ``s``."""
+    if s != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.insert_element(ir.Constant(_VEC, None), args[0], ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    return f32vec(s), codegen
+
+
+@intrinsic
+def vload(typingctx, arr, i):
+    """Load ``arr.flat[i : i + 16]`` (float32, C-contiguous; no bounds check)."""
+    if not (_is_c_array(arr, types.float32) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        return builder.load(builder.bitcast(p, _VEC.as_pointer()), align=4, typ=_VEC)
+
+    return f32vec(arr, i), codegen
+
+
+@intrinsic
+def vload_i8(typingctx, arr, i):
+    """Load ``arr.flat[i : i + 16]`` (int8, C-contiguous) converted exactly to float32."""
+    if not (_is_c_array(arr, types.int8) and isinstance(i, types.Integer)):
+        return None
+    i8vec = ir.VectorType(ir.IntType(8), LANES)
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        q = builder.load(builder.bitcast(p, i8vec.as_pointer()), align=1, typ=i8vec)
+        return builder.sitofp(q, _VEC)
+
+    return f32vec(arr, i), codegen
+
+
+@intrinsic
+def vstore(typingctx, arr, i, v):
+    """Store ``v`` into ``arr.flat[i : i + 16]`` (float32, C-contiguous)."""
+    if not (_is_c_array(arr, types.float32) and isinstance(i, types.Integer) and v == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        builder.store(args[2], builder.bitcast(p, _VEC.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, v), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, i):
+    """Hint the CPU to fetch arr.flat[i] into cache (never faults, even out of bounds)."""
+    if not (isinstance(arr, types.Array) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        fnty = ir.FunctionType(ir.VoidType(), [ir.PointerType(), _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        read, keep, data = ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)
+        builder.call(fn, [builder.bitcast(p, ir.PointerType()), read, keep, data])
+        return context.get_dummy_value()
+
+    return types.none(arr, i), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    """Lane-wise a + b."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+
+    return f32vec(f32vec, f32vec), codegen
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """Lane-wise a * b."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+
+    return f32vec(f32vec, f32vec), codegen
+
+
+@intrinsic
+def vmac(typingctx, acc, a, b):
+    """Lane-wise acc + a * b, with the product rounded first (never an FMA)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[2]))
+
+    return f32vec(f32vec, f32vec, f32vec), codegen
+
+
+@intrinsic
+def vsum(typingctx, v):
+    """Fixed-tree horizontal sum: lanes l and l+h are added for h = 8, 4, 2, 1."""
+
+    def codegen(context, builder, sig, args):
+        v, h = args[0], LANES // 2
+        while h >= 1:
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+            hi = builder.shuffle_vector(
+                v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, 2 * h)))
+            )
+            v, h = builder.fadd(lo, hi), h // 2
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(f32vec), codegen
+
+
+@intrinsic
+def vsum16(typingctx, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+    """[vsum(v0), ..., vsum(v15)] as one vector, bit-identical to 16 vsum calls.
+
+    The halving tree runs on all 16 vectors at once: at each level two vectors
+    holding the partial lanes of n keys each are shuffled into "first halves"
+    and "second halves" of every key and added, so each key sees exactly the
+    additions vsum performs, at a quarter of the instructions.
+    """
+    vs = (v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+    if any(v != f32vec for v in vs):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vecs, h = list(args), LANES // 2
+        while len(vecs) > 1:
+            keys = LANES // (2 * h)  # keys per input vector, 2h lanes each
+            lo = [i * 2 * h + l for i in range(2 * keys) for l in range(h)]
+            hi = [i + h for i in lo]
+            mask_lo = ir.Constant(ir.VectorType(_I32, LANES), lo)
+            mask_hi = ir.Constant(ir.VectorType(_I32, LANES), hi)
+            vecs = [
+                builder.fadd(
+                    builder.shuffle_vector(a, b, mask_lo), builder.shuffle_vector(a, b, mask_hi)
+                )
+                for a, b in zip(vecs[0::2], vecs[1::2])
+            ]
+            h //= 2
+        return vecs[0]
+
+    return f32vec(*vs), codegen
+
+
+@intrinsic
+def _i32_bits_as_f32(typingctx, i):
+    """float32 whose bit pattern is the low 32 bits of integer i."""
+    if not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = context.cast(builder, args[0], sig.args[0], types.int32)
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(i), codegen
+
+
+# ---------------------------------------------------------------------------
+# linear: out[M, N] = x[M, K] @ w[N, K].T
+# A "weight loader" returns the float32 vector w[n, k : k + 16]; the f32 and
+# the quantised kernels share the tile code and differ only in the loader.
+# ---------------------------------------------------------------------------
+
+# Register tiles: tile shape never changes an element's arithmetic, so it may be
+# chosen per ISA.  With 32 vector registers (AVX-512) a 4x6 tile keeps 24
+# accumulators in registers (measured faster than 4x4, 6x4, 4x8, 2x4, 1x8 at
+# M = 8..32); with 16 (AVX2, where a 16-lane vector takes two registers) one
+# row x 6 columns measured best (vs 1x4, 2x2, 2x3, 3x2, 4x4).
+TILE_N = 6  # output columns per tile
+
+
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for AVX-512 (honours NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
+    feats = config.CPU_FEATURES
+    if feats is None:
+        feats = llvm.get_host_cpu_features().flatten()
+    return "+avx512f" in feats.split(",")
+
+
+_WIDE = _target_has_avx512()
+_STREAM_MAX_ROWS = 32  # up to this M: one tile of columns per task, prefetching the next
+_COLS_PER_TASK = 96  # above it: columns one task walks (the w panel stays in L2, x does not fit)
+
+
+@njit(inline="always", **_JIT)
+def _load_f32(w, ws, wm, n, k):
+    """Weight vector w[n, k:k+16] of an f32 matrix (ws, wm unused)."""
+    return vload(w, n * w.shape[1] + k)
+
+
+@njit(inline="always", **_JIT)
+def _load_q8(w, ws, wm, n, k):
+    """Dequantised w[n, k:k+16] = q * d for int8 blocks of 32 (Q8_0, Q4_0)."""
+    return vmul(vload_i8(w, n * w.shape[1] + k), vsplat(ws[n, k // 32]))
+
+
+@njit(inline="always", **_JIT)
+def _load_q8_offset(w, ws, wm, n, k):
+    """Dequantised w[n, k:k+16] = q * d + m for int8 blocks of 32 (Q4_1)."""
+    b = k // 32
+    return vadd(vmul(vload_i8(w, n * w.shape[1] + k), vsplat(ws[n, b])), vsplat(wm[n, b]))
+
+
+@njit(inline="always", **_JIT)
+def _prefetch_next_tile(w, n, k, pf):
+    """When streaming weights from DRAM, prefetch the next tile's rows at column k."""
+    if pf:
+        K = w.shape[1]
+        for j in range(TILE_N, 2 * TILE_N):
+            prefetch(w, (n + j) * K + k)
+
+
+@njit(inline="always", **_JIT)
+def _tile_4x6(x, w, ws, wm, out, m, n, kv, load, pf):
+    """out[m:m+4, n:n+6]: 24 vector accumulators, each weight vector used 4 times."""
+    K = x.shape[1]
+    x0, x1, x2, x3 = m * K, (m + 1) * K, (m + 2) * K, (m + 3) * K
+    a00 = a01 = a02 = a03 = a04 = a05 = a10 = a11 = a12 = a13 = a14 = a15 = vzero()
+    a20 = a21 = a22 = a23 = a24 = a25 = a30 = a31 = a32 = a33 = a34 = a35 = vzero()
+    for k in range(0, kv, LANES):
+        _prefetch_next_tile(w, n, k, pf)
+        w0, w1, w2 = load(w, ws, wm, n, k), load(w, ws, wm, n + 1, k), load(w, ws, wm, n + 2, k)
+        w3, w4, w5 = load(w, ws, wm, n + 3, k), load(w, ws, wm, n + 4, k), load(w, ws, wm, n + 5, k)
+        v = vload(x, x0 + k)
+        a00, a01, a02 = vmac(a00, v, w0), vmac(a01, v, w1), vmac(a02, v, w2)
+        a03, a04, a05 = vmac(a03, v, w3), vmac(a04, v, w4), vmac(a05, v, w5)
+        v = vload(x, x1 + k)
+        a10, a11, a12 = vmac(a10, v, w0), vmac(a11, v, w1), vmac(a12, v, w2)
+        a13, a14, a15 = vmac(a13, v, w3), vmac(a14, v, w4), vmac(a15, v, w5)
+        v = vload(x, x2 + k)
+        a20, a21, a22 = vmac(a20, v, w0), vmac(a21, v, w1), vmac(a22, v, w2)
+        a23, a24, a25 = vmac(a23, v, w3), vmac(a24, v, w4), vmac(a25, v, w5)
+        v = vload(x, x3 + k)
+        a30, a31, a32 = vmac(a30, v, w0), vmac(a31, v, w1), vmac(a32, v, w2)
+        a33, a34, a35 = vmac(a33, v, w3), vmac(a34, v, w4), vmac(a35, v, w5)
+    _store6(out, m, n, a00, a01, a02, a03, a04, a05)
+    _store6(out, m + 1, n, a10, a11, a12, a13, a14, a15)
+    _store6(out, m + 2, n, a20, a21, a22, a23, a24, a25)
+    _store6(out, m + 3, n, a30, a31, a32, a33, a34, a35)
+
+
+@njit(inline="always", **_JIT)
+def _tile_2x6(x, w, ws, wm, out, m, n, kv, load, pf):
+    """out[m:m+2, n:n+6]."""
+    K = x.shape[1]
+    x0, x1 = m * K, (m + 1) * K
+    a00 = a01 = a02 = a03 = a04 = a05 = a10 = a11 = a12 = a13 = a14 = a15 = vzero()
+    for k in range(0, kv, LANES):
+        _prefetch_next_tile(w, n, k, pf)
+        w0, w1, w2 = load(w, ws, wm, n, k), load(w, ws, wm, n + 1, k), load(w, ws, wm, n + 2, k)
+        w3, w4, w5 = load(w, ws, wm, n + 3, k), load(w, ws, wm, n + 4, k), load(w, ws, wm, n + 5, k)
+        v = vload(x, x0 + k)
+        a00, a01, a02 = vmac(a00, v, w0), vmac(a01, v, w1), vmac(a02, v, w2)
+        a03, a04, a05 = vmac(a03, v, w3), vmac(a04, v, w4), vmac(a05, v, w5)
+        v = vload(x, x1 + k)
+        a10, a11, a12 = vmac(a10, v, w0), vmac(a11, v, w1), vmac(a12, v, w2)
+        a13, a14, a15 = vmac(a13, v, w3), vmac(a14, v, w4), vmac(a15, v, w5)
+    _store6(out, m, n, a00, a01, a02, a03, a04, a05)
+    _store6(out, m + 1, n, a10, a11, a12, a13, a14, a15)
+
+
+@njit(inline="always", **_JIT)
+def _tile_1x6(x, w, ws, wm, out, m, n, kv, load, pf):
+    """out[m, n:n+6]: one row against six weight rows."""
+    x0 = m * x.shape[1]
+    a0 = a1 = a2 = a3 = a4 = a5 = vzero()
+    for k in range(0, kv, LANES):
+        _prefetch_next_tile(w, n, k, pf)
+        v = vload(x, x0 + k)
+        a0, a1 = vmac(a0, v, load(w, ws, wm, n, k)), vmac(a1, v, load(w, ws, wm, n + 1, k))
+        a2, a3 = vmac(a2, v, load(w, ws, wm, n + 2, k)), vmac(a3, v, load(w, ws, wm, n + 3, k))
+        a4, a5 = vmac(a4, v, load(w, ws, wm, n + 4, k)), vmac(a5, v, load(w, ws, wm, n + 5, k))
+    _store6(out, m, n, a0, a1, a2, a3, a4, a5)
+
+
+@njit(inline="always", **_JIT)
+def _tile_1x1(x, w, ws, wm, out, m, n, kv, load):
+    """out[m, n] alone (leftover columns when N % 6 != 0)."""
+    x0 = m * x.shape[1]
+    a = vzero()
+    for k in range(0, kv, LANES):
+        a = vmac(a, vload(x, x0 + k), load(w, ws, wm, n, k))
+    out[m, n] = vsum(a)
+
+
+@njit(inline="always", **_JIT)
+def _store6(out, m, n, a0, a1, a2, a3, a4, a5):
+    out[m, n], out[m, n + 1], out[m, n + 2] = vsum(a0), vsum(a1), vsum(a2)
+    out[m, n + 3], out[m, n + 4], out[m, n + 5] = vsum(a3), vsum(a4), vsum(a5)
+
+
+@njit(inline="always", **_JIT)
+def _column_panel(x, w, ws, wm, out, n0, n1, load, pf):
+    """All rows of out[:, n0:n1] over k < kv (K rounded down to 16 lanes)."""
+    M, K = x.shape
+    kv = K - K % LANES
+    n6 = n0 + (n1 - n0) // TILE_N * TILE_N
+    m = 0
+    if _WIDE:
+        while m + 4 <= M:
+            for n in range(n0, n6, TILE_N):
+                _tile_4x6(x, w, ws, wm, out, m, n, kv, load, pf)
+            m += 4
+        if m + 2 <= M:
+            for n in range(n0, n6, TILE_N):
+                _tile_2x6(x, w, ws, wm, out, m, n, kv, load, pf)
+            m += 2
+    for mr in range(m, M):
+        for n in range(n0, n6, TILE_N):
+            _tile_1x6(x, w, ws, wm, out, mr, n, kv, load, pf)
+    for mr in range(M):
+        for n in range(n6, n1):
+            _tile_1x1(x, w, ws, wm, out, mr, n, kv, load)
+
+
+@njit(inline="always", **_JIT)
+def _linear_driver(x, w, ws, wm, out, load):
+    """Parallel over column panels of the output.
+
+    Up to _STREAM_MAX_ROWS rows each task is one 6-column tile: weights stream
+    from DRAM once (prefetched a tile ahead) and are reused from L1 by every
+    row block.  For long prefills x no longer fits in cache, so tasks walk
+    wider panels whose weights stay in L2 while x streams through.
+    """
+    M = x.shape[0]
+    N = out.shape[1]
+    stream = M <= _STREAM_MAX_ROWS
+    cols = TILE_N if stream else _COLS_PER_TASK
+    for p in prange((N + cols - 1) // cols):
+        n0 = p * cols
+        _column_panel(x, w, ws, wm, out, n0, min(n0 + cols, N), load, stream)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_f32(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_f32)
+    M, K = x.shape
+    kv = K - K % LANES
+    if kv != K:  # add the K % 16 leftover products, sequentially in k
+        for m in prange(M):
+            for n in range(w.shape[0]):
+                s = out[m, n]
+                for k in range(kv, K):
+                    s = s + x[m, k] * w[n, k]
+                out[m, n] = s
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q8(x, wq, scales, out):
+    _linear_driver(x, wq, scales, scales, out, _load_q8)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q8_offset(x, wq, scales, mins, out):
+    _linear_driver(x, wq, scales, mins, out, _load_q8_offset)
+
+
+def _require(name, a, dtype, ndim):
+    """Raise ValueError unless a is a C-contiguous ndarray of dtype with ndim dims."""
+    ok = isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim
+    if not (ok and a.flags.c_contiguous):
+        got = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype)} array, {ndim}-d; got {got}")
+
+
+def _check_linear(x, w, wdtype, out):
+    _require("x", x, np.float32, 2)
+    _require("w", w, wdtype, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or out.shape != (M, N):
+        raise ValueError(f"linear: shapes x{x.shape} w{w.shape} out{out.shape} do not match")
+
+
+def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ w[N, K].T, batch-invariant per row.
+
+    All three arrays float32 and C-contiguous (else ValueError).  Returns ``out``.
+    """
+    _check_linear(x, w, np.float32, out)
+    _linear_f32(x, w, out)
+    return out
+
+
+def linear_q8(
+    x: np.ndarray,
+    wq: np.ndarray,
+    scales: np.ndarray,
+    out: np.ndarray,
+    mins: np.ndarray | None = None,
+) -> np.ndarray:
+    """out = x @ W.T with W[n, k] = wq[n, k] * scales[n, k // 32] (+ mins[n, k // 32]).
+
+    x float32 [M, K]; wq int8 [N, K]; scales (and mins) float32 [N, K // 32];
+    out float32 [M, N]; all C-contiguous, K a multiple of 32.  Q8_0 and Q4_0
+    (q - 8) use scales only, Q4_1 adds mins.  The result is bit-identical to
+    ``linear(x, dequantize_q8(wq, scales, mins), out)``: the same per-element
+    operation order, with the weights dequantised in registers.
+    """
+    _check_linear(x, wq, np.int8, out)
+    _require("scales", scales, np.float32, 2)
+    N, K = wq.shape
+    if K % QBLOCK or scales.shape != (N, K // QBLOCK):
+        raise ValueError(f"linear_q8: K={K} must be a multiple of {QBLOCK}, scales [N, K/32]")
+    if mins is None:
+        _linear_q8(x, wq, scales, out)
+    else:
+        _require("mins", mins, np.float32, 2)
+        if mins.shape != scales.shape:
+            raise ValueError("linear_q8: mins must have the shape of scales")
+        _linear_q8_offset(x, wq, scales, mins, out)
+    return out
+
+
+def quantize_q8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 blocks of 32 (GGUF Q8_0 style) for tests and benchmarks.
+
+    Returns (wq int8 [N, K], scales float32 [N, K/32]); scales are rounded to
+    float16 like GGUF's.
+    """
+    N, K = w.shape
+    blocks = w.reshape(N, K // QBLOCK, QBLOCK).astype(np.float32)
+    d = np.abs(blocks).max(axis=2) / 127.0
+    d = d.astype(np.float16).astype(np.float32)  # GGUF stores d as f16
+    safe = np.where(d == 0, 1, d)
+    q = np.clip(np.rint(blocks / safe[:, :, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q.reshape(N, K)), np.ascontiguousarray(d)
+
+
+def dequantize_q8(wq: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
+    """float32 W with exactly the values linear_q8 uses (q * d, then + m, in float32)."""
+    N, K = wq.shape
+    w = wq.reshape(N, K // QBLOCK, QBLOCK).astype(np.float32) * scales[:, :, None]
+    if mins is not None:
+        w = w + mins[:, :, None]
+    return np.ascontiguousarray(w.reshape(N, K), dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------
+# attention: softmax(q . k * scale) @ v per (row, head), grouped-query.
+# ---------------------------------------------------------------------------
+
+_F = np.float32
+_EXP_LO = _F(-87.33654)  # below this expf underflows to (sub)normals; clamp
+_LOG2E = _F(1.44269504088896341)
+_LN2_HI = _F(0.693359375)
+_LN2_LO = _F(-2.12194440e-4)
+_P0, _P1, _P2 = _F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3)
+_P3, _P4, _P5 = _F(4.1665795894e-2), _F(1.6666665459e-1), _F(5.0000001201e-1)
+
+
+@njit(inline="always", **_JIT)
+def _expf(x):
+    """exp(x) for float32 x <= 0 (Cephes expf, ~1 ulp) from explicit +, *, floor.
+
+    Plain IEEE operations only, so the loop vectoriser may vectorise it without
+    changing any bits, and every machine computes the same values.
+    """
+    x = max(x, _EXP_LO)
+    n = np.floor(x * _LOG2E + _F(0.5))
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+    p = (p * (r * r) + r) + _F(1.0)
+    return p * _i32_bits_as_f32((np.int32(n) + 127) << 23)
+
+
+@njit(inline="always", **_JIT)
+def _dot(a, ao, b, bo, D):
+    """sum_d a.flat[ao + d] * b.flat[bo + d] with the same lane scheme as linear."""
+    dv = D - D % LANES
+    acc = vzero()
+    for d in range(0, dv, LANES):
+        acc = vmac(acc, vload(a, ao + d), vload(b, bo + d))
+    s = vsum(acc)
+    for d in range(dv, D):
+        s = s + a.flat[ao + d] * b.flat[bo + d]
+    return s
+
+
+@njit(inline="always", **_JIT)
+def _scores16(q, qo, kc, o, D, dv):
+    """The 16 scores q . k[i] for k[i] = kc.flat[o + i*D:], i < 16, with _dot's bits.
+
+    Sixteen independent lane accumulators advance together over the head
+    dimension (each exactly as in _dot) and are reduced at once by vsum16.
+    """
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+    a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = vzero()
+    for d in range(0, dv, LANES):
+        qv, k = vload(q, qo + d), o + d
+        a0, a1 = vmac(a0, qv, vload(kc, k)), vmac(a1, qv, vload(kc, k + D))
+        a2, a3 = vmac(a2, qv, vload(kc, k + 2 * D)), vmac(a3, qv, vload(kc, k + 3 * D))
+        a4, a5 = vmac(a4, qv, vload(kc, k + 4 * D)), vmac(a5, qv, vload(kc, k + 5 * D))
+        a6, a7 = vmac(a6, qv, vload(kc, k + 6 * D)), vmac(a7, qv, vload(kc, k + 7 * D))
+        a8, a9 = vmac(a8, qv, vload(kc, k + 8 * D)), vmac(a9, qv, vload(kc, k + 9 * D))
+        a10, a11 = vmac(a10, qv, vload(kc, k + 10 * D)), vmac(a11, qv, vload(kc, k + 11 * D))
+        a12, a13 = vmac(a12, qv, vload(kc, k + 12 * D)), vmac(a13, qv, vload(kc, k + 13 * D))
+        a14, a15 = vmac(a14, qv, vload(kc, k + 14 * D)), vmac(a15, qv, vload(kc, k + 15 * D))
+    return vsum16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
+
+
+@njit(inline="always", **_JIT)
+def _scores(q, qo, kc, ko, P, scale, e):
+    """e[t] = _dot(q[qo:], k[t]) * scale for t < P, where k[t] = kc.flat[ko + t*D:].
+
+    Blocks of 16 keys go through _scores16; leftover keys use _dot.
+    """
+    D = q.shape[2]
+    dv = D - D % LANES
+    qf, kf = q.reshape(-1), kc.reshape(-1)
+    pv = P - P % LANES
+    sv = vsplat(scale)
+    for t in range(0, pv, LANES):
+        o = ko + t * D
+        v = _scores16(q, qo, kc, o, D, dv)
+        if dv == D:
+            vstore(e, t, vmul(v, sv))
+            continue
+        vstore(e, t, v)
+        for i in range(LANES):
+            st = e[t + i]
+            for d in range(dv, D):  # head-dim tail, as in _dot
+                st = st + qf[qo + d] * kf[o + i * D + d]
+            e[t + i] = st * scale
+    for t in range(pv, P):
+        e[t] = _dot(q, qo, kc, ko + t * D, D) * scale
+
+
+@njit(inline="always", **_JIT)
+def _sum(e, P):
+    """Fixed-order sum of e[0:P] (16 lane partial sums, tree, sequential tail)."""
+    pv = P - P % LANES
+    acc = vzero()
+    for t in range(0, pv, LANES):
+        acc = vadd(acc, vload(e, t))
+    s = vsum(acc)
+    for t in range(pv, P):
+        s = s + e[t]
+    return s
+
+
+_KEY_BLOCK = 64  # keys per block of the weighted V sum (the V block stays in L1)
+
+
+@njit(inline="always", **_JIT)
+def _weighted_v(e, vc, vo, P, acc):
+    """acc[j, :] = sum_t e[j, t] * v[t, :] for t = 0..P-1, added sequentially in t.
+
+    v[t, :] is vc.flat[vo + t*D : vo + (t+1)*D].  Keys are walked in blocks so
+    each block of V is reused from L1 by every head and every 16-lane chunk.
+    """
+    grp, D = acc.shape
+    dv = D - D % LANES
+    vflat = vc.reshape(-1)
+    for t0 in range(0, P, _KEY_BLOCK):
+        t1 = min(t0 + _KEY_BLOCK, P)
+        for j in range(grp):
+            c = 0
+            while c + 4 * LANES <= dv:  # four independent chains hide the add latency
+                ao = j * D + c
+                a0, a1 = vload(acc, ao), vload(acc, ao + LANES)
+                a2, a3 = vload(acc, ao + 2 * LANES), vload(acc, ao + 3 * LANES)
+                for t in range(t0, t1):
+                    ev, o = vsplat(e[j, t]), vo + t * D + c
+                    a0 = vmac(a0, ev, vload(vc, o))
+                    a1 = vmac(a1, ev, vload(vc, o + LANES))
+                    a2 = vmac(a2, ev, vload(vc, o + 2 * LANES))
+                    a3 = vmac(a3, ev, vload(vc, o + 3 * LANES))
+                vstore(acc, ao, a0)
+                vstore(acc, ao + LANES, a1)
+                vstore(acc, ao + 2 * LANES, a2)
+                vstore(acc, ao + 3 * LANES, a3)
+                c += 4 * LANES
+            for c in range(c, dv, LANES):
+                a = vload(acc, j * D + c)
+                for t in range(t0, t1):
+                    a = vmac(a, vsplat(e[j, t]), vload(vc, vo + t * D + c))
+                vstore(acc, j * D + c, a)
+            for d in range(dv, D):
+                a1 = acc[j, d]
+                for t in range(t0, t1):
+                    a1 = a1 + e[j, t] * vflat[vo + t * D + d]
+                acc[j, d] = a1
+
+
+@njit(inline="always", **_JIT)
+def _attend_group(q, kc, vc, r, g, slot, P, scale, out):
+    """All query heads of kv head g for row r; K/V rows are read once per group."""
+    _, H, D = q.shape
+    G = kc.shape[1]
+    grp = H // G
+    h0 = g * grp
+    kvo = (slot * G + g) * kc.shape[2] * D  # flat offset of kc[slot, g, 0, 0]
+    e = np.empty((grp, P), np.float32)  # scores, then exp(score - max)
+    for j in range(grp):
+        _scores(q, (r * H + h0 + j) * D, kc, kvo, P, scale, e[j])
+    for j in range(grp):
+        mx = e[j, 0]
+        for t in range(1, P):
+            mx = max(mx, e[j, t])
+        for t in range(P):
+            e[j, t] = _expf(e[j, t] - mx)
+    acc = np.zeros((grp, D), np.float32)
+    _weighted_v(e, vc, kvo, P, acc)
+    for j in range(grp):
+        inv = _F(1.0) / _sum(e[j], P)
+        for d in range(D):
+            out[r, h0 + j, d] = acc[j, d] * inv
+
+
+@njit(parallel=True, **_JIT)
+def _attention(q, k_cache, v_cache, row_slot, row_pos, scale, out):
+    R = q.shape[0]
+    G = k_cache.shape[1]
+    for task in prange(R * G):
+        r, g = task // G, task % G
+        _attend_group(q, k_cache, v_cache, r, g, row_slot[r], row_pos[r] + 1, scale, out)
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    row_slot: np.ndarray,
+    row_pos: np.ndarray,
+    scale: float,
+    out: np.ndarray,
+) -> np.ndarray:
+    """Causal grouped-query attention over a slotted KV cache, batch-invariant per row.
+
+    q float32 [R, n_head, hd]; k_cache, v_cache float32 [S, n_kv, ctx, hd];
+    row_slot, row_pos int32 [R]; out float32 [R, n_head, hd]; all C-contiguous.
+    Row r, head h attends to positions 0..row_pos[r] (inclusive) of slot
+    row_slot[r], kv head h // (n_head // n_kv).  Returns ``out``.
+    """
+    for name, a, dtype, ndim in (
+        ("q", q, np.float32, 3),
+        ("k_cache", k_cache, np.float32, 4),
+        ("v_cache", v_cache, np.float32, 4),
+        ("row_slot", row_slot, np.int32, 1),
+        ("row_pos", row_pos, np.int32, 1),
+        ("out", out, np.float32, 3),
+    ):
+        _require(name, a, dtype, ndim)
+    R, H, D = q.shape
+    S, G, C, D2 = k_cache.shape
+    if D2 != D or v_cache.shape != k_cache.shape or out.shape != q.shape or H % G:
+        raise ValueError(f"attention: shapes q{q.shape} kv{k_cache.shape} out{out.shape}")
+    if row_slot.shape != (R,) or row_pos.shape != (R,):
+        raise ValueError("attention: row_slot and row_pos must be [R]")
+    if R and (row_slot.min() < 0 or row_slot.max() >= S or row_pos.min() < 0 or row_pos.max() >= C):
+        raise ValueError("attention: row_slot / row_pos out of range")
+    _attention(q, k_cache, v_cache, row_slot, row_pos, np.float32(scale), out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# start-up self check
+# ---------------------------------------------------------------------------
+
+_CHECK_BATCHES = (2, 3, 5, 8, 17, 32)
+
+
+def _check_rows(name, alone, run_batch, rng):
+    """Compare alone(row) with the same row inside batches at random positions."""
+    for B in _CHECK_BATCHES:
+        pos = int(rng.integers(B))
+        got = run_batch(B, pos)
+        if not np.array_equal(got, alone):
+            return f"{name}: row alone != row {pos} of a batch of {B}"
+    return None
+
+
+def _self_check_linear(rng):
+    for N, K in ((70, 96), (64, 200)):  # leftover columns; a K tail (f32 only)
+        w = rng.standard_normal((N, K), dtype=np.float32)
+        kq = K // QBLOCK * QBLOCK
+        wq, d = quantize_q8(w[:, :kq])
+        mins = rng.standard_normal(d.shape, dtype=np.float32)
+
+        def out(x):
+            return np.empty((len(x), N), np.float32)
+
+        kernels = (
+            ("linear", K, lambda x: linear(x, w, out(x))),
+            ("linear_q8", kq, lambda x: linear_q8(x, wq, d, out(x))),
+            ("linear_q8+mins", kq, lambda x: linear_q8(x, wq, d, out(x), mins)),
+        )
+        for name, k, f in kernels:
+            row = rng.standard_normal((1, k), dtype=np.float32)
+
+            def batch(B, pos, f=f, k=k, row=row):
+                x = rng.standard_normal((B, k), dtype=np.float32)
+                x[pos] = row[0]
+                return f(x)[pos]
+
+            err = _check_rows(f"{name} N={N} K={k}", f(row)[0], batch, rng)
+            if err:
+                return err
+    return None
+
+
+def _self_check_attention(rng):
+    S, G, C, D, H = 4, 2, 80, 40, 6  # D=40 exercises the head-dim tail
+    kc = rng.standard_normal((S, G, C, D), dtype=np.float32)
+    vc = rng.standard_normal((S, G, C, D), dtype=np.float32)
+    q1 = rng.standard_normal((1, H, D), dtype=np.float32)
+    slot, p = 1, 37
+
+    def run(q, slots, poss):
+        out = np.empty_like(q)
+        return attention(q, kc, vc, np.int32(slots), np.int32(poss), 0.125, out)
+
+    alone = run(q1, [slot], [p])[0]
+
+    def batch(B, pos):
+        q = rng.standard_normal((B, H, D), dtype=np.float32)
+        q[pos] = q1[0]
+        slots = rng.integers(0, S, B)
+        poss = rng.integers(0, C, B)
+        slots[pos], poss[pos] = slot, p
+        return run(q, slots, poss)[pos]
+
+    err = _check_rows("attention", alone, batch, rng)
+    if err:
+        return err
+    qp = rng.standard_normal((32, H, D), dtype=np.float32)  # prefill vs one at a time
+    poss = np.arange(40, 72)
+    full = run(qp, np.full(32, 2), poss)
+    for i in (0, 13, 31):
+        if not np.array_equal(full[i], run(qp[i : i + 1].copy(), [2], [poss[i]])[0]):
+            return f"attention: prefill row {i} != the same row computed alone"
+    return None
+
+
+def self_check() -> str | None:
+    """None when every kernel is batch-invariant on this machine, else what differed."""
+    rng = np.random.default_rng(1234)
+    return _self_check_linear(rng) or _self_check_attention(rng)

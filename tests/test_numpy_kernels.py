@@ -1,0 +1,185 @@
+"""Tests for the batch-invariant numba kernels (panechat.backends.numpy_kernels).
+
+Invariance is always checked with exact equality (np.array_equal) of a row
+computed alone against the same row inside batches of several sizes and at
+several positions; accuracy is checked against float64 references.
+"""
+
+import numpy as np
+import pytest
+
+from panechat.backends import numpy_kernels as nk
+
+BATCHES = (2, 3, 4, 5, 8, 17, 32)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def _rel_err(got, ref, scale):
+    return float(np.max(np.abs(got.astype(np.float64) - ref) / scale))
+
+
+# --------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 64, 576), (5, 70, 96), (9, 128, 200), (33, 96, 1536)])
+def test_linear_matches_float64(rng, M, N, K):
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    out = nk.linear(x, w, np.empty((M, N), np.float32))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)  # error bound scale
+    assert _rel_err(out, ref, scale) < 2e-6
+
+
+@pytest.mark.parametrize("N,K", [(64, 576), (70, 96), (36, 200), (12, 8)])
+def test_linear_row_invariant_across_batches(rng, N, K):
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    row = rng.standard_normal((1, K), dtype=np.float32)
+    alone = nk.linear(row, w, np.empty((1, N), np.float32))[0]
+    for B in BATCHES:
+        for pos in {0, B // 2, B - 1}:
+            x = rng.standard_normal((B, K), dtype=np.float32)
+            x[pos] = row[0]
+            got = nk.linear(x, w, np.empty((B, N), np.float32))[pos]
+            assert np.array_equal(got, alone), (B, pos)
+
+
+def test_linear_rejects_bad_input(rng):
+    x = rng.standard_normal((4, 64), dtype=np.float32)
+    w = rng.standard_normal((8, 64), dtype=np.float32)
+    with pytest.raises(ValueError):
+        nk.linear(x, w[:, :32].copy(), np.empty((4, 8), np.float32))
+    with pytest.raises(ValueError):  # not C-contiguous
+        nk.linear(np.asfortranarray(x), w, np.empty((4, 8), np.float32))
+
+
+# --------------------------------------------------------------------------- linear_q8
+
+
+@pytest.mark.parametrize("with_mins", [False, True])
+def test_linear_q8_equals_linear_on_dequantized(rng, with_mins):
+    N, K = 68, 192
+    wq, d = nk.quantize_q8(rng.standard_normal((N, K), dtype=np.float32))
+    mins = rng.standard_normal(d.shape, dtype=np.float32) if with_mins else None
+    x = rng.standard_normal((11, K), dtype=np.float32)
+    got = nk.linear_q8(x, wq, d, np.empty((11, N), np.float32), mins)
+    want = nk.linear(x, nk.dequantize_q8(wq, d, mins), np.empty((11, N), np.float32))
+    assert np.array_equal(got, want)
+
+
+def test_quantize_q8_roundtrip(rng):
+    w = rng.standard_normal((16, 64), dtype=np.float32)
+    wq, d = nk.quantize_q8(w)
+    assert wq.dtype == np.int8 and d.shape == (16, 2)
+    assert np.max(np.abs(nk.dequantize_q8(wq, d) - w)) <= np.max(d) * 0.51
+
+
+def test_linear_q8_row_invariant(rng):
+    N, K = 40, 128
+    wq, d = nk.quantize_q8(rng.standard_normal((N, K), dtype=np.float32))
+    row = rng.standard_normal((1, K), dtype=np.float32)
+    alone = nk.linear_q8(row, wq, d, np.empty((1, N), np.float32))[0]
+    for B in BATCHES:
+        x = rng.standard_normal((B, K), dtype=np.float32)
+        x[B - 1] = row[0]
+        assert np.array_equal(nk.linear_q8(x, wq, d, np.empty((B, N), np.float32))[B - 1], alone)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attention_ref(q, kc, vc, slots, poss, scale):
+    R, H, D = q.shape
+    grp = H // kc.shape[1]
+    out = np.empty((R, H, D))
+    for r in range(R):
+        for h in range(H):
+            k = kc[slots[r], h // grp, : poss[r] + 1].astype(np.float64)
+            v = vc[slots[r], h // grp, : poss[r] + 1].astype(np.float64)
+            s = k @ q[r, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[r, h] = p @ v / p.sum()
+    return out
+
+
+def _cache(rng, S=3, G=2, C=300, D=64):
+    shape = (S, G, C, D)
+    return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
+
+
+def _attn(q, kc, vc, slots, poss, scale=0.125):
+    slots, poss = np.asarray(slots, np.int32), np.asarray(poss, np.int32)
+    return nk.attention(q, kc, vc, slots, poss, scale, np.empty_like(q))
+
+
+@pytest.mark.parametrize("D", [64, 40])
+def test_attention_matches_float64(rng, D):
+    kc, vc = _cache(rng, D=D)
+    q = rng.standard_normal((5, 6, D), dtype=np.float32)  # 6 heads over 2 kv heads
+    slots, poss = [0, 2, 1, 2, 0], [0, 17, 299, 64, 150]
+    got = _attn(q, kc, vc, slots, poss)
+    ref = _attention_ref(q, kc, vc, slots, poss, 0.125)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+
+
+def test_attention_row_invariant_across_batches(rng):
+    kc, vc = _cache(rng)
+    q1 = rng.standard_normal((1, 6, 64), dtype=np.float32)
+    alone = _attn(q1, kc, vc, [1], [123])[0]
+    for B in BATCHES:
+        pos = B // 2
+        q = rng.standard_normal((B, 6, 64), dtype=np.float32)
+        q[pos] = q1[0]
+        slots = rng.integers(0, 3, B)
+        poss = rng.integers(0, 300, B)
+        slots[pos], poss[pos] = 1, 123
+        assert np.array_equal(_attn(q, kc, vc, slots, poss)[pos], alone), B
+
+
+def test_attention_prefill_rows_equal_single_rows(rng):
+    kc, vc = _cache(rng)
+    R, p0 = 48, 100
+    q = rng.standard_normal((R, 6, 64), dtype=np.float32)
+    poss = np.arange(p0, p0 + R)
+    full = _attn(q, kc, vc, np.full(R, 2), poss)
+    for i in range(R):
+        assert np.array_equal(full[i], _attn(q[i : i + 1].copy(), kc, vc, [2], [poss[i]])[0]), i
+
+
+def test_attention_rejects_out_of_range(rng):
+    kc, vc = _cache(rng)
+    q = rng.standard_normal((1, 6, 64), dtype=np.float32)
+    with pytest.raises(ValueError):
+        _attn(q, kc, vc, [3], [0])
+    with pytest.raises(ValueError):
+        _attn(q, kc, vc, [0], [300])
+
+
+# --------------------------------------------------------------------------- self check
+
+
+def test_self_check_passes():
+    assert nk.self_check() is None
+
+
+def test_vsum16_equals_sixteen_vsums(rng):
+    from numba import njit
+
+    @njit
+    def both(a):  # a: float32 [16 * 16]
+        v = [nk.vload(a, 16 * i) for i in range(16)]
+        packed = np.empty(16, np.float32)
+        nk.vstore(packed, 0, nk.vsum16(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
+                                       v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]))
+        single = np.empty(16, np.float32)
+        for i in range(16):
+            single[i] = nk.vsum(nk.vload(a, 16 * i))
+        return packed, single
+
+    a = (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 6, 256)).astype(np.float32)
+    packed, single = both(a)
+    assert np.array_equal(packed, single)
