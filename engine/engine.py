@@ -246,8 +246,7 @@ class Engine:
             if r.t_start == 0.0:
                 r.t_start = now
                 self.metrics.record_admit(len(r.prompt_ids), r.reused)
-            known = r.known
-            tokens.extend(known[r.computed:r.computed + n])
+            tokens.extend(r.known_slice(r.computed, n))
             positions.extend(range(r.computed, r.computed + n))
             slots.extend([r.slot] * n)
             r.computed += n

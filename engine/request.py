@@ -54,6 +54,13 @@ class Request:
     def known(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def known_slice(self, start: int, n: int) -> list[int]:
+        """known[start:start+n] without building the whole list (called every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:start - p + n]
+        return (self.prompt_ids[start:start + n] + self.output_ids[: max(0, start + n - p)])
+
     @property
     def n_known(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

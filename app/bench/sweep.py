@@ -2,7 +2,10 @@
 
 For each B: prefill B sequences of `npp` random tokens (in chunks of 512 rows, as the
 engine does), then `ntg` batched decode steps of B rows each (greedy). Columns and
-formulas follow llama.cpp's tools/batched-bench: S_PP = B*PP/T_PP, S_TG = B*TG/T_TG."""
+formulas follow llama.cpp's tools/batched-bench: S_PP = B*PP/T_PP, S_TG = B*TG/T_TG.
+
+Sequence 0 has the same prompt in every cell, so its greedy tokens must be the same at
+every B: the `same` column says whether they equal the first cell's (batch invariance)."""
 
 from __future__ import annotations
 
@@ -39,14 +42,16 @@ def sweep_cell(model, npp: int, ntg: int, b: int, seed: int = 0) -> dict:
     nxt = last.argmax(-1).astype(np.int32)
     slots = np.arange(b, dtype=np.int32)
     every = np.arange(b, dtype=np.int64)
+    seq0 = [int(nxt[0])]
     t0 = time.perf_counter()
     for i in range(ntg):
         logits = model.forward(kv, Batch(nxt, slots, np.full(b, npp + i, np.int32), every))
         nxt = logits.argmax(-1).astype(np.int32)
+        seq0.append(int(nxt[0]))
     t_tg = time.perf_counter() - t0
     return {"PP": npp, "TG": ntg, "B": b, "N_KV": b * (npp + ntg),
             "T_PP": t_pp, "S_PP": b * npp / t_pp, "T_TG": t_tg, "S_TG": b * ntg / t_tg,
-            "T": t_pp + t_tg, "S": b * (npp + ntg) / (t_pp + t_tg)}
+            "T": t_pp + t_tg, "S": b * (npp + ntg) / (t_pp + t_tg), "seq0": seq0}
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -59,17 +64,21 @@ def run_sweep(args: argparse.Namespace) -> int:
     lm = load_model(resolve_model_path(args.model), args.backend, max_positions=args.npp + args.ntg)
     model = lm.model
     sweep_cell(model, 16, 4, 2)  # warm-up: kernel compilation and page faults
-    rows = []
+    rows, first = [], None
     if not args.json:
         print(f"model: {lm.name}  backend: {model.backend.describe()}")
         print(f"{'PP':>5} {'TG':>5} {'B':>4} {'N_KV':>7} {'T_PP s':>8} {'S_PP t/s':>9} "
-              f"{'T_TG s':>8} {'S_TG t/s':>9} {'T s':>8} {'S t/s':>8}")
+              f"{'T_TG s':>8} {'S_TG t/s':>9} {'T s':>8} {'S t/s':>8} {'same':>5}")
     for b in npl:
         r = sweep_cell(model, args.npp, args.ntg, b)
+        seq0 = r.pop("seq0")
+        first = first if rows else seq0
+        r["same"] = seq0 == first
         rows.append(r)
         if not args.json:
             print(f"{r['PP']:>5} {r['TG']:>5} {r['B']:>4} {r['N_KV']:>7} {r['T_PP']:>8.3f} {r['S_PP']:>9.2f} "
-                  f"{r['T_TG']:>8.3f} {r['S_TG']:>9.2f} {r['T']:>8.3f} {r['S']:>8.2f}", flush=True)
+                  f"{r['T_TG']:>8.3f} {r['S_TG']:>9.2f} {r['T']:>8.3f} {r['S']:>8.2f} {'yes' if r['same'] else 'NO':>5}",
+                  flush=True)
     if args.json:
         print(json.dumps({"model": lm.name, "backend": model.backend.describe(), "rows": rows}))
     return 0
