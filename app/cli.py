@@ -27,6 +27,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=8, metavar="N", help="waiting requests before refusing (default 8)")
     p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context per conversation (default 4096)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per step (default 512)")
+    p.add_argument("--straggler-ms", type=float, default=2.0, metavar="MS",
+                   help="wait this long after an idle engine wakes so near-simultaneous requests share the first step (default 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:

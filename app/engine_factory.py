@@ -18,6 +18,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queue=getattr(args, "max_queue", 8),
         ctx_size=getattr(args, "ctx_size", 4096),
         prefill_chunk=getattr(args, "prefill_chunk", 512),
+        straggler_ms=getattr(args, "straggler_ms", 2.0),
     )
     if cfg.max_concurrent < 1 or cfg.max_concurrent > 64:
         raise ValueError("--max-concurrent must be between 1 and 64")
@@ -29,6 +30,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--ctx-size must be at least 64")
     if cfg.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
+    if not 0 <= cfg.straggler_ms <= 1000:
+        raise ValueError("--straggler-ms must be between 0 and 1000")
     return cfg
 
 

@@ -218,24 +218,26 @@ class Engine:
     # -- the compute thread ------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            with self._lock:
-                self._reap_cancelled()
-                plan = self.scheduler.schedule()
-                if plan.requests and not self.batching:
-                    plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
-                self._publish_state()
-            if not plan.requests:
-                self.metrics.idle()
-                self._wake.wait(0.5)
-                if self._wake.is_set():
-                    self._wake.clear()
-                    time.sleep(self.cfg.straggler_ms / 1000.0)  # let near-simultaneous arrivals join
-                continue
+            plan = None
             try:
-                self._step(plan)
-            except Exception as e:  # a bug must not kill the server: fail these requests
                 with self._lock:
-                    for r in plan.requests:
+                    self._reap_cancelled()
+                    plan = self.scheduler.schedule()
+                    if plan.requests and not self.batching:
+                        plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
+                    self._publish_state()
+                if not plan.requests:
+                    self.metrics.mark_idle()
+                    self._wake.wait(0.5)
+                    if self._wake.is_set():
+                        self._wake.clear()
+                        time.sleep(self.cfg.straggler_ms / 1000.0)  # let near-simultaneous arrivals join
+                    continue
+                self._step(plan)
+            except Exception as e:  # a bug must not kill the engine: fail the requests it touched
+                with self._lock:
+                    victims = plan.requests if plan is not None and plan.requests else list(self._by_id.values())
+                    for r in victims:
                         self._finish(r, "error", error=f"internal error: {type(e).__name__}: {e}",
                                      keep_cache=False)
 
@@ -332,7 +334,9 @@ class Engine:
                 "ttft_ms": 1000 * (r.t_first - r.t_submit) if r.t_first else None,
                 "prefill_pct": 100 * r.computed // max(1, len(r.prompt_ids)),
             })
-        self.metrics.set_state(streams, len(self.scheduler.waiting), self.pool.in_use,
+        idle = [{"conversation": s.conversation, "state": "idle", "slot": s.index, "cached_tokens": len(s.tokens)}
+                for s in self.pool.slots if s.tokens and not s.busy]
+        self.metrics.set_state(streams, idle, len(self.scheduler.waiting), self.pool.in_use,
                                self.pool.resident, len(self.pool.slots), self.pool.evictions)
 
 

@@ -33,7 +33,8 @@ class EngineMetrics:
         self.ttft_sum = 0.0
         self._recent: deque[tuple[float, int, int]] = deque()  # (t, sequences, tokens) per step
         self.window_s = window_s
-        self.streams: list[dict] = []
+        self.streams: list[dict] = []  # running and queued requests
+        self.idle_conversations: list[dict] = []  # conversations resident in a KV slot between turns
         self.queue_depth = 0
         self.kv_in_use = 0
         self.kv_resident = 0
@@ -50,10 +51,10 @@ class EngineMetrics:
             while self._recent and now - self._recent[0][0] > self.window_s:
                 self._recent.popleft()
 
-    def set_state(self, streams: list[dict], queue_depth: int, kv_in_use: int, kv_resident: int,
-                  kv_total: int, evictions: int) -> None:
+    def set_state(self, streams: list[dict], idle: list[dict], queue_depth: int, kv_in_use: int,
+                  kv_resident: int, kv_total: int, evictions: int) -> None:
         with self._lock:
-            self.streams, self.queue_depth = streams, queue_depth
+            self.streams, self.idle_conversations, self.queue_depth = streams, idle, queue_depth
             self.kv_in_use, self.kv_resident, self.kv_total = kv_in_use, kv_resident, kv_total
             self.evictions = evictions
 
@@ -72,7 +73,7 @@ class EngineMetrics:
             self.prompt_tokens += prompt_tokens
             self.reused_tokens += reused
 
-    def idle(self) -> None:
+    def mark_idle(self) -> None:
         with self._lock:
             self.batch_now = self.rows_now = 0
 
@@ -94,6 +95,7 @@ class EngineMetrics:
                 "kv_total": self.kv_total,
                 "evictions": self.evictions,
                 "streams": [dict(s) for s in self.streams],
+                "idle": [dict(s) for s in self.idle_conversations],
                 "requests_total": self.requests_total,
                 "requests_finished": dict(self.requests_finished),
                 "refused": self.refused,

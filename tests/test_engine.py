@@ -72,7 +72,9 @@ def test_second_turn_reuses_the_cached_prefix(make_engine):
                                           {"role": "user", "content": "Another one."}]
     second = e.submit(history, params=SamplingParams(max_tokens=12)).result()
     assert second.usage["reused_tokens"] > first.usage["prompt_tokens"] - 2
-    assert e.stats()["reused_tokens"] >= second.usage["reused_tokens"]
+    stats = e.stats()
+    assert stats["reused_tokens"] >= second.usage["reused_tokens"]
+    assert [c["state"] for c in stats["idle"]] == ["idle"]  # resident between turns
 
 
 def test_evicted_conversation_comes_back_with_the_same_reply(make_engine):
@@ -197,3 +199,22 @@ def test_stop_finishes_every_generation_and_refuses_new_ones(loaded_model):
 def test_invalid_unicode_is_a_clear_value_error(make_engine):
     with pytest.raises(ValueError, match="surrogate"):
         make_engine().submit(_msgs("bad \ud800 text"))
+
+
+def test_an_internal_error_fails_its_requests_and_the_engine_lives_on(make_engine, monkeypatch):
+    e = make_engine()
+    real = e.lm.model.forward
+    calls = {"n": 0}
+
+    def flaky(kv, batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real(kv, batch)
+
+    monkeypatch.setattr(e.lm.model, "forward", flaky)
+    fin = e.submit(_msgs("Name a fruit."), params=SamplingParams(max_tokens=4)).result()
+    assert fin.reason == "error" and "simulated kernel failure" in fin.error
+    assert e.submit(_msgs("Name a fruit."), params=SamplingParams(max_tokens=4)).result().reason in ("stop", "length")
+    _wait_idle(e)
+    assert e.stats()["kv_in_use"] == 0
