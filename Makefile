@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.panechat-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-ui clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/panechat bench sweep
+
+bench-ui: setup
+	$(VENV)/bin/pytest -q -s -m bench tests/tui/test_ui_cost.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,175 @@
+"""What a pane needs from a model server: `ChatBackend`, its streams and their events.
+
+Three implementations share this interface: the embedded engine (`local`), a panechat
+server over websockets (`remote_ws`) and any OpenAI-compatible HTTP server
+(`openai_http`). Panes only ever see the events below, so the UI code is the same for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+
+class BackendError(Exception):
+    """The backend cannot be reached or refused us (one line, shown to the user)."""
+
+
+@dataclass
+class GenParams:
+    """Sampling settings a pane sends with each prompt (the engine's SamplingParams subset)."""
+
+    temperature: float = 0.0
+    max_tokens: int = 512
+    seed: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Accepted and waiting for a batch slot."""
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prompt tokens computed so far out of the total."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Reply text for one sampled token (tokens=0 for text flushed without a new token)."""
+
+    text: str
+    tokens: int = 1
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every stream. reason: stop, length, cancelled or error."""
+
+    reason: str
+    text: str
+    usage: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+StreamEvent = Queued | Prefill | Delta | Finished
+
+
+@dataclass
+class BackendInfo:
+    """What the dashboard shows about the backend."""
+
+    kind: str  # local, remote, openai
+    model: str = ""
+    backend: str = ""  # short (e.g. "numpy"); `detail` carries the long description
+    detail: str = ""
+    ctx: int | None = None
+    max_concurrent: int | None = None
+    batching: bool | None = None
+    url: str = ""
+
+
+class ChatStream(ABC):
+    """One generation: iterate its events (ends with exactly one Finished), or cancel it."""
+
+    def __init__(self) -> None:
+        self.id = ""
+
+    @abstractmethod
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Ask the server to stop; the stream still ends with Finished(reason='cancelled')."""
+
+
+class QueueStream(ChatStream):
+    """A ChatStream fed through an asyncio.Queue by a reader task (remote backends)."""
+
+    def __init__(self, on_cancel=None) -> None:
+        super().__init__()
+        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self.done = False
+
+    def put(self, ev: StreamEvent) -> None:
+        if not self.done:
+            self.done = isinstance(ev, Finished)
+            self.queue.put_nowait(ev)
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        while True:
+            ev = await self.queue.get()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    def cancel(self) -> None:
+        if not self.done and self._on_cancel is not None:
+            self._on_cancel(self)
+
+
+class ChatBackend(ABC):
+    """The model server behind the panes (data down as calls, events up as streams)."""
+
+    info: BackendInfo
+    profile: str  # the key pane layouts are stored under
+
+    @abstractmethod
+    async def start(self) -> BackendInfo:
+        """Load or connect; raises BackendError with a one-line reason."""
+
+    async def close(self) -> None:
+        """Release the engine or the connection."""
+
+    async def attach(self, conversation: str, system: str) -> list[dict] | None:
+        """Called when a pane opens `conversation`; a backend that keeps histories (the
+        websocket server) returns its copy, the others return None."""
+        return None
+
+    @abstractmethod
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
+        """Start generating the reply to `messages` (the full history, user turn last, no
+        system message; `system` is separate). Errors arrive as Finished(reason='error')."""
+
+    @abstractmethod
+    def stats(self) -> dict | None:
+        """The latest engine snapshot (see Engine.stats), or None before the first one.
+        Cheap: the dashboard calls it a few times a second."""
+
+
+class StreamMeter:
+    """Per-stream tok/s, time to first token and token count, computed from the stream itself."""
+
+    def __init__(self) -> None:
+        self.t_send = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.tokens = 0
+
+    def on_tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.t_first is None and n:
+            self.t_first = now
+        self.tokens += n
+        self.t_last = now
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.t_first is None else 1000 * (self.t_first - self.t_send)
+
+    def tok_s(self, now: float | None = None) -> float:
+        if self.t_first is None or self.tokens < 2:
+            return 0.0
+        dt = (now or time.perf_counter()) - self.t_first
+        return (self.tokens - 1) / dt if dt > 0 else 0.0

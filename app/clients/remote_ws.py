@@ -1,0 +1,230 @@
+"""A panechat server as a ChatBackend, over the websocket protocol v1 (docs/protocol.md).
+
+One connection carries every pane: frames are tagged with a client-chosen request id and
+a reader task routes them to per-request queues. The stats subscription keeps the latest
+snapshot of the server's shared batch for the dashboard, other terminals' streams included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill,
+                   QueueStream, Queued)
+
+PROTOCOL = 1
+CLIENT = "panechat-tui/0.1"
+
+
+class RemoteBackend(ChatBackend):
+    """`panechat --connect ws://HOST:PORT [--token T]`."""
+
+    def __init__(self, url: str, token: str | None = None, *, stats_interval_ms: int = 250,
+                 connect_timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/ws"):
+            self.url += "/ws"
+        self.profile = url
+        self.token = token
+        self.stats_interval_ms = stats_interval_ms
+        self.connect_timeout = connect_timeout
+        self.info = BackendInfo(kind="remote", url=url)
+        self.terminal: str | None = None
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task | None = None
+        self._streams: dict[str, QueueStream] = {}
+        self._opening: dict[str, asyncio.Future] = {}
+        self._opened: set[str] = set()
+        self._ids = itertools.count(1)
+        self._stats: dict | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self.last_error: str | None = None
+
+    # -- connection ---------------------------------------------------------------------
+    async def start(self) -> BackendInfo:
+        async with self._lock:
+            if self._ws is None:
+                await self._connect()
+        return self.info
+
+    async def _connect(self) -> None:
+        try:
+            ws = await asyncio.wait_for(connect(self.url, max_size=2**22, open_timeout=self.connect_timeout),
+                                        self.connect_timeout)
+        except (OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as e:
+            raise BackendError(f"cannot connect to {self.url}: {e or type(e).__name__}") from None
+        hello = {"type": "hello", "protocol": PROTOCOL, "client": CLIENT}
+        if self.token:
+            hello["token"] = self.token
+        try:
+            await ws.send(json.dumps(hello))
+            frame = json.loads(await asyncio.wait_for(ws.recv(), self.connect_timeout))
+        except websockets.exceptions.ConnectionClosed as e:
+            raise BackendError(self._closed_reason(e)) from None
+        except (asyncio.TimeoutError, json.JSONDecodeError):
+            await ws.close()
+            raise BackendError(f"{self.url} did not answer the panechat hello") from None
+        if frame.get("type") != "welcome":
+            await ws.close()
+            msg = frame.get("message", "unexpected reply")
+            hint = "; pass the server's --token" if frame.get("code") == "unauthorized" else ""
+            raise BackendError(f"{self.url} refused the connection: {msg}{hint}")
+        self.info = BackendInfo(
+            kind="remote", model=str(frame.get("model", "")), backend=str(frame.get("backend", "")).split(" ")[0],
+            detail=str(frame.get("backend", "")), ctx=frame.get("ctx"), max_concurrent=frame.get("max_concurrent"),
+            batching=frame.get("batching"), url=self.profile)
+        self.terminal = frame.get("terminal")
+        self._ws = ws
+        self._opened.clear()
+        await ws.send(json.dumps({"type": "subscribe", "interval_ms": self.stats_interval_ms}))
+        self._reader = asyncio.create_task(self._read(ws))
+
+    @staticmethod
+    def _closed_reason(e: websockets.exceptions.ConnectionClosed) -> str:
+        if e.rcvd is not None and e.rcvd.code == 4401:
+            return "unauthorized: the server needs the right --token"
+        return f"connection closed: {e}"
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(self._reader, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        self._ws = None
+
+    async def _read(self, ws: ClientConnection) -> None:
+        reason = "connection lost"
+        try:
+            async for raw in ws:
+                try:
+                    frame = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(frame, dict):
+                    self._dispatch(frame)
+        except websockets.exceptions.ConnectionClosed as e:
+            reason = self._closed_reason(e)
+        finally:
+            if self._ws is ws:
+                self._ws = None
+            self.last_error = reason
+            for s in list(self._streams.values()):
+                s.put(Finished("error", "", error=reason))
+            self._streams.clear()
+            for fut in self._opening.values():
+                if not fut.done():
+                    fut.set_exception(BackendError(reason))
+            self._opening.clear()
+
+    def _dispatch(self, f: dict) -> None:
+        kind = f.get("type")
+        if kind == "stats":
+            self._stats = f
+            return
+        if kind == "opened":
+            fut = self._opening.pop(f.get("conversation", ""), None)
+            if fut is not None and not fut.done():
+                fut.set_result(f.get("messages", []))
+            return
+        stream = self._streams.get(f.get("request", ""))
+        if kind == "error":
+            msg = f.get("message") or f.get("code") or "error"
+            if stream is not None:
+                self._finish(stream, Finished("error", "", error=msg))
+            elif self._opening and f.get("code") in ("unknown_conversation", "bad_frame"):
+                cid, fut = next(iter(self._opening.items()))
+                self._opening.pop(cid)
+                if not fut.done():
+                    fut.set_exception(BackendError(msg))
+            else:
+                self.last_error = msg
+            return
+        if stream is None:
+            return
+        if kind == "queued":
+            stream.put(Queued())
+        elif kind == "prefill":
+            stream.put(Prefill(int(f.get("done", 0)), int(f.get("total", 0))))
+        elif kind == "delta":
+            tid = f.get("token_id")
+            stream.put(Delta(f.get("text", ""), 0 if isinstance(tid, int) and tid < 0 else 1))
+        elif kind == "finished":
+            self._finish(stream, Finished(f.get("reason", "stop"), f.get("text", ""), f.get("usage") or {},
+                                          f.get("timings") or {}, f.get("error") or f.get("message")))
+
+    def _finish(self, stream: QueueStream, ev: Finished) -> None:
+        stream.put(ev)
+        self._streams.pop(stream.id, None)
+
+    async def _send(self, frame: dict) -> None:
+        if self._ws is None:
+            raise BackendError(self.last_error or "not connected")
+        await self._ws.send(json.dumps(frame))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- ChatBackend -------------------------------------------------------------------
+    async def attach(self, conversation: str, system: str) -> list[dict] | None:
+        await self.start()  # reconnects after a lost connection
+        fut = self._opening.get(conversation)
+        if fut is None:
+            fut = self._opening[conversation] = asyncio.get_running_loop().create_future()
+            frame = {"type": "open", "conversation": conversation}
+            if system:
+                frame["system"] = system
+            await self._send(frame)
+        messages = await asyncio.wait_for(asyncio.shield(fut), 30)
+        self._opened.add(conversation)
+        return [{"role": m["role"], "content": m["content"]} for m in messages if m.get("role") != "system"]
+
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
+        s = QueueStream(on_cancel=self._cancel)
+        s.id = f"r-{next(self._ids)}"
+        self._spawn(self._start_stream(s, conversation, messages[-1]["content"], params, system))
+        return s
+
+    async def _start_stream(self, s: QueueStream, conversation: str, content: str, params: GenParams,
+                            system: str) -> None:
+        try:
+            if conversation not in self._opened or self._ws is None:
+                await self.attach(conversation, system)
+            if s.done:  # cancelled while the conversation was opening
+                return
+            self._streams[s.id] = s
+            frame = {"type": "send", "conversation": conversation, "request": s.id, "content": content,
+                     "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                                "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed},
+                     "system": system}
+            await self._send(frame)
+        except (BackendError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, OSError) as e:
+            self._streams.pop(s.id, None)
+            s.put(Finished("error", "", error=str(e) or type(e).__name__))
+
+    def _cancel(self, s: QueueStream) -> None:
+        if s.id in self._streams:
+            self._spawn(self._send_quiet({"type": "cancel", "request": s.id}))
+        else:  # not sent yet, or the connection is gone
+            s.put(Finished("cancelled", ""))
+
+    async def _send_quiet(self, frame: dict) -> None:
+        try:
+            await self._send(frame)
+        except (BackendError, websockets.exceptions.WebSocketException):
+            pass
+
+    def stats(self) -> dict | None:
+        return self._stats if self._ws is not None else None
+

@@ -1,0 +1,1 @@
+"""The terminal UI: conversation panes over a ChatBackend, and the batch dashboard."""

@@ -1,0 +1,114 @@
+"""The panechat Textual App: themes, the command palette, the backend's life cycle."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Iterable
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.screen import Screen
+from textual.theme import Theme
+
+from ...themes import DEFAULT_THEME, THEMES
+from ..clients.base import BackendError, ChatBackend
+from ..store import Store
+from .screens.main import MainScreen
+
+ShareHook = Callable[["PanechatApp"], Awaitable[str]]
+
+
+class PanechatApp(App):
+    """Conversation panes over one ChatBackend, with a live batch dashboard.
+
+    `share`, when given, is awaited once the backend is up (it hosts the server for
+    `--share`) and returns a line to show; `close_share` is awaited at exit."""
+
+    TITLE = "panechat"
+    CSS = """
+    Screen { layout: vertical; }
+    MainScreen > Horizontal { height: 1fr; }
+    """
+
+    def __init__(self, backend: ChatBackend, store: Store, *, share: ShareHook | None = None,
+                 close_share: Callable[[], Awaitable[None]] | None = None):
+        super().__init__()
+        self.backend = backend
+        self.store = store
+        self.share = share
+        self.close_share = close_share
+        self.backend_ready = asyncio.Event()
+        self.fatal_error: str | None = None
+        self.share_line: str | None = None
+        for theme in THEMES:
+            self.register_theme(theme)
+        self.theme = self._saved_theme()
+
+    def _saved_theme(self) -> str:
+        name = self.store.get_setting("theme", DEFAULT_THEME)
+        return name if name in self.available_themes else DEFAULT_THEME
+
+    # -- life cycle ------------------------------------------------------------------------
+    async def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, self._on_theme_changed)
+        self.main = MainScreen(self.backend, self.store)
+        await self.push_screen(self.main)
+        self._start_backend()
+
+    @work(exclusive=True, group="backend")
+    async def _start_backend(self) -> None:
+        dash = self.main.query_one("Dashboard")
+        dash.status_line = "loading the model…" if self.backend.info.kind == "local" else "connecting…"
+        try:
+            await self.backend.start()
+        except BackendError as e:
+            self._fatal(str(e))
+            return
+        except Exception as e:  # a model that will not load: one line, exit 2 (as the CLI does)
+            first = str(e).strip().splitlines()
+            self._fatal(first[0] if first else type(e).__name__)
+            return
+        self.backend_ready.set()
+        self.sub_title = f"{self.backend.info.model}"
+        if self.share is not None:
+            try:
+                self.share_line = await self.share(self)
+            except Exception as e:  # noqa: BLE001 - the panes still work without sharing
+                self.notify(f"--share failed: {e}", severity="error", timeout=10)
+            else:
+                self.notify(self.share_line, title="sharing", timeout=10)
+
+    def _fatal(self, message: str) -> None:
+        self.fatal_error = message
+        self.exit(return_code=2)
+
+    async def on_unmount(self) -> None:
+        # closing the backend ends every stream (engine stopped, socket closed, requests cancelled)
+        if self.close_share is not None:
+            await self.close_share()
+        await self.backend.close()
+
+    def _on_theme_changed(self, theme: Theme) -> None:
+        self.store.set_setting("theme", theme.name)
+
+    # -- command palette ---------------------------------------------------------------------
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        if not isinstance(screen, MainScreen):
+            return
+        s = screen
+        yield SystemCommand("New pane", "Open a new conversation pane (ctrl+n)", s.action_new_pane)
+        yield SystemCommand("Close pane", "Close the active pane (ctrl+w)", s.action_close_pane)
+        yield SystemCommand("Next pane", "Focus the next pane (tab)", s.action_next_pane)
+        yield SystemCommand("Previous pane", "Focus the previous pane (shift+tab)", s.action_previous_pane)
+        yield SystemCommand("Maximize / restore pane", "Show the active pane alone, or the grid again (ctrl+o)",
+                            s.action_toggle_maximize)
+        yield SystemCommand("Stop generation", "Stop the active pane's reply (ctrl+s)", s.action_stop)
+        yield SystemCommand("Broadcast prompt", "Send the same prompt to every pane (ctrl+t)", s.action_broadcast)
+        yield SystemCommand("Pane settings", "System prompt, temperature, max tokens, seed (f2)", s.action_settings)
+        yield SystemCommand("Export conversation to Markdown", "Write the active pane's conversation to a .md file (f3)",
+                            s.action_export)
+        yield SystemCommand("Open conversation", "Open a stored conversation in a new pane (f4)",
+                            s.action_open_conversation)
+        yield SystemCommand("Copy last reply", "Copy the active pane's last reply to the clipboard",
+                            s.action_copy_reply)

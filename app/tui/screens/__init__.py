@@ -1,0 +1,1 @@
+"""Screens and dialogs, one per file."""

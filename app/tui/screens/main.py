@@ -1,0 +1,268 @@
+"""The main screen: the pane grid, the dashboard beside it, the footer with the keys."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from ...clients.base import ChatBackend
+from ...store import Store
+from ..widgets.dashboard import Dashboard
+from ..widgets.pane import FLUSH_HZ, ChatPane
+from ..widgets.pane_grid import MAX_PANES, PaneGrid
+from .broadcast import BroadcastScreen
+from .conversations import ConversationsScreen
+from .pane_settings import PaneSettings, PaneSettingsScreen
+
+EXPORT_DIR_ENV = "PANECHAT_EXPORT_DIR"
+UI_CPU_TARGET = 0.15  # share of one core the UI thread may use while replies stream
+MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
+
+
+class MainScreen(Screen):
+    """Owns the panes (their order is the grid order) and saves the layout on every change."""
+
+    BINDINGS = [
+        Binding("ctrl+n", "new_pane", "New", priority=True, tooltip="Open a new conversation pane"),
+        Binding("ctrl+w", "close_pane", "Close", priority=True, tooltip="Close the active pane"),
+        Binding("tab", "next_pane", "Next", tooltip="Focus the next pane"),
+        Binding("shift+tab", "previous_pane", "Prev", tooltip="Focus the previous pane"),
+        Binding("ctrl+o", "toggle_maximize", "Max", priority=True, tooltip="Maximize or restore the active pane"),
+        Binding("ctrl+s", "stop", "Stop", priority=True, tooltip="Stop the active pane's reply"),
+        Binding("ctrl+t", "broadcast", "Broadcast", priority=True, tooltip="Send one prompt to every pane"),
+        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature, max tokens, seed"),
+        Binding("f3", "export", "Export", tooltip="Export the conversation to Markdown"),
+        Binding("f4", "open_conversation", "Open", tooltip="Open a stored conversation in a new pane"),
+        Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
+    ]
+
+    def __init__(self, backend: ChatBackend, store: Store, **kwargs):
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.store = store
+        self.active: ChatPane | None = None
+        self.zoomed = False
+
+    def compose(self):
+        with Horizontal():
+            yield PaneGrid()
+            yield Dashboard(self.backend)
+        yield Footer(compact=True)
+
+    async def on_mount(self) -> None:
+        panes = []
+        for cid in self.store.layout(self.backend.profile)[:MAX_PANES]:
+            conv = self.store.get_conversation(cid)
+            if conv is not None:
+                panes.append(self._make_pane(conv))
+        if not panes:
+            panes.append(self._make_pane(self._new_conversation()))
+        await self.query_one(PaneGrid).mount_all(panes)
+        self._relayout()
+        panes[0].focus_input()
+        # one clock for every pane's flush, so 8 streaming panes cost one layout pass per tick
+        self.flush_interval = 1 / FLUSH_HZ
+        self._mark = (time.perf_counter(), time.thread_time())
+        self.set_timer(self.flush_interval, self._flush_panes)
+
+    async def _flush_panes(self) -> None:
+        """Flush every streaming pane, then pick the next tick: slower while the UI thread
+        uses more than UI_CPU_TARGET of a core (Markdown re-layout grows with the replies),
+        back to FLUSH_HZ when it is cheap again. Finished replies always flush their tail."""
+        busy = [p for p in self.panes if p.busy]
+        if busy:
+            with self.app.batch_update():
+                for pane in busy:
+                    await pane.flush()
+        now, cpu = time.perf_counter(), time.thread_time()
+        share = (cpu - self._mark[1]) / max(1e-3, now - self._mark[0])
+        self._mark = (now, cpu)
+        if share > UI_CPU_TARGET:
+            self.flush_interval = min(MAX_FLUSH_S, self.flush_interval * 1.5)
+        elif share < UI_CPU_TARGET / 2:
+            self.flush_interval = max(1 / FLUSH_HZ, self.flush_interval / 1.5)
+        self.set_timer(self.flush_interval, self._flush_panes)
+
+    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def panes(self) -> list[ChatPane]:
+        return list(self.query_one(PaneGrid).query_children(ChatPane))
+
+    def _new_conversation(self):
+        """A new conversation with the stored defaults (settings `default_max_tokens`,
+        `default_temperature`, `default_system`)."""
+        st = self.store.get_setting
+        return self.store.new_conversation(
+            system=st("default_system", ""), temperature=float(st("default_temperature", "0") or 0),
+            max_tokens=int(st("default_max_tokens", "512") or 512))
+
+    def _make_pane(self, conv) -> ChatPane:
+        return ChatPane(conv, self.store.messages(conv.id), self.backend, self.store,
+                        ready=getattr(self.app, "backend_ready", None), ticker=False)
+
+    def _relayout(self) -> None:
+        panes = self.panes
+        for i, p in enumerate(panes, start=1):
+            if p.number != i:
+                p.number = i
+                p.refresh_title()
+        if self.zoomed and not any(p.has_class("-zoomed") for p in panes):
+            self.zoomed = False
+        self.query_one(PaneGrid).reflow(len(panes), self.zoomed)
+        self.store.save_layout(self.backend.profile, [p.conversation.id for p in panes])
+        self.refresh_names()
+
+    def refresh_names(self) -> None:
+        """Tell the dashboard which conversation ids are our panes (data down)."""
+        self.query_one(Dashboard).pane_names = {p.conversation.id: f"{p.number} {p.title}" for p in self.panes}
+
+    def _active(self) -> ChatPane | None:
+        """The pane holding the focus (else the last one that did, else the first)."""
+        node = self.focused
+        while node is not None and not isinstance(node, ChatPane):
+            node = node.parent
+        if node is not None:
+            self.active = node
+            return node
+        panes = self.panes
+        if self.active in panes:
+            return self.active
+        return panes[0] if panes else None
+
+    def _focus(self, pane: ChatPane) -> None:
+        self.active = pane
+        if self.zoomed:
+            for p in self.panes:
+                p.set_class(p is pane, "-zoomed")
+        pane.focus_input()
+
+    # -- messages from panes ---------------------------------------------------------------
+    def on_chat_pane_activated(self, event: ChatPane.Activated) -> None:
+        self.active = event.pane
+
+    def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
+        self.refresh_names()
+
+    # -- actions (keys and command palette) ----------------------------------------------
+    async def action_new_pane(self, conversation_id: str | None = None) -> ChatPane | None:
+        if len(self.panes) >= MAX_PANES:
+            self.notify(f"at most {MAX_PANES} panes; close one first (ctrl+w)", severity="warning")
+            return None
+        conv = self.store.get_conversation(conversation_id) if conversation_id else None
+        pane = self._make_pane(conv or self._new_conversation())
+        if self.zoomed:
+            self.zoomed = False
+            for p in self.panes:
+                p.remove_class("-zoomed")
+        await self.query_one(PaneGrid).mount(pane)
+        self._relayout()
+        self._focus(pane)
+        return pane
+
+    async def action_close_pane(self) -> None:
+        pane = self._active()
+        if pane is None:
+            return
+        panes = self.panes
+        if len(panes) == 1 and not pane.history and not pane.busy:
+            return  # the last pane is already an empty one
+        idx = panes.index(pane)
+        pane.stop()
+        if not pane.history:
+            self.store.delete_conversation(pane.conversation.id)
+        await pane.remove()
+        if len(panes) == 1:
+            await self.query_one(PaneGrid).mount(self._make_pane(self._new_conversation()))
+        self._relayout()
+        rest = self.panes
+        self._focus(rest[min(idx, len(rest) - 1)])
+
+    def action_next_pane(self) -> None:
+        self._step(+1)
+
+    def action_previous_pane(self) -> None:
+        self._step(-1)
+
+    def _step(self, delta: int) -> None:
+        panes = self.panes
+        cur = self._active()
+        if not panes or cur is None:
+            return
+        self._focus(panes[(panes.index(cur) + delta) % len(panes)])
+
+    def action_toggle_maximize(self) -> None:
+        pane = self._active()
+        if pane is None:
+            return
+        self.zoomed = not self.zoomed
+        for p in self.panes:
+            p.set_class(self.zoomed and p is pane, "-zoomed")
+        self.query_one(PaneGrid).reflow(len(self.panes), self.zoomed)
+        pane.focus_input()
+
+    def action_stop(self) -> None:
+        pane = self._active()
+        if pane is not None and pane.busy:
+            pane.stop()
+
+    def action_broadcast(self) -> None:
+        def send_all(text: str | None) -> None:
+            if not text:
+                return
+            sent = sum(p.send(text) for p in self.panes)
+            if sent < len(self.panes):
+                self.notify(f"sent to {sent} of {len(self.panes)} panes (the others are still replying)")
+
+        self.app.push_screen(BroadcastScreen(len(self.panes)), send_all)
+
+    def action_settings(self) -> None:
+        pane = self._active()
+        if pane is None:
+            return
+
+        def apply(result: PaneSettings | None) -> None:
+            if result is not None:
+                pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed)
+                self.refresh_names()
+
+        self.app.push_screen(PaneSettingsScreen(pane.conversation), apply)
+
+    def action_export(self) -> Path | None:
+        pane = self._active()
+        if pane is None:
+            return None
+        folder = Path(os.environ.get(EXPORT_DIR_ENV) or Path.cwd())
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", pane.title).strip("-").lower()[:40] or "conversation"
+        path = folder / f"{slug}-{pane.conversation.id[2:8]}.md"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(pane.transcript_markdown(), encoding="utf-8")
+        except OSError as e:
+            self.notify(f"export failed: {e}", severity="error")
+            return None
+        self.notify(f"exported to {path}", title="export")
+        return path
+
+    def action_open_conversation(self) -> None:
+        shown = {p.conversation.id for p in self.panes}
+        convs = [c for c in self.store.list_conversations() if c.id not in shown]
+
+        async def open_it(conv_id: str | None) -> None:
+            if conv_id:
+                await self.action_new_pane(conv_id)
+
+        self.app.push_screen(ConversationsScreen(convs), open_it)
+
+    def action_copy_reply(self) -> None:
+        pane = self._active()
+        reply = next((m.content for m in reversed(pane.history) if m.role == "assistant"), None) if pane else None
+        if reply:
+            self.app.copy_to_clipboard(reply)
+            self.notify("copied the last reply")

@@ -1,0 +1,1 @@
+"""Widgets: panes, the pane grid, the prompt input, the transcript, the dashboard."""

@@ -1,0 +1,330 @@
+"""A conversation pane: transcript, prompt input, and a live status line in its border.
+
+Tokens arrive on the pane's generation worker; text is buffered and flushed to the
+reply's MarkdownStream at most `FLUSH_HZ` times a second (one Markdown append per flush,
+which re-parses only the last block), and the tail is always flushed at the finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from textual import work
+from textual.containers import Vertical
+from textual.content import Content
+from textual.message import Message
+from textual.widgets import Markdown
+from textual.widgets.markdown import MarkdownStream
+
+from ...store import Conversation, Message as StoredMessage, Store
+from ...clients.base import ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued, StreamMeter
+from ..perf import UI_COST
+from .prompt_input import PromptInput
+from .transcript import AssistantMessage, Transcript, UserMessage
+
+FLUSH_HZ = 10
+
+
+class ChatPane(Vertical):
+    """One conversation. Data comes down as constructor arguments; `ReplyFinished` goes up."""
+
+    DEFAULT_CSS = """
+    ChatPane {
+        border: round $surface-lighten-2;
+        border-title-color: $text-muted;
+        border-subtitle-color: $text-muted;
+        border-subtitle-align: right;
+        height: 1fr;
+        width: 1fr;
+        padding: 0 0 0 1;
+    }
+    ChatPane:focus-within {
+        border: round $primary;
+        border-title-color: $text;
+        border-title-style: bold;
+        border-subtitle-color: $text;
+    }
+    """
+
+    class ReplyFinished(Message):
+        """A generation in this pane ended (any reason)."""
+
+        def __init__(self, pane: "ChatPane", finished: Finished):
+            super().__init__()
+            self.pane = pane
+            self.finished = finished
+
+    class Activated(Message):
+        """Focus moved into this pane."""
+
+        def __init__(self, pane: "ChatPane"):
+            super().__init__()
+            self.pane = pane
+
+    def __init__(self, conversation: Conversation, history: list[StoredMessage], backend: ChatBackend,
+                 store: Store, *, ready: asyncio.Event | None = None, number: int = 1, ticker: bool = True,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.conversation = conversation
+        self.history = list(history)
+        self.backend = backend
+        self.store = store
+        self.ready = ready
+        self.number = number
+        self.ticker = ticker  # False: the screen calls flush() for all panes on one clock
+        self.state = "idle"
+        self.meter: StreamMeter | None = None
+        self.last_metrics: tuple[str, ...] = ()
+        self.last_finish: Finished | None = None
+        self.stream: ChatStream | None = None
+        self._pending: list[str] = []
+        self._md_stream: MarkdownStream | None = None
+        self._reply: AssistantMessage | None = None
+        self._status = ""
+        self._stop_requested = False
+        last = next((m for m in reversed(self.history) if m.role == "assistant"), None)
+        if last is not None:  # the previous session's last reply figures
+            t, u = last.meta.get("timings") or {}, last.meta.get("usage") or {}
+            if t.get("decode_tok_s") is not None or u.get("completion_tokens"):
+                self.last_metrics = _metrics(t.get("decode_tok_s") or 0.0, t.get("ttft_ms"),
+                                             u.get("completion_tokens") or 0)
+
+    # -- composition --------------------------------------------------------------------
+    def compose(self):
+        yield Transcript()
+        yield PromptInput()
+
+    async def on_mount(self) -> None:
+        await self._render_history()
+        self.query_one(Transcript).anchor()
+        self.refresh_title()
+        self._update_status()
+        self._sync_remote()
+
+    async def _render_history(self) -> None:
+        transcript = self.query_one(Transcript)
+        await transcript.remove_children()
+        widgets = []
+        for m in self.history:
+            if m.role == "user":
+                widgets.append(UserMessage(m.content))
+            elif m.role == "assistant":
+                widgets.append(AssistantMessage(m.content))
+        if widgets:
+            await transcript.mount_all(widgets)
+        transcript.scroll_end(animate=False, immediate=True)
+
+    @work(group="attach")
+    async def _sync_remote(self) -> None:
+        """Once the backend is up, sync with a server that keeps its own copy of the history."""
+        if self.ready is not None:
+            await self.ready.wait()
+        if self.backend.info.kind != "remote":
+            return
+        try:
+            remote = await self.backend.attach(self.conversation.id, self.conversation.system)
+        except Exception as e:  # noqa: BLE001 - shown, never fatal: the pane still works locally
+            self.notify(f"pane {self.number}: could not open the conversation on the server: {e}", severity="error")
+            return
+        if remote is None:
+            return
+        ours = [{"role": m.role, "content": m.content} for m in self.history]
+        if remote and remote != ours:
+            self.history = [StoredMessage(m["role"], m["content"]) for m in remote]
+            self.store.replace_messages(self.conversation.id, self.history)
+            await self._render_history()
+        elif not remote and ours:
+            self.notify(f"pane {self.number}: the server has no copy of this conversation; "
+                        "its replies start without the earlier turns", severity="warning")
+
+    # -- public API (called by the screen) -------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.stream is not None
+
+    @property
+    def title(self) -> str:
+        return self.conversation.title
+
+    def refresh_title(self) -> None:
+        self.border_title = f"{self.number} · {self.conversation.title}"
+
+    def focus_input(self) -> None:
+        self.query_one(PromptInput).focus()
+
+    def send(self, text: str) -> bool:
+        """Append a user turn and start the reply; False (and a notice) while one is running."""
+        text = text.strip()
+        if not text:
+            return False
+        if self.busy:
+            self.notify(f"pane {self.number} is still replying; ctrl+s stops it", severity="warning")
+            return False
+        if self.conversation.title == "New chat":
+            self.conversation.title = text.splitlines()[0][:40]
+            self.store.save_conversation(self.conversation)
+            self.refresh_title()
+        self.history.append(self.store.add_message(self.conversation.id, "user", text))
+        self._stop_requested = False
+        self.stream = _PENDING  # busy from now on, even before the backend answers
+        self._generate()
+        return True
+
+    def stop(self) -> None:
+        """Cancel the generation in flight (its Finished still arrives, reason 'cancelled')."""
+        if self.stream is not None:
+            self._stop_requested = True  # also covers a reply still waiting for the model
+            self.stream.cancel()
+
+    def apply_settings(self, title: str, system: str, temperature: float, max_tokens: int, seed: int | None) -> None:
+        c = self.conversation
+        c.title, c.system, c.temperature, c.max_tokens, c.seed = title or c.title, system, temperature, max_tokens, seed
+        self.store.save_conversation(c)
+        self.refresh_title()
+
+    def transcript_markdown(self) -> str:
+        from ...store import conversation_markdown
+
+        return conversation_markdown(self.conversation, self.history)
+
+    # -- events --------------------------------------------------------------------------
+    def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        if not self.send(event.text):
+            event.prompt_input.text = event.text  # keep what they typed
+
+    def on_descendant_focus(self) -> None:
+        self.post_message(self.Activated(self))
+
+    # -- the generation ------------------------------------------------------------------
+    @work(group="generate")
+    async def _generate(self) -> None:
+        transcript = self.query_one(Transcript)
+        self._reply = reply = AssistantMessage("")
+        await transcript.mount_all([UserMessage(self.history[-1].content), reply])  # one layout pass
+        transcript.anchor()
+        if self.ready is not None and not self.ready.is_set():
+            self._set_state("waiting for the model")
+            await self.ready.wait()
+        c = self.conversation
+        params = GenParams(temperature=c.temperature, max_tokens=c.max_tokens, seed=c.seed)
+        messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
+        self.meter = meter = StreamMeter()
+        self.stream = stream = self.backend.stream(c.id, messages, params, c.system)
+        if self._stop_requested:
+            stream.cancel()
+        self._md_stream = Markdown.get_stream(reply)
+        self._set_state("queued")
+        timer = self.set_interval(1 / FLUSH_HZ, self.flush) if self.ticker else None
+        fin = Finished("error", "", error="the stream ended without a finish")
+        perf = time.perf_counter
+        try:
+            async for ev in stream:
+                t0 = perf()
+                if isinstance(ev, Delta):
+                    self._pending.append(ev.text)
+                    meter.on_tokens(ev.tokens)
+                    if self.state != "decoding":
+                        self.state = "decoding"
+                elif isinstance(ev, Prefill):
+                    pct = 100 * ev.done // max(1, ev.total)
+                    self.state = "decoding" if ev.done >= ev.total else f"prefilling {pct}%"
+                elif isinstance(ev, Queued):
+                    self.state = "queued"
+                elif isinstance(ev, Finished):
+                    fin = ev
+                UI_COST.add("token", perf() - t0)
+        finally:
+            if timer is not None:
+                timer.stop()
+            await self.flush()
+            await self._md_stream.stop()
+            self._md_stream = None
+            self.stream = None
+        self._finish(fin, reply)
+
+    async def flush(self) -> None:
+        """Hand the buffered text to the Markdown stream and refresh the status line
+        (called FLUSH_HZ times a second while streaming, and once at the finish)."""
+        t0 = time.perf_counter()
+        text = "".join(self._pending) if self._pending else ""
+        self._pending.clear()
+        self._update_status()
+        UI_COST.add("flush", time.perf_counter() - t0)
+        if text and self._md_stream is not None:
+            await self._md_stream.write(text)
+
+    def _finish(self, fin: Finished, reply: AssistantMessage) -> None:
+        t0 = time.perf_counter()
+        self.last_finish = fin
+        text = fin.text or reply.source
+        if fin.text and not reply.source:
+            reply.update(fin.text)
+        meta = {"reason": fin.reason, "usage": fin.usage, "timings": fin.timings}
+        if text:
+            self.history.append(self.store.add_message(self.conversation.id, "assistant", text, meta))
+        if fin.reason == "error":
+            if not text:
+                reply.add_class("-error")
+                reply.update(f"*error: {fin.error or 'unknown'}*")
+            self._set_state(f"error: {fin.error or 'unknown'}")
+            self.notify(f"pane {self.number}: {fin.error or 'the reply failed'}", severity="error", timeout=8)
+        else:
+            m = self.meter
+            tok_s = fin.timings.get("decode_tok_s") or (m.tok_s(m.t_last) if m else 0.0)
+            ttft = fin.timings.get("ttft_ms") or (m.ttft_ms if m else None)
+            n = fin.usage.get("completion_tokens") or (m.tokens if m else 0)
+            self.last_metrics = _metrics(tok_s, ttft, n)
+            if not text and fin.reason == "cancelled":
+                reply.remove()
+            self._set_state("idle" if fin.reason != "cancelled" else "idle (stopped)")
+        UI_COST.add("finish", time.perf_counter() - t0)
+        self.post_message(self.ReplyFinished(self, fin))
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self._update_status()
+
+    def _update_status(self) -> None:
+        m = self.meter
+        if self.busy and m is not None:
+            metrics = _metrics(m.tok_s(), m.ttft_ms, m.tokens)
+        else:
+            metrics = self.last_metrics
+        status = _fit([self.state, *metrics], self.size.width - 6)
+        if status != self._status:
+            self._status = status
+            # colour through the title's own style: a CSS class change would restyle the whole
+            # subtree (every Markdown block in the transcript) at each start and finish
+            color = "$error" if self.state.startswith("error") else "$accent" if self.busy else None
+            self.border_subtitle = Content.styled(status, color) if color else Content(status)
+
+    def on_resize(self) -> None:
+        self._update_status()
+
+
+def _metrics(tok_s: float, ttft_ms: float | None, tokens: int) -> tuple[str, ...]:
+    """tok/s, TTFT, tokens: in the order they are dropped from a narrow pane's status, last first."""
+    ttft = f"TTFT {ttft_ms:.0f} ms" if ttft_ms is not None else "TTFT -"
+    return (f"{tok_s:.1f} tok/s", f"{tokens} tok", ttft)
+
+
+def _fit(parts: list[str], width: int) -> str:
+    """Join parts with ' · ', dropping trailing ones until it fits `width` (0: unknown)."""
+    while len(parts) > 1 and width > 0 and len(" · ".join(parts)) > width:
+        parts = parts[:-1]
+    return " · ".join(parts)
+
+
+class _Pending(ChatStream):
+    """Placeholder stream between send() and the backend accepting the request."""
+
+    def __aiter__(self):  # pragma: no cover - never iterated
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        pass
+
+
+_PENDING = _Pending()

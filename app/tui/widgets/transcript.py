@@ -1,0 +1,92 @@
+"""The scrolling list of a conversation's messages."""
+
+from __future__ import annotations
+
+from textual.containers import Horizontal, VerticalScroll
+from textual.content import Content
+from textual.widgets import Markdown, Static
+from textual.widgets._markdown import MarkdownBlock, MarkdownBullet, MarkdownBulletList, MarkdownOrderedList
+
+
+class UserMessage(Static):
+    """A user turn, shown verbatim (no markup, no Markdown)."""
+
+    DEFAULT_CSS = """
+    UserMessage {
+        margin: 1 0 0 0;
+        padding: 0 1;
+        border-left: thick $accent;
+        background: $boost;
+        color: $text;
+    }
+    """
+
+    def __init__(self, text: str, **kwargs):
+        super().__init__(Content(text), **kwargs)
+        self.text = text
+
+
+class _GrowingList:
+    """A list block that, when a streamed append re-parses it, keeps the items it already
+    shows and rebuilds only the last one (Textual's default remounts the whole list on
+    every append, so a long list costs O(items) widget mounts per flush)."""
+
+    async def _update_from_block(self, block: MarkdownBlock) -> None:
+        rows = list(self.query_children(Horizontal))
+        if type(block) is not type(self) or not rows:
+            return await super()._update_from_block(block)
+        new_rows = list(block.compose())  # one Horizontal per item (consumes block._blocks)
+        keep = len(rows) - 1
+        if len(new_rows) < len(rows) or self._wider(rows, len(new_rows)):
+            keep = 0  # shrank, or the numbers got wider (9 -> 10 items): rebuild them all
+        await self.remove_children(rows[keep:])
+        await self.mount_all(new_rows[keep:])
+
+
+    def _wider(self, rows: list, n_items: int) -> bool:
+        return False
+
+
+class GrowingBulletList(_GrowingList, MarkdownBulletList):
+    """A bullet list that grows in place while streaming."""
+
+
+class GrowingOrderedList(_GrowingList, MarkdownOrderedList):
+    """An ordered list that grows in place while streaming."""
+
+    def _wider(self, rows: list, n_items: int) -> bool:
+        """Would `n_items` numbers need wider bullets than the ones shown (all right-aligned)?"""
+        first = next((c.symbol for c in rows[0].children if isinstance(c, MarkdownBullet)), "")
+        try:
+            start = int(first.strip().rstrip("."))
+        except ValueError:
+            return True
+        return len(first) != len(f"{start + n_items - 1}. ") + 1
+
+
+class AssistantMessage(Markdown):
+    """An assistant turn, rendered as Markdown (streamed in while it is generated)."""
+
+    BLOCKS = {**Markdown.BLOCKS, "bullet_list_open": GrowingBulletList, "ordered_list_open": GrowingOrderedList}
+
+    DEFAULT_CSS = """
+    AssistantMessage {
+        margin: 1 0 0 0;
+        padding: 0 1;
+        background: transparent;
+    }
+    AssistantMessage.-error { border-left: thick $error; }
+    AssistantMessage > MarkdownBlock:last-child { margin-bottom: 0; }
+    """
+
+
+class Transcript(VerticalScroll, can_focus=False):
+    """Messages, anchored to the bottom until the user scrolls up to read back."""
+
+    DEFAULT_CSS = """
+    Transcript {
+        height: 1fr;
+        padding: 0 1 0 0;
+        scrollbar-size-vertical: 1;
+    }
+    """

@@ -1,0 +1,85 @@
+"""TUI fixtures: one real engine on the default model for the session, a store per test."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from panechat.app.clients.local import LocalBackend
+from panechat.app.store import Store
+from panechat.engine.engine import Engine, EngineConfig
+
+MAX_TOKENS = 16  # replies stay short so the suite runs in a few minutes on 2 cores
+
+
+@pytest.fixture(scope="session")
+def tui_engine(loaded_model):
+    """A started Engine (4 at once, 8 KV slots) shared by every TUI test."""
+    engine = Engine(loaded_model, EngineConfig(max_concurrent=4, kv_sessions=8, max_queue=16, ctx_size=1024,
+                                               verify_invariance=False)).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    """PANECHAT_DATA_DIR and PANECHAT_EXPORT_DIR pointed at a temporary folder."""
+    folder = tmp_path / "data"
+    monkeypatch.setenv("PANECHAT_DATA_DIR", str(folder))
+    monkeypatch.setenv("PANECHAT_EXPORT_DIR", str(tmp_path / "exports"))
+    return folder
+
+
+@pytest.fixture
+def store(data_dir):
+    """The store in the test's data dir, with short replies by default."""
+    st = Store.open()
+    st.set_setting("default_max_tokens", str(MAX_TOKENS))
+    yield st
+    st.close()
+
+
+def make_app(backend_or_engine, store):
+    from panechat.app.tui.app import PanechatApp
+
+    backend = LocalBackend(backend_or_engine) if isinstance(backend_or_engine, Engine) else backend_or_engine
+    return PanechatApp(backend, store)
+
+
+async def wait_for(pilot, predicate, timeout: float = 60.0, step: float = 0.05, what: str = "condition"):
+    """Pause the pilot until predicate() is true; fail after `timeout` seconds."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await pilot.pause(step)
+
+
+def wait_engine_idle(engine, timeout: float = 30.0) -> None:
+    """Block until the engine has no streams and its 1 s tok/s window is empty."""
+    t0 = time.monotonic()
+    while True:
+        s = engine.stats()
+        if not s["streams"] and s["tok_s"] == 0 and s["batch_now"] == 0:
+            return
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"engine still busy: {s['streams']}")
+        time.sleep(0.05)
+
+
+async def type_into(pilot, pane, text: str) -> None:
+    """Focus the pane's input and type `text` key by key (no Enter)."""
+    pane.focus_input()
+    await pilot.pause()
+    await pilot.press(*text)
+
+
+async def type_and_send(pilot, pane, text: str) -> None:
+    """Focus the pane's input, type `text` key by key, press Enter."""
+    await type_into(pilot, pane, text)
+    await pilot.press("enter")
+
+
+__all__ = ["MAX_TOKENS", "make_app", "wait_for", "wait_engine_idle", "type_and_send", "type_into", "asyncio"]

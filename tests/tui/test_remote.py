@@ -1,0 +1,237 @@
+"""Remote modes against a live `panechat serve` on loopback (in-process, real engine):
+the websocket protocol (--connect ws://) and the OpenAI API (--connect http://.../v1)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import websockets
+from textual import events
+
+from panechat.app.clients.openai_http import OpenAIBackend
+from panechat.app.clients.remote_ws import RemoteBackend
+from panechat.app.store import Store
+from panechat.app.tui.widgets.dashboard import Dashboard
+from panechat.app.tui.widgets.prompt_input import PromptInput
+
+from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_for
+
+SIZE = (160, 45)
+
+
+@pytest.fixture(scope="module")
+def server(tui_engine):
+    serve = pytest.importorskip("panechat.app.server.serve")
+    srv = serve.start_in_background(tui_engine, "127.0.0.1", 0)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def token_server(tui_engine):
+    serve = pytest.importorskip("panechat.app.server.serve")
+    srv = serve.start_in_background(tui_engine, "127.0.0.1", 0, token="s3cret")
+    yield srv
+    srv.stop()
+
+
+async def other_terminal(ws_url: str, started: asyncio.Event, release: asyncio.Event,
+                         max_tokens: int = 64) -> dict:
+    """A second terminal speaking the protocol directly: one generation, then it stays
+    connected until `release`; returns its `finished` frame."""
+    async with websockets.connect(ws_url) as ws:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1, "client": "test"}))
+        assert json.loads(await ws.recv())["type"] == "welcome"
+        await ws.send(json.dumps({"type": "open", "conversation": "c-other"}))
+        assert json.loads(await ws.recv())["type"] == "opened"
+        await ws.send(json.dumps({"type": "send", "conversation": "c-other", "request": "r-1",
+                                  "content": "Describe the moon", "params": {"max_tokens": max_tokens}}))
+        started.set()
+        while True:
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "finished":
+                await release.wait()
+                return frame
+
+
+async def test_ws_panes_join_the_servers_batch(server, store):
+    app = make_app(RemoteBackend(server.ws_url), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the connection")
+        assert app.backend.info.model.endswith(".gguf") and app.backend.info.max_concurrent == 4
+        await pilot.press("ctrl+n")
+        a, b = app.main.panes
+        dash = app.main.query_one(Dashboard)
+        await type_into(pilot, a, "Name a fruit")
+        await type_into(pilot, b, "Name a tree")
+        started, release = asyncio.Event(), asyncio.Event()
+        other = asyncio.create_task(other_terminal(server.ws_url, started, release))
+        seen_other = seen_terminals = 0
+
+        async def sample() -> None:  # what the dashboard got from the stats subscription
+            nonlocal seen_other, seen_terminals
+            while True:
+                s = dash.last_stats or {}
+                seen_terminals = max(seen_terminals, s.get("terminals") or 0)
+                seen_other |= any(str(x.get("conversation")) == "c-other" for x in s.get("streams", []))
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        await started.wait()
+        for p in (a, b):  # Enter in both inputs, back to back (see test_app)
+            p.query_one(PromptInput).post_message(events.Key("enter", None))
+        await wait_for(pilot, lambda: all(p.last_finish is not None and not p.busy for p in (a, b)),
+                       timeout=90, what="two replies")
+        release.set()
+        fin = await asyncio.wait_for(other, 60)
+        sampler.cancel()
+        assert fin["reason"] in ("stop", "length")
+        for p in (a, b):
+            assert p.last_finish.reason in ("stop", "length"), p.last_finish
+            assert p.last_finish.text and "tok/s" in p.border_subtitle
+            assert p.last_finish.usage["completion_tokens"] <= MAX_TOKENS
+        assert seen_terminals >= 2, "the stats subscription should count both terminals"
+        assert seen_other, "the dashboard should list the other terminal's stream"
+        assert dash.peak_batch >= 2
+        assert "panechat server" in str(dash.query_one("#dash-backend").render())
+        conv_id, reply = a.conversation.id, a.last_finish.text
+
+    # the server keeps the conversation: another terminal (its own empty store) resumes it
+    other_store = Store(store.path.parent / "other.db")
+    other_store.new_conversation("resumed", conv_id=conv_id)
+    other_store.save_layout(server.ws_url, [conv_id])
+    app2 = make_app(RemoteBackend(server.ws_url), other_store)
+    async with app2.run_test(size=SIZE) as pilot:
+        pane = app2.main.panes[0]
+        await wait_for(pilot, lambda: len(pane.history) == 2, timeout=30, what="the server's copy")
+        assert [m.content for m in pane.history] == ["Name a fruit", reply]
+    other_store.close()
+
+
+async def test_ws_cancel_reaches_the_server(server, store):
+    store.set_setting("default_max_tokens", "400")
+    app = make_app(RemoteBackend(server.ws_url), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the connection")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Tell me a long story")
+        await wait_for(pilot, lambda: pane.meter is not None and pane.meter.tokens >= 2, what="tokens")
+        app.post_message(events.Key("ctrl+s", None))  # as the terminal driver delivers it (no idle wait)
+        await wait_for(pilot, lambda: not pane.busy, timeout=30, what="the cancel")
+        assert pane.last_finish.reason == "cancelled" and pane.meter.tokens < 400
+
+
+async def test_ws_wrong_token_exits_with_one_line(token_server, store):
+    app = make_app(RemoteBackend(token_server.ws_url, token="wrong"), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.fatal_error is not None, timeout=15, what="the refusal")
+    assert "token" in app.fatal_error and "\n" not in app.fatal_error
+    app = make_app(RemoteBackend(token_server.ws_url, token="s3cret"), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, timeout=15, what="the connection")
+
+
+async def test_openai_http_backend(server, store):
+    store.set_setting("default_max_tokens", "48")
+    app = make_app(OpenAIBackend(server.url + "/v1"), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the models list")
+        assert app.backend.info.kind == "openai" and app.backend.info.model
+        pane = app.main.panes[0]
+        dash = app.main.query_one(Dashboard)
+        await type_into(pilot, pane, "Name a river")
+        seen_stream = False
+
+        async def sample() -> None:
+            nonlocal seen_stream
+            while True:
+                seen_stream |= bool((dash.last_stats or {}).get("streams"))
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        pane.query_one(PromptInput).post_message(events.Key("enter", None))
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, timeout=60, what="the reply")
+        sampler.cancel()
+        assert pane.last_finish.reason in ("stop", "length"), pane.last_finish
+        assert pane.last_finish.text and pane.meter.tokens > 0
+        assert "tok/s" in pane.border_subtitle
+        assert seen_stream, "the dashboard lists this terminal's own streams"
+        await type_and_send(pilot, pane, "And another")  # full history goes with each request
+        await wait_for(pilot, lambda: len(pane.history) == 4 and not pane.busy, timeout=60, what="turn 2")
+
+
+async def test_unreachable_server_exits_with_one_line(store):
+    app = make_app(RemoteBackend("ws://127.0.0.1:9"), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.fatal_error is not None, timeout=15, what="the failure")
+    assert "cannot connect" in app.fatal_error
+
+
+async def test_share_hosts_the_server_in_process(tui_engine, store):
+    """--share: teammates connect to this TUI's own engine and batch with its panes."""
+    from panechat.app.clients.local import LocalBackend
+    from panechat.app.tui.app import PanechatApp
+    from panechat.app.tui.launch import ShareServer
+
+    backend = LocalBackend(tui_engine)
+    sharing = ShareServer(backend, "127.0.0.1", 0, token="team")
+    app = PanechatApp(backend, store, share=sharing.attach, close_share=sharing.close)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.share_line is not None, timeout=30, what="sharing to start")
+        assert f":{sharing.srv.port}" in app.share_line
+        dash = app.main.query_one(Dashboard)
+        pane = app.main.panes[0]
+        await type_into(pilot, pane, "Name a bird")
+        started, release = asyncio.Event(), asyncio.Event()
+        teammate = RemoteBackend(sharing.ws_url, token="team")
+
+        async def teammate_turn():
+            await teammate.start()
+            from panechat.app.clients.base import Finished, GenParams
+
+            stream = teammate.stream("c-mate", [{"role": "user", "content": "Describe rain"}], GenParams(max_tokens=48))
+            started.set()
+            async for ev in stream:
+                if isinstance(ev, Finished):
+                    await release.wait()
+                    await teammate.close()
+                    return ev
+
+        mate = asyncio.create_task(teammate_turn())
+        seen_terminals = seen_mate = 0
+
+        async def sample() -> None:
+            nonlocal seen_terminals, seen_mate
+            while True:
+                s = dash.last_stats or {}
+                seen_terminals = max(seen_terminals, s.get("terminals") or 0)
+                seen_mate |= any(x.get("conversation") == "c-mate" for x in s.get("streams", []))
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        await started.wait()
+        pane.query_one(PromptInput).post_message(events.Key("enter", None))
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, timeout=60, what="the reply")
+        release.set()
+        fin = await asyncio.wait_for(mate, 60)
+        sampler.cancel()
+        assert fin.reason in ("stop", "length") and fin.text
+        assert pane.last_finish.reason in ("stop", "length")
+        assert seen_terminals == 2, "this terminal and the teammate"
+        assert seen_mate, "the teammate's stream shows on the host's dashboard"
+        assert dash.peak_batch >= 2, "the teammate's request and the pane's shared a batch"
+    assert not sharing.srv.running  # closed with the app
+
+
+async def test_a_refused_request_shows_as_an_error_in_its_pane(server, store):
+    app = make_app(OpenAIBackend(server.url + "/v1", model="no-such-model"), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the models list")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Hello")
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, timeout=30, what="the error")
+        assert pane.last_finish.reason == "error" and "HTTP 4" in pane.last_finish.error
+        assert pane.state.startswith("error: HTTP 4")
+        assert [m.role for m in pane.history] == ["user"]  # nothing stored for the failed reply

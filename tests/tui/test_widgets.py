@@ -1,0 +1,111 @@
+"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard sparkline."""
+
+from __future__ import annotations
+
+from textual.app import App
+from textual.widgets import Static
+
+from panechat.app.tui.widgets.dashboard import sparkline
+from panechat.app.tui.widgets.pane_grid import GRID_SHAPES, PaneGrid
+from panechat.app.tui.widgets.prompt_input import PromptInput
+
+
+class InputHost(App):
+    def __init__(self):
+        super().__init__()
+        self.sent: list[str] = []
+
+    def compose(self):
+        yield PromptInput()
+
+    def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        self.sent.append(event.text)
+
+
+async def test_enter_sends_and_ctrl_j_inserts_a_newline():
+    app = InputHost()
+    async with app.run_test() as pilot:
+        box = app.query_one(PromptInput)
+        box.focus()
+        await pilot.press("h", "i", "ctrl+j", "y", "o")
+        assert box.text == "hi\nyo" and app.sent == []
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.sent == ["hi\nyo"]
+        assert box.text == ""
+
+
+async def test_blank_input_is_not_sent():
+    app = InputHost()
+    async with app.run_test() as pilot:
+        app.query_one(PromptInput).focus()
+        await pilot.press("space", "ctrl+j", "enter")
+        await pilot.pause()
+        assert app.sent == []
+
+
+class GridHost(App):
+    def compose(self):
+        with PaneGrid():
+            for i in range(8):
+                yield Static(str(i))
+
+
+async def test_grid_shapes_reflow():
+    app = GridHost()
+    async with app.run_test(size=(120, 40)) as pilot:
+        grid = app.query_one(PaneGrid)
+        for n, (cols, rows) in GRID_SHAPES.items():
+            grid.reflow(n)
+            await pilot.pause()
+            assert (grid.styles.grid_size_columns, grid.styles.grid_size_rows) == (cols, rows)
+        grid.reflow(4, zoomed=True)
+        assert (grid.styles.grid_size_columns, grid.styles.grid_size_rows) == (1, 1)
+        assert grid.has_class("-zoomed")
+
+
+def test_sparkline_scales_to_vmax_and_width():
+    assert sparkline([0, 0, 0, 0], 4, 4) == "    "
+    assert sparkline([0, 1, 2, 4], 4, 4) == " ▂▄█"
+    assert sparkline([0.01], 1, 100) == "▁"  # anything above zero shows
+    assert len(sparkline(list(range(240)), 30, 240)) == 30
+    assert sparkline([4] * 240, 10, 4) == "█" * 10
+
+
+class MarkdownHost(App):
+    def compose(self):
+        from panechat.app.tui.widgets.transcript import AssistantMessage
+
+        yield AssistantMessage("", id="streamed")
+        yield AssistantMessage("", id="whole")
+
+
+def _blocks_of(widget) -> list[tuple[str, str]]:
+    """The widget tree under a Markdown widget: kinds, bullets and paragraph text."""
+    out = []
+    for w in widget.walk_children():
+        text = getattr(w, "symbol", None) or getattr(getattr(w, "_content", None), "plain", "")
+        out.append((type(w).__name__.replace("Growing", "Markdown"), str(text)))
+    return out
+
+
+async def test_streamed_lists_render_like_a_full_parse():
+    """Growing lists update in place; the result matches parsing the whole reply at once."""
+    from textual.widgets import Markdown
+
+    reply = ("Here:\n\n1. one\n2. two\n3. three\n4. four\n5. five\n6. six\n7. seven\n8. eight\n9. nine\n"
+             "10. ten\n\n- x\n- y\n\nThen:\n\n- alpha beta\n- with **bold** words\n  - nested item here\n"
+             "- the last item grows token by token")
+    app = MarkdownHost()
+    async with app.run_test(size=(60, 60)) as pilot:
+        streamed, whole = app.query_one("#streamed"), app.query_one("#whole")
+        stream = Markdown.get_stream(streamed)
+        for i in range(0, len(reply), 2):  # a few characters at a time, like tokens
+            await stream.write(reply[i:i + 2])
+            await pilot.pause()
+        await stream.stop()
+        await whole.update(reply)
+        await pilot.pause()
+        assert streamed.source == reply
+        assert _blocks_of(streamed) == _blocks_of(whole)
+        assert ("MarkdownBullet", " 10. ") in _blocks_of(streamed)
