@@ -9,7 +9,9 @@ import pytest
 
 from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.invariance import check_model_invariance
-from panechat.engine.model import Batch, Model
+from panechat.engine.model import Model
+
+from .model_runs import new_kv, run_batched
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198],
            [504, 2365, 6354], [28120, 198, 6693, 1116, 216, 2899, 5600, 4861, 4966]]
@@ -23,37 +25,6 @@ class GemmBackend(NumpyBackend):
         return np.ascontiguousarray(x) @ w.T
 
 
-def _run(model, kv, seqs, steps, order_seed):
-    """Prefill every seq (slot i) in one batch, then `steps` greedy decode steps, all
-    sequences in one batch per step in a shuffled row order. Returns logits[seq][step]."""
-    rng = np.random.default_rng(order_seed)
-    n = len(seqs)
-    toks = [list(s) for s in seqs]
-    out = [[] for _ in range(n)]
-    done = [0] * n
-    for step in range(steps + 1):
-        order = rng.permutation(n)
-        tokens, slots, positions, last = [], [], [], []
-        for i in order:
-            new = toks[i][done[i]:]
-            tokens += new
-            slots += [i] * len(new)
-            positions += list(range(done[i], done[i] + len(new)))
-            last.append(len(tokens) - 1)
-            done[i] = len(toks[i])
-        logits = model.forward(kv, Batch(np.array(tokens, np.int32), np.array(slots, np.int32),
-                                         np.array(positions, np.int32), np.array(last)))
-        for row, i in enumerate(order):
-            out[i].append(logits[row].copy())
-            toks[i].append(int(np.argmax(logits[row])))
-    return out
-
-
-def _kv(model, n):
-    a = model.args
-    return model.backend.new_kv(n, a.n_layer, a.n_kv_head, 128, a.head_dim)
-
-
 @pytest.fixture(scope="module")
 def model(model_path):
     from panechat.engine.gguf_file import GGUFFile
@@ -65,9 +36,9 @@ def test_logits_bit_identical_alone_vs_batched(model):
     """4 sequences x 12 decode steps: alone vs together (+ 0..2 extra sequences), rows in
     random order every step: every logit of every step is bit-identical."""
     steps = 12
-    alone = [_run(model, _kv(model, 1), [p], steps, 0)[0] for p in PROMPTS]
+    alone = [run_batched(model, new_kv(model, 1), [p], steps, 0)[0] for p in PROMPTS]
     for extra, seed in ((0, 1), (2, 2)):
-        together = _run(model, _kv(model, 6), PROMPTS + EXTRA[:extra], steps, seed)
+        together = run_batched(model, new_kv(model, 6), PROMPTS + EXTRA[:extra], steps, seed)
         for i in range(len(PROMPTS)):
             for s in range(steps + 1):
                 assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s} with {extra} extra"
@@ -79,12 +50,12 @@ def test_inverse_gemm_kernel_breaks_invariance(model_path):
     from panechat.engine.gguf_file import GGUFFile
 
     gemm = Model.load(GGUFFile.open(model_path), GemmBackend(kernels="gemv"), max_positions=128)
-    alone = [_run(gemm, _kv(gemm, 1), [p], 4, 0)[0] for p in PROMPTS]
-    together = _run(gemm, _kv(gemm, 6), PROMPTS + EXTRA, 4, 3)
+    alone = [run_batched(gemm, new_kv(gemm, 1), [p], 4, 0)[0] for p in PROMPTS]
+    together = run_batched(gemm, new_kv(gemm, 6), PROMPTS + EXTRA, 4, 3)
     differs = any(not np.array_equal(alone[i][s], together[i][s]) for i in range(4) for s in range(5))
     assert differs
-    assert check_model_invariance(gemm, _kv(gemm, 3)) is not None
+    assert check_model_invariance(gemm, new_kv(gemm, 3)) is not None
 
 
 def test_startup_self_check_passes(model):
-    assert check_model_invariance(model, _kv(model, 3)) is None
+    assert check_model_invariance(model, new_kv(model, 3)) is None

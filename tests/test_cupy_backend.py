@@ -33,9 +33,15 @@ from panechat.backends.cupy_backend import (
 from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.invariance import check_model_invariance
-from panechat.engine.model import Batch, Model
+from panechat.engine.model import Model
 
+from .model_runs import forward_chunks, run_batched
 from .tiny_gguf import reference_logits, write_tiny_gguf
+
+QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
+PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],
+           [28, 198, 66, 11, 216, 28, 56, 48, 49]]
+EXTRA = [[57, 52, 20], [19, 9, 30, 33, 31, 26, 12]]
 
 
 def _cuda_reason() -> str | None:
@@ -368,21 +374,6 @@ def test_float_weight_kinds(tiny):
 # the backend's host code with emulated kernels
 # ---------------------------------------------------------------------------------------
 
-def _forward_all(model: Model, tokens: list[int], chunk: int) -> np.ndarray:
-    a = model.args
-    kv = model.backend.new_kv(1, a.n_layer, a.n_kv_head, 64, a.head_dim)
-    out = []
-    for s in range(0, len(tokens), chunk):
-        t = np.asarray(tokens[s:s + chunk], np.int32)
-        n = len(t)
-        out.append(model.backend.to_numpy(model.forward(
-            kv, Batch(t, np.zeros(n, np.int32), np.arange(s, s + n, dtype=np.int32), np.arange(n)))))
-    return np.concatenate(out)
-
-
-QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("qtype,tied", QTYPES)
 def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
@@ -393,7 +384,7 @@ def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
     ref = reference_logits(weights, arch, tokens)
     base = None
     for chunk in (23, 5, 1):
-        got = _forward_all(model, tokens, chunk)
+        got = forward_chunks(model, tokens, chunk)
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err < 2e-6, f"chunk {chunk}: relative error {err:.2e}"
         assert (got.argmax(-1) == ref.argmax(-1)).all()
@@ -403,45 +394,14 @@ def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
             assert np.array_equal(got, base), f"chunk {chunk}"
 
 
-def _run(model, kv, seqs, steps, order_seed):
-    """Prefill every seq (slot i) in one batch, then greedy decode steps with all
-    sequences in one batch per step, rows in a shuffled order. Returns logits[seq][step]."""
-    rng = np.random.default_rng(order_seed)
-    toks = [list(s) for s in seqs]
-    out = [[] for _ in seqs]
-    done = [0] * len(seqs)
-    for _ in range(steps + 1):
-        order = rng.permutation(len(seqs))
-        tokens, slots, positions, last = [], [], [], []
-        for i in order:
-            new = toks[i][done[i]:]
-            tokens += new
-            slots += [i] * len(new)
-            positions += list(range(done[i], done[i] + len(new)))
-            last.append(len(tokens) - 1)
-            done[i] = len(toks[i])
-        logits = model.backend.to_numpy(model.forward(kv, Batch(
-            np.array(tokens, np.int32), np.array(slots, np.int32), np.array(positions, np.int32),
-            np.array(last))))
-        for row, i in enumerate(order):
-            out[i].append(np.array(logits[row]))
-            toks[i].append(int(np.argmax(logits[row])))
-    return out
-
-
-PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],
-           [28, 198, 66, 11, 216, 28, 56, 48, 49]]
-EXTRA = [[57, 52, 20], [19, 9, 30, 33, 31, 26, 12]]
-
-
 def _invariance(model: Model, steps: int = 3) -> None:
     a = model.args
 
     def kv(n):
         return model.backend.new_kv(n, a.n_layer, a.n_kv_head, 64, a.head_dim)
 
-    alone = [_run(model, kv(1), [p], steps, 0)[0] for p in PROMPTS]
-    together = _run(model, kv(6), PROMPTS + EXTRA, steps, 5)
+    alone = [run_batched(model, kv(1), [p], steps, 0)[0] for p in PROMPTS]
+    together = run_batched(model, kv(6), PROMPTS + EXTRA, steps, 5)
     for i in range(len(PROMPTS)):
         for s in range(steps + 1):
             assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s}"
@@ -460,7 +420,7 @@ def test_emulated_backend_agrees_with_numpy_backend(tiny):
     em = Model.load(gf, CupyBackend.emulated_on_cpu(), max_positions=64)
     nm = Model.load(gf, NumpyBackend(), max_positions=64)
     tokens = np.random.default_rng(4).integers(0, em.args.vocab_size, 17).tolist()
-    a, b = _forward_all(em, tokens, 17), _forward_all(nm, tokens, 17)
+    a, b = forward_chunks(em, tokens, 17), forward_chunks(nm, tokens, 17)
     assert np.abs(a - b).max() / np.abs(b).max() < 2e-6
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
@@ -505,8 +465,8 @@ def test_gpu_model_matches_emulation_and_reference(gpu, tiny, arch, qtype, tied)
     tokens = np.random.default_rng(1).integers(0, model.args.vocab_size, 23).tolist()
     ref = reference_logits(weights, arch, tokens)
     for chunk in (23, 5, 1):
-        got = _forward_all(model, tokens, chunk)
-        assert np.array_equal(got, _forward_all(emu, tokens, chunk)), f"chunk {chunk}"
+        got = forward_chunks(model, tokens, chunk)
+        assert np.array_equal(got, forward_chunks(emu, tokens, chunk)), f"chunk {chunk}"
         assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
 
 

@@ -15,6 +15,7 @@ from panechat.engine.gguf_file import GGUFFile  # noqa: E402
 from panechat.engine.invariance import check_model_invariance  # noqa: E402
 from panechat.engine.model import Batch, Model  # noqa: E402
 
+from .model_runs import forward_chunks, golden_agreement  # noqa: E402
 from .tiny_gguf import reference_logits, write_tiny_gguf  # noqa: E402
 
 ON_GPU = mx.default_device() == mx.gpu
@@ -23,18 +24,6 @@ ON_GPU = mx.default_device() == mx.gpu
 REL_TOL = 1e-4 if ON_GPU else 2e-5
 
 QTYPES = [("F32", True), ("Q8_0", False), ("Q4_1", True), ("Q4_0", False)]
-
-
-def _forward_all(model: Model, tokens: list[int], chunk: int) -> np.ndarray:
-    a = model.args
-    kv = model.backend.new_kv(1, a.n_layer, a.n_kv_head, 64, a.head_dim)
-    out = []
-    for s in range(0, len(tokens), chunk):
-        t = np.asarray(tokens[s:s + chunk], np.int32)
-        n = len(t)
-        out.append(model.forward(kv, Batch(t, np.zeros(n, np.int32), np.arange(s, s + n, dtype=np.int32),
-                                           np.arange(n))))
-    return np.concatenate(out)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def test_mlx_matches_float64_reference(tiny, arch, qtype, tied):
     tokens = np.random.default_rng(1).integers(0, model.args.vocab_size, 23).tolist()
     ref = reference_logits(weights, arch, tokens)
     for chunk in (23, 5, 1):  # one prefill, chunked prefill, token by token
-        got = _forward_all(model, tokens, chunk)
+        got = forward_chunks(model, tokens, chunk)
         assert got.dtype == np.float32 and got.shape == ref.shape
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err < REL_TOL, f"chunk {chunk}: relative error {err:.2e}"
@@ -96,7 +85,7 @@ def test_mlx_and_numpy_backends_agree(tiny, arch, qtype, tied):
     m_mlx = Model.load(gf, MLXBackend(), max_positions=64)
     m_np = Model.load(gf, NumpyBackend(kernels="gemv"), max_positions=64)  # no numba JIT here
     tokens = np.random.default_rng(2).integers(0, m_mlx.args.vocab_size, 20).tolist()
-    a, b = _forward_all(m_mlx, tokens, 20), _forward_all(m_np, tokens, 20)
+    a, b = forward_chunks(m_mlx, tokens, 20), forward_chunks(m_np, tokens, 20)
     assert (a.argmax(-1) == b.argmax(-1)).all()
     assert np.abs(a - b).max() / np.abs(b).max() < REL_TOL
 
@@ -196,7 +185,7 @@ def test_every_policy_is_correct(tiny, policy):
     be = MLXBackend(policy=policy)
     model = Model.load(GGUFFile.open(path), be, max_positions=64)
     tokens = list(range(50, 70))
-    got, ref = _forward_all(model, tokens, 7), reference_logits(weights, "qwen2", tokens)
+    got, ref = forward_chunks(model, tokens, 7), reference_logits(weights, "qwen2", tokens)
     assert np.abs(got - ref).max() / np.abs(ref).max() < REL_TOL
     assert be.self_check() is None or (ON_GPU and policy != "rowwise")
 
@@ -211,32 +200,8 @@ def mlx_default_model(model_path):
     return load_model(model_path, MLXBackend(), max_positions=1024)
 
 
-def _golden_agreement(lm, cases) -> tuple[int, int, list, list]:
-    agree = total = 0
-    confident_misses, gaps = [], []
-    for case in cases:
-        ids = case["prompt_ids"] + case["tokens"]
-        m = lm.model
-        n, p = len(ids), len(case["prompt_ids"])
-        kv = m.backend.new_kv(1, m.args.n_layer, m.args.n_kv_head, n, m.args.head_dim)
-        logits = m.forward(kv, Batch(np.asarray(ids, np.int32), np.zeros(n, np.int32),
-                                     np.arange(n, dtype=np.int32), np.arange(p - 1, n - 1)))
-        logp = logits.astype(np.float64)
-        logp -= logp.max(-1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        for i, step in enumerate(case["steps"]):
-            top = step["top"]
-            ours = int(np.argmax(logp[i]))
-            total += 1
-            agree += ours == top[0][0]
-            if top[0][1] - top[1][1] >= 0.5 and ours != top[0][0]:
-                confident_misses.append((case["messages"][-1]["content"], i, ours, top[0][0]))
-            gaps.append(max(abs(logp[i][t] - lp) for t, lp in top))
-    return agree, total, confident_misses, gaps
-
-
 def _check_golden(lm, cases) -> None:
-    agree, total, misses, gaps = _golden_agreement(lm, cases)
+    agree, total, misses, gaps = golden_agreement(lm.model, cases)
     assert not misses, f"disagreements where llama.cpp's margin >= 0.5: {misses}"
     assert agree / total >= 0.93, f"top-1 agreement {agree}/{total}"
     assert np.median(gaps) < 0.3

@@ -6,21 +6,10 @@ import pytest
 
 from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Batch, Model
+from panechat.engine.model import Model
 
+from .model_runs import forward_chunks
 from .tiny_gguf import reference_logits, write_tiny_gguf
-
-
-def _forward_all(model: Model, tokens: list[int], chunk: int) -> np.ndarray:
-    a = model.args
-    kv = model.backend.new_kv(1, a.n_layer, a.n_kv_head, 64, a.head_dim)
-    out = []
-    for s in range(0, len(tokens), chunk):
-        t = np.asarray(tokens[s:s + chunk], np.int32)
-        n = len(t)
-        out.append(model.forward(kv, Batch(t, np.zeros(n, np.int32), np.arange(s, s + n, dtype=np.int32),
-                                           np.arange(n))))
-    return np.concatenate(out)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -32,7 +21,7 @@ def test_forward_matches_float64_reference(tmp_path, arch, qtype, tied):
     tokens = np.random.default_rng(1).integers(0, model.args.vocab_size, 23).tolist()
     ref = reference_logits(weights, arch, tokens)
     for chunk in (23, 5, 1):  # one prefill, chunked prefill, token by token
-        got = _forward_all(model, tokens, chunk)
+        got = forward_chunks(model, tokens, chunk)
         assert got.dtype == np.float32
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err < 2e-5, f"chunk {chunk}: relative error {err:.2e}"
@@ -45,6 +34,6 @@ def test_rope_style_matters(tmp_path):
     weights = write_tiny_gguf(path, "llama", seed=4)
     model = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=64)
     tokens = list(range(10, 30))
-    got = _forward_all(model, tokens, 20)
+    got = forward_chunks(model, tokens, 20)
     wrong = reference_logits(weights, "qwen2", tokens)
     assert np.abs(got - wrong).max() > 1e-3
