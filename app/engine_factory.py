@@ -42,8 +42,8 @@ def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     cfg = engine_config(args)
     lm = load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
                     max_positions=cfg.ctx_size)
-    engine = Engine(lm, cfg)
+    engine = Engine(lm, cfg).start()  # runs the invariance self-check on the compute thread
     if not quiet:
         for line in engine.startup_lines():
             print(line, file=sys.stderr)
-    return engine.start()
+    return engine

@@ -117,8 +117,10 @@ class Engine:
                                    copy_prefix=lambda src, dst, n: be.copy_slot(self.kv, src, dst, n))
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_slots
-        self.invariance_problem = check_model_invariance(lm.model, self.kv) if cfg.verify_invariance else None
-        self.batching = self.invariance_problem is None
+        # Set by the compute thread's start-up self-check (see start()).
+        self.invariance_problem: str | None = None
+        self.batching = True
+        self._checked = threading.Event()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
@@ -149,10 +151,15 @@ class Engine:
         return lines
 
     def start(self) -> "Engine":
+        """Start the compute thread; returns once its invariance self-check has run.
+
+        Every kernel call, the self-check's too, happens on that one thread: numba's
+        OpenMP kernels run about 2x slower when a second thread has used them."""
         if self._thread is None:
             self._stop = False
             self._thread = threading.Thread(target=self._run, name="panechat-engine", daemon=True)
             self._thread.start()
+            self._checked.wait()
         return self
 
     def stop(self) -> None:
@@ -216,7 +223,17 @@ class Engine:
         return snap
 
     # -- the compute thread ------------------------------------------------------------
+    def _self_check(self) -> None:
+        if self.cfg.verify_invariance:
+            try:
+                self.invariance_problem = check_model_invariance(self.lm.model, self.kv)
+            except Exception as e:  # a broken check must not pass for a proof
+                self.invariance_problem = f"self-check failed to run: {type(e).__name__}: {e}"
+            self.batching = self.invariance_problem is None
+        self._checked.set()
+
     def _run(self) -> None:
+        self._self_check()
         while not self._stop:
             plan = None
             try:
