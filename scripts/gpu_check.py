@@ -165,28 +165,11 @@ def _greedy(model, prompt, steps: int, ctx: int = 64):
 
 
 def _run_together(model, seqs, steps: int, order_seed: int, ctx: int):
-    """Prefill every seq (slot i) in one batch, then greedy decode steps with all
-    sequences in one batch, rows shuffled every step. Returns logits[seq][step]."""
-    rng = np.random.default_rng(order_seed)
-    kv = _kv(model, len(seqs), ctx)
-    toks = [list(s) for s in seqs]
-    out = [[] for _ in seqs]
-    done = [0] * len(seqs)
-    for _ in range(steps + 1):
-        order = rng.permutation(len(seqs))
-        tokens, slots, positions, last = [], [], [], []
-        for i in order:
-            new = toks[i][done[i]:]
-            tokens += new
-            slots += [int(i)] * len(new)
-            positions += list(range(done[i], done[i] + len(new)))
-            last.append(len(tokens) - 1)
-            done[i] = len(toks[i])
-        logits = model.forward(kv, _batch(tokens, slots, positions, last))
-        for row, i in enumerate(order):
-            out[i].append(np.array(logits[row]))
-            toks[i].append(int(np.argmax(logits[row])))
-    return out
+    """The test suite's batched run (tests/model_runs.py): all sequences in one batch
+    per step, rows shuffled every step. Returns logits[seq][step]."""
+    from tests.model_runs import run_batched
+
+    return run_batched(model, _kv(model, len(seqs), ctx), seqs, steps, order_seed)
 
 
 def _invariance(model, steps: int = 6, ctx: int = 64, seed: int = 0) -> str | None:
