@@ -74,13 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 def tokenize(args: argparse.Namespace) -> int:
     from ..engine.gguf_file import GGUFFile
-    from ..engine.tokenizer import Tokenizer
+    from ..engine.loader import load_tokenizer
 
-    gf = GGUFFile.open(resolve_model_path(args.model))
-    try:
-        tok = Tokenizer.from_metadata(gf.metadata)
-    except ValueError as e:
-        raise UsageError(f"{gf.path}: {e}") from None
+    tok = load_tokenizer(GGUFFile.open(resolve_model_path(args.model)))
     ids = tok.encode(args.text, add_bos=None, parse_special=True)
     print(json.dumps({"ids": ids}) if args.json else " ".join(map(str, ids)))
     return 0

@@ -127,6 +127,7 @@ class Engine:
         self._by_id: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._published = 0.0  # when the stats state was last rebuilt
 
     # -- public API ------------------------------------------------------------------
     def startup_lines(self) -> list[str]:
@@ -242,7 +243,7 @@ class Engine:
                     plan = self.scheduler.schedule()
                     if plan.requests and not self.batching:
                         plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
-                    self._publish_state()
+                    self._publish_state(force=not plan.requests)
                 if not plan.requests:
                     self.metrics.mark_idle()
                     self._wake.wait(0.5)
@@ -333,8 +334,13 @@ class Engine:
         self.metrics.record_finish(reason, ttft)
         r.emit(FinishEvent(r.id, reason, r.text, list(r.output_ids), usage, timings, error))
 
-    def _publish_state(self) -> None:
+    def _publish_state(self, force: bool) -> None:
+        """Rebuild the per-stream stats, at most 20 times a second while busy (readers
+        poll about 10 times a second; steps run up to ~100 a second)."""
         now = time.perf_counter()
+        if not force and now - self._published < 0.05:
+            return
+        self._published = now
         streams = []
         for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             if r.state == RequestState.WAITING:

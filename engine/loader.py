@@ -33,13 +33,21 @@ class LoadedModel:
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
 
+def load_tokenizer(gf: GGUFFile) -> Tokenizer:
+    """The file's tokenizer; raises ModelFileError (one line) when unsupported."""
+    try:
+        return Tokenizer.from_metadata(gf.metadata)
+    except ValueError as e:
+        raise ModelFileError(f"{gf.path}: {e}") from None
+
+
 def load_model(path: str | Path, backend: str | Backend = "auto", max_positions: int | None = None) -> LoadedModel:
     """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
     gf = GGUFFile.open(path)
     ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
     be = get_backend(backend) if isinstance(backend, str) else backend
+    tokenizer = load_tokenizer(gf)
     try:
-        tokenizer = Tokenizer.from_metadata(gf.metadata)
         template = ChatTemplate.from_metadata(gf.metadata, tokenizer)
     except ValueError as e:
         raise ModelFileError(f"{gf.path}: {e}") from None

@@ -28,7 +28,6 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.reused_tokens = 0
-        self.ttft_s: deque[float] = deque(maxlen=1024)  # recent TTFTs, for histograms
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # per bucket (last: over the top), cumulative
         self.ttft_sum = 0.0
         self._recent: deque[tuple[float, int, int]] = deque()  # (t, sequences, tokens) per step
@@ -62,7 +61,6 @@ class EngineMetrics:
         with self._lock:
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
             if ttft is not None:
-                self.ttft_s.append(ttft)
                 self.ttft_sum += ttft
                 self.ttft_counts[next((i for i, b in enumerate(TTFT_BUCKETS) if ttft <= b),
                                       len(TTFT_BUCKETS))] += 1
@@ -102,7 +100,6 @@ class EngineMetrics:
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,
                 "reused_tokens": self.reused_tokens,
-                "ttft_recent_s": list(self.ttft_s)[-64:],
                 "ttft_hist": {"le": list(TTFT_BUCKETS), "counts": list(self.ttft_counts),
                               "sum": self.ttft_sum},
             }

