@@ -51,6 +51,20 @@ class GridHost(App):
                 yield Static(str(i))
 
 
+async def test_a_removed_input_can_still_be_painted():
+    """Textual 8.2 may paint a TextArea in the frame after it was removed, when its
+    component styles are already cleared (textual#6528): closing a busy pane hit this."""
+    app = InputHost()
+    async with app.run_test() as pilot:
+        box = app.query_one(PromptInput)
+        await pilot.pause()
+        lines = box.render_lines(box.region.reset_offset)
+        assert len(lines) == box.region.height
+        await box.remove()
+        lines = box.render_lines(box.region.reset_offset)  # raised KeyError before the guard
+        assert len(lines) == box.region.height
+
+
 async def test_grid_shapes_reflow():
     app = GridHost()
     async with app.run_test(size=(120, 40)) as pilot:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from textual import events
 from textual.binding import Binding
+from textual.geometry import Region
 from textual.message import Message
+from textual.strip import Strip
 from textual.widgets import TextArea
 
 
@@ -49,6 +51,14 @@ class PromptInput(TextArea):
                 self.clear()
             return
         await super()._on_key(event)
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # Textual 8.2 can paint a TextArea whose component styles are gone, in the frame
+        # after it was removed (closing a busy pane), and TextArea's theme then raises
+        # KeyError (textual#6528). A detached input has nothing to show: paint it blank.
+        if not self.is_attached:
+            return [Strip.blank(crop.width)] * crop.height
+        return super().render_lines(crop)
 
     def action_newline(self) -> None:
         self.insert("\n")
