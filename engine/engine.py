@@ -128,6 +128,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._published = 0.0  # when the stats state was last rebuilt
+        self._members_changed = False  # a request came or went since then
 
     # -- public API ------------------------------------------------------------------
     def startup_lines(self) -> list[str]:
@@ -206,6 +207,7 @@ class Engine:
                 self.metrics.refused += 1
                 raise
             self._by_id[rid] = req
+            self._members_changed = True
         self._wake.set()
         return gen
 
@@ -243,7 +245,7 @@ class Engine:
                     plan = self.scheduler.schedule()
                     if plan.requests and not self.batching:
                         plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
-                    self._publish_state(force=not plan.requests)
+                    self._publish_state(force=self._members_changed or not plan.requests)
                 if not plan.requests:
                     self.metrics.mark_idle()
                     self._wake.wait(0.5)
@@ -331,16 +333,19 @@ class Engine:
             "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
             "total_ms": 1000 * (r.t_end - r.t_submit),
         }
+        self._members_changed = True
         self.metrics.record_finish(reason, ttft)
         r.emit(FinishEvent(r.id, reason, r.text, list(r.output_ids), usage, timings, error))
 
     def _publish_state(self, force: bool) -> None:
-        """Rebuild the per-stream stats, at most 20 times a second while busy (readers
-        poll about 10 times a second; steps run up to ~100 a second)."""
+        """Rebuild the per-stream stats before the next step. While the same requests run,
+        at most 20 times a second (readers poll about 10 times a second; steps run up to
+        ~100 a second); when one came or went, always, so a request is in the stats before
+        it emits anything and a running engine never reads as idle."""
         now = time.perf_counter()
         if not force and now - self._published < 0.05:
             return
-        self._published = now
+        self._published, self._members_changed = now, False
         streams = []
         for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             if r.state == RequestState.WAITING:

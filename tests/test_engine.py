@@ -186,6 +186,22 @@ def _wait_idle(e, timeout=5.0):
         time.sleep(0.05)
 
 
+def test_stats_show_a_stream_by_the_time_it_emits_anything(make_engine):
+    """Stats are throttled while busy, but never so that a running generation reads as an
+    idle engine: a client that saw a token and polls for idle must not pass straight through."""
+    e = make_engine(max_concurrent=1)
+    for _ in range(10):  # each submit lands just after the previous finish was published
+        gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
+        ev = next(iter(gen))
+        assert isinstance(ev, (PrefillEvent, TokenEvent))
+        s = e.stats()
+        assert [st["id"] for st in s["streams"]] == [gen.id] and s["kv_in_use"] == 1, s
+        gen.cancel()
+        assert gen.result().reason == "cancelled"
+        _wait_idle(e)  # the FinishEvent comes first; the stats follow within one loop turn
+        assert e.stats()["streams"] == []
+
+
 def test_stop_finishes_every_generation_and_refuses_new_ones(loaded_model):
     e = Engine(loaded_model, EngineConfig(ctx_size=512)).start()
     gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
