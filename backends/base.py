@@ -47,6 +47,10 @@ class Backend(ABC):
         """Resident bytes of a prepared weight."""
         return int(getattr(w, "nbytes", 0))
 
+    def begin_step(self) -> None:
+        """Called once at the start of every forward pass, on the thread that runs it
+        (the CPU backend adapts its thread count here)."""
+
     # -- the forward pass's operations -------------------------------------------------
     @abstractmethod
     def embed(self, table: Array, ids: Array) -> Array:

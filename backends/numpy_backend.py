@@ -8,6 +8,9 @@ scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32
 bit-identical to the float32 kernel on the dequantized weights. Elementwise ops and
 per-row reductions use numpy (`ArrayBackend`).
 
+The kernels run on as many threads as other processes leave cores idle
+(`cpu_threads.ThreadGovernor`); setting NUMBA_NUM_THREADS fixes the count instead.
+
 `PANECHAT_NUMPY_KERNELS=gemv` selects the slower stacked-GEMV reference policy
 (OpenBLAS gemv per row), for comparison in benchmarks.
 """
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
+from .cpu_threads import ThreadGovernor
 from .gguf_blocks import kept_quantized, unpack
 
 
@@ -51,12 +55,24 @@ class NumpyBackend(ArrayBackend):
     def __init__(self, kernels: str | None = None):
         kernels = kernels or os.environ.get("PANECHAT_NUMPY_KERNELS", "numba")
         self.kernels = _load_kernels() if kernels != "gemv" else None
+        self.governor: ThreadGovernor | None = None
+        if self.kernels is not None and not os.environ.get("NUMBA_NUM_THREADS"):
+            import numba
+
+            self.governor = ThreadGovernor(numba.get_num_threads(), numba.set_num_threads)
 
     def describe(self) -> str:
-        threads = os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count()
-        policy = ("numba row-invariant kernels, Q8_0/Q4_0/Q4_1 kept quantized" if self.kernels
-                  else "stacked GEMV (OpenBLAS gemv per row)")
-        return f"numpy on CPU ({threads} threads), {policy}"
+        if self.kernels is None:
+            return "numpy on CPU, stacked GEMV (OpenBLAS gemv per row)"
+        if self.governor is not None:
+            threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
+        else:
+            threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
+        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_0/Q4_1 kept quantized"
+
+    def begin_step(self) -> None:
+        if self.governor is not None:
+            self.governor.tick()
 
     def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> np.ndarray | QuantWeight:
         if self.kernels is not None and kept_quantized(qtype, raw, w.shape[1]):

@@ -122,6 +122,7 @@ class Model:
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
         """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
         a, be = self.args, self.backend
+        be.begin_step()
         tokens = be.asarray(batch.tokens)
         slots = be.asarray(batch.slots)
         positions = be.asarray(batch.positions)

@@ -44,6 +44,27 @@ def test_logits_bit_identical_alone_vs_batched(model):
                 assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s} with {extra} extra"
 
 
+def test_logits_bit_identical_at_any_thread_count(model, monkeypatch):
+    """The CPU backend changes its kernel thread count while it runs (cpu_threads.py):
+    the same batch at 1 thread and at every thread gives the same bits."""
+    import numba
+
+    most = numba.config.NUMBA_NUM_THREADS
+    if most < 2:
+        pytest.skip("one CPU thread only")
+    monkeypatch.setattr(model.backend, "governor", None)  # hold the count where the test sets it
+    runs = []
+    try:
+        for n in (1, most):
+            numba.set_num_threads(n)
+            runs.append(run_batched(model, new_kv(model, 6), PROMPTS + EXTRA, 6, 1))
+    finally:
+        numba.set_num_threads(most)
+    for i, (a, b) in enumerate(zip(*runs)):
+        for s, (x, y) in enumerate(zip(a, b)):
+            assert np.array_equal(x, y), f"seq {i} step {s}: 1 thread vs {most}"
+
+
 def test_inverse_gemm_kernel_breaks_invariance(model_path):
     """With OpenBLAS GEMM for the matmuls, the same comparison finds differences, and the
     start-up self-check notices: proof that the tests above can fail."""

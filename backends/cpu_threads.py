@@ -1,0 +1,71 @@
+"""How many threads the CPU kernels use: the cores that other processes leave free.
+
+The numba kernels fork and join at every parallel region, a few hundred per decode step,
+and each join waits for its slowest thread. When another process holds a core, the thread
+the OS parks behind it stalls every join for a time slice, so two threads on a two-core
+machine with one busy neighbour decode 2.6x slower than one thread (docs/benchmarks.md).
+`ThreadGovernor` reads the machine's CPU counters at most twice a second, subtracts this
+process's own CPU time, and runs as many threads as there are cores left idle (at least
+one, at most the start-up count).
+
+Changing the count never changes a result: every output element of every kernel is
+computed by one task in a fixed order, whichever thread runs it
+(tests/test_numpy_kernels.py checks logits bit for bit at 1 and at all threads).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+
+def read_proc_stat() -> tuple[float, int] | None:
+    """(CPU-seconds spent busy on all cores since boot, number of cores), from Linux's
+    /proc/stat; None where there is no such file."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    fields = lines[0].split()
+    if not fields or fields[0] != b"cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+    steal = int(fields[8]) if len(fields) > 8 else 0
+    cores = sum(1 for ln in lines[1:] if ln.startswith(b"cpu"))
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), cores
+
+
+class ThreadGovernor:
+    """Call `tick()` once per step on the thread that runs the kernels (numba's thread
+    count belongs to the calling thread); it returns the thread count in force."""
+
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None], interval_s: float = 0.5,
+                 read_counters: Callable[[], tuple[float, int] | None] = read_proc_stat,
+                 own_cpu: Callable[[], float] = time.process_time,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_threads = max(1, max_threads)
+        self.threads = self.max_threads
+        self._set_threads, self._read, self._own, self._clock = set_threads, read_counters, own_cpu, clock
+        self.interval_s = interval_s
+        self._last: tuple[float, float, float] | None = None  # (wall, busy, own) at the last look
+        self._next = 0.0
+
+    def tick(self) -> int:
+        now = self._clock()
+        if now < self._next:
+            return self.threads
+        self._next = now + self.interval_s
+        counters = self._read()
+        if counters is None:  # not Linux: keep every thread
+            return self.threads
+        busy, cores = counters
+        own = self._own()
+        last, self._last = self._last, (now, busy, own)
+        if last is None or now <= last[0]:
+            return self.threads
+        others = max(0.0, (busy - last[1]) - (own - last[2])) / (now - last[0])  # cores in use elsewhere
+        self.threads = max(1, min(self.max_threads, int(cores - others + 0.5)))
+        self._set_threads(self.threads)  # every time: the count is per calling thread
+        return self.threads
