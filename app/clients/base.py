@@ -132,9 +132,10 @@ class ChatBackend(ABC):
     async def close(self) -> None:
         """Release the engine or the connection."""
 
-    async def attach(self, conversation: str, system: str) -> list[dict] | None:
-        """Called when a pane opens `conversation`; a backend that keeps histories (the
-        websocket server) returns its copy, the others return None."""
+    async def attach(self, conversation: str, system: str, history: list[dict]) -> list[dict] | None:
+        """Called when a pane opens `conversation` holding `history` (user/assistant turns);
+        a backend that keeps histories (the websocket server) returns its copy, seeded from
+        `history` when it has none (after a server restart, say); the others return None."""
         return None
 
     @abstractmethod

@@ -177,7 +177,7 @@ class RemoteBackend(ChatBackend):
         task.add_done_callback(self._tasks.discard)
 
     # -- ChatBackend -------------------------------------------------------------------
-    async def attach(self, conversation: str, system: str) -> list[dict] | None:
+    async def attach(self, conversation: str, system: str, history: list[dict]) -> list[dict] | None:
         await self.start()  # reconnects after a lost connection
         fut = self._opening.get(conversation)
         if fut is None:
@@ -185,6 +185,8 @@ class RemoteBackend(ChatBackend):
             frame = {"type": "open", "conversation": conversation}
             if system:
                 frame["system"] = system
+            if history:  # the server takes it only if its copy has no turns
+                frame["messages"] = history
             await self._send(frame)
         messages = await asyncio.wait_for(asyncio.shield(fut), 30)
         self._opened.add(conversation)
@@ -193,18 +195,18 @@ class RemoteBackend(ChatBackend):
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
         s = QueueStream(on_cancel=self._cancel)
         s.id = f"r-{next(self._ids)}"
-        self._spawn(self._start_stream(s, conversation, messages[-1]["content"], params, system))
+        self._spawn(self._start_stream(s, conversation, messages, params, system))
         return s
 
-    async def _start_stream(self, s: QueueStream, conversation: str, content: str, params: GenParams,
+    async def _start_stream(self, s: QueueStream, conversation: str, messages: list[dict], params: GenParams,
                             system: str) -> None:
         try:
             if conversation not in self._opened or self._ws is None:
-                await self.attach(conversation, system)
+                await self.attach(conversation, system, messages[:-1])
             if s.done:  # cancelled while the conversation was opening
                 return
             self._streams[s.id] = s
-            frame = {"type": "send", "conversation": conversation, "request": s.id, "content": content,
+            frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                                 "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed},
                      "system": system}

@@ -27,6 +27,15 @@ class Conversation:
             self.messages.insert(0, {"role": "system", "content": text})
         self.updated = time.time()
 
+    @property
+    def has_turns(self) -> bool:
+        return any(m["role"] != "system" for m in self.messages)
+
+    def seed(self, turns: list[dict]) -> None:
+        """Give a conversation without turns the earlier turns a client kept."""
+        self.messages.extend(dict(m) for m in turns)
+        self.updated = time.time()
+
     def append(self, role: str, content: str) -> None:
         self.messages.append({"role": role, "content": content})
         self.updated = time.time()

@@ -55,6 +55,22 @@ def _opt_str(frame: dict, key: str, request: str | None = None) -> str | None:
     return v
 
 
+def _seed_messages(frame: dict) -> list[dict] | None:
+    """The optional `messages` of an `open` frame: earlier user/assistant turns that a client
+    kept (the system prompt travels in `system`)."""
+    v = frame.get("messages")
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise FrameError("bad_frame", "'messages' must be a list of {role, content} objects")
+    for i, m in enumerate(v):
+        if (not isinstance(m, dict) or m.get("role") not in ("user", "assistant")
+                or not isinstance(m.get("content"), str)):
+            raise FrameError("bad_frame", f"messages[{i}] must be an object with role \"user\" or "
+                             "\"assistant\" and string content (send the system prompt as 'system')")
+    return [{"role": m["role"], "content": m["content"]} for m in v]
+
+
 def parse_params(p, ctx: int, request: str | None):
     """SamplingParams and stop strings from a `send` frame's `params` (engine defaults:
     greedy, 256 tokens)."""
@@ -228,7 +244,10 @@ class Connection:
     async def on_open(self, frame: dict) -> None:
         cid = _id(frame, "conversation", required=False)
         system = _opt_str(frame, "system")
+        seed = _seed_messages(frame)
         conv, created = self.st.conversations.open(cid)
+        if seed and conv.busy is None and not conv.has_turns:
+            conv.seed(seed)  # the server lost it (a restart) and the client kept a copy
         if system is not None:
             conv.set_system(system)
         await self.send({"type": "opened", "conversation": conv.id, "created": created,

@@ -108,6 +108,39 @@ async def test_open_send_resume(live):
         assert opened["conversation"] == "my-own-id" and opened["messages"] == []
 
 
+async def test_open_with_history_restores_a_conversation_the_server_lost(live):
+    """A terminal keeps its own copy; after a server restart it opens the conversation with
+    that copy, and the next reply is the one the whole history gives (same as over HTTP)."""
+    import httpx
+
+    system = "You are a terse assistant."
+    turns = [{"role": "user", "content": "My cat is called Miso."},
+             {"role": "assistant", "content": "Miso is a lovely name for a cat."}]
+    async with connect(live.ws_url) as ws:
+        await hello(ws)
+        opened = await ask(ws, {"type": "open", "conversation": "kept-by-client", "system": system,
+                                "messages": turns})
+        assert opened["created"] and opened["messages"] == [{"role": "system", "content": system}, *turns]
+        await ws.send(json.dumps({"type": "send", "conversation": "kept-by-client", "request": "r",
+                                  "content": "What is my cat called?", "params": {"max_tokens": 16}}))
+        _, fin = await generation(ws, "r")
+        # a conversation with turns keeps its own copy: a client's stale copy does not replace it
+        again = await ask(ws, {"type": "open", "conversation": "kept-by-client",
+                               "messages": [{"role": "user", "content": "something else"}]})
+        assert [m["content"] for m in again["messages"][1:]] == [t["content"] for t in turns] + [
+            "What is my cat called?", fin["text"]]
+        bad = await ask(ws, {"type": "open", "conversation": "x", "messages": [{"role": "system", "content": "s"}]})
+        assert bad["type"] == "error" and bad["code"] == "bad_frame" and "'system'" in bad["message"]
+        bad = await ask(ws, {"type": "open", "conversation": "x", "messages": "hello"})
+        assert bad["type"] == "error" and bad["code"] == "bad_frame"
+    messages = [{"role": "system", "content": system}, *turns, {"role": "user", "content": "What is my cat called?"}]
+    with httpx.Client(base_url=live.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert fin["text"] == r.json()["choices"][0]["message"]["content"]
+    assert fin["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
 async def test_cancel_keeps_the_partial_reply(live):
     async with connect(live.ws_url) as ws:
         await hello(ws)

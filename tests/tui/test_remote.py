@@ -110,6 +110,40 @@ async def test_ws_panes_join_the_servers_batch(server, store):
     other_store.close()
 
 
+async def test_a_restarted_server_gets_the_history_back_from_the_terminal(server, tui_engine, store):
+    """The server keeps conversations in memory only; after a restart the terminal's own
+    copy (SQLite) seeds them again, so the next reply still sees the earlier turns."""
+    serve = pytest.importorskip("panechat.app.server.serve")
+    app = make_app(RemoteBackend(server.ws_url), store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the connection")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "My cat is called Miso")
+        await wait_for(pilot, lambda: pane.last_finish is not None, timeout=60, what="the reply")
+        conv_id, first = pane.conversation.id, [m.content for m in pane.history]
+    restarted = serve.start_in_background(tui_engine, "127.0.0.1", 0)  # empty conversation store
+    try:
+        store.save_layout(restarted.ws_url, [conv_id])
+        app = make_app(RemoteBackend(restarted.ws_url), store)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, app.backend_ready.is_set, what="the connection")
+            pane = app.main.panes[0]
+            assert pane.conversation.id == conv_id
+            await type_and_send(pilot, pane, "What is my cat called?")
+            await wait_for(pilot, lambda: pane.last_finish is not None, timeout=60, what="the reply")
+            assert pane.last_finish.reason in ("stop", "length"), pane.last_finish
+            assert [m.content for m in pane.history][:2] == first
+        async with websockets.connect(restarted.ws_url) as ws:
+            await ws.send(json.dumps({"type": "hello", "protocol": 1, "client": "test"}))
+            assert json.loads(await ws.recv())["type"] == "welcome"
+            await ws.send(json.dumps({"type": "open", "conversation": conv_id}))
+            copy = json.loads(await ws.recv())["messages"]
+        assert [m["content"] for m in copy if m["role"] != "system"] == [m.content for m in pane.history]
+        assert len(copy) >= 4
+    finally:
+        restarted.stop()
+
+
 async def test_ws_cancel_reaches_the_server(server, store):
     store.set_setting("default_max_tokens", "400")
     app = make_app(RemoteBackend(server.ws_url), store)

@@ -123,13 +123,13 @@ class ChatPane(Vertical):
         if self.backend.info.kind != "remote":
             return
         try:
-            remote = await self.backend.attach(self.conversation.id, self.conversation.system)
+            ours = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
+            remote = await self.backend.attach(self.conversation.id, self.conversation.system, ours)
         except Exception as e:  # noqa: BLE001 - shown, never fatal: the pane still works locally
             self.notify(f"pane {self.number}: could not open the conversation on the server: {e}", severity="error")
             return
         if remote is None:
             return
-        ours = [{"role": m.role, "content": m.content} for m in self.history]
         if remote and remote != ours:
             self.history = [StoredMessage(m["role"], m["content"]) for m in remote]
             self.store.replace_messages(self.conversation.id, self.history)
