@@ -4,9 +4,9 @@ The numba kernels fork and join at every parallel region, a few hundred per deco
 and each join waits for its slowest thread. When another process holds a core, the thread
 the OS parks behind it stalls every join for a time slice, so two threads on a two-core
 machine with one busy neighbour decode 2.6x slower than one thread (docs/benchmarks.md).
-`ThreadGovernor` reads the machine's CPU counters at most twice a second, subtracts this
-process's own CPU time, and runs as many threads as there are cores left idle (at least
-one, at most the start-up count).
+`ThreadGovernor` reads the CPU counters of the cores this process may use at most twice a
+second, subtracts this process's own CPU time, and runs as many threads as there are cores
+left idle (at least one, at most the start-up count).
 
 Changing the count never changes a result: every output element of every kernel is
 computed by one task in a fixed order, whichever thread runs it
@@ -21,20 +21,28 @@ from typing import Callable
 
 
 def read_proc_stat() -> tuple[float, int] | None:
-    """(CPU-seconds spent busy on all cores since boot, number of cores), from Linux's
-    /proc/stat; None where there is no such file."""
+    """(CPU-seconds spent busy since boot, summed over the cores this process may run on;
+    the number of those cores), from Linux's /proc/stat; None where there is no such file."""
     try:
         with open("/proc/stat", "rb") as f:
             lines = f.read().split(b"\n")
     except OSError:
         return None
-    fields = lines[0].split()
-    if not fields or fields[0] != b"cpu" or len(fields) < 8:
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    ticks, cores = 0, 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 8 or not fields[0].startswith(b"cpu") or fields[0] == b"cpu":
+            continue
+        if allowed is not None and int(fields[0][3:]) not in allowed:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+        steal = int(fields[8]) if len(fields) > 8 else 0
+        ticks += user + nice + system + irq + softirq + steal
+        cores += 1
+    if not cores:
         return None
-    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
-    steal = int(fields[8]) if len(fields) > 8 else 0
-    cores = sum(1 for ln in lines[1:] if ln.startswith(b"cpu"))
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), cores
+    return ticks / os.sysconf("SC_CLK_TCK"), cores
 
 
 class ThreadGovernor:
