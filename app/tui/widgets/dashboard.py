@@ -144,6 +144,9 @@ class Dashboard(Vertical, can_focus=False):
             parts.append(f"queue {queue}")
         self._show("dash-batch", "  ".join(parts), markup=True)
         kv = f"KV slots {s['kv_in_use']}/{s['kv_total']}" if s.get("kv_total") else "KV slots -"
+        cached = (s.get("kv_resident") or 0) - (s.get("kv_in_use") or 0)  # idle conversations kept warm
+        if s.get("kv_total") and cached > 0:
+            kv += f" ({cached} cached)"
         terms = s.get("terminals")
         self._show("dash-kv", f"{kv}  terminals {terms if terms is not None else 1}")
         occ = list(self.occupancy)
