@@ -1,11 +1,25 @@
 """SVG snapshots of whole screens (pytest-textual-snapshot), from fixed stored conversations.
 
-Deterministic: nothing is generated; the engine is idle (empty sparklines, no streams) and
+Deterministic: nothing is generated; the engine is a fresh one (no conversation cached in
+its KV slots, which the dashboard would count), idle (empty sparklines, no streams), and
 the pane figures come from the stored replies' metadata. Update with --snapshot-update."""
 
 from __future__ import annotations
 
+import pytest
+
+from panechat.engine.engine import Engine, EngineConfig
+
 from .conftest import make_app, wait_engine_idle
+
+
+@pytest.fixture(scope="module")
+def fresh_engine(loaded_model):
+    """Configured like the shared `tui_engine`, but with nothing left in it by other tests."""
+    engine = Engine(loaded_model, EngineConfig(max_concurrent=4, kv_sessions=8, max_queue=16, ctx_size=1024,
+                                               verify_invariance=False)).start()
+    yield engine
+    engine.stop()
 
 CONVERSATIONS = [
     ("Sea haiku", "Write a haiku about the sea",
@@ -37,22 +51,22 @@ async def no_blink(pilot) -> None:
     await pilot.pause(0.1)
 
 
-def test_four_pane_layout(snap_compare, tui_engine, store):
+def test_four_pane_layout(snap_compare, fresh_engine, store):
     fill(store)
-    wait_engine_idle(tui_engine)
+    wait_engine_idle(fresh_engine)
 
     async def settle(pilot):
         await pilot.pause(0.5)
         pilot.app.main.panes[0].focus_input()
         await no_blink(pilot)
 
-    assert snap_compare(make_app(tui_engine, store), terminal_size=(160, 45), run_before=settle)
+    assert snap_compare(make_app(fresh_engine, store), terminal_size=(160, 45), run_before=settle)
 
 
-def test_light_theme_maximized(snap_compare, tui_engine, store):
+def test_light_theme_maximized(snap_compare, fresh_engine, store):
     fill(store)
     store.set_setting("theme", "panechat-light")
-    wait_engine_idle(tui_engine)
+    wait_engine_idle(fresh_engine)
 
     async def settle(pilot):
         await pilot.pause(0.5)
@@ -60,4 +74,4 @@ def test_light_theme_maximized(snap_compare, tui_engine, store):
         await pilot.press("ctrl+o")
         await no_blink(pilot)
 
-    assert snap_compare(make_app(tui_engine, store), terminal_size=(120, 36), run_before=settle)
+    assert snap_compare(make_app(fresh_engine, store), terminal_size=(120, 36), run_before=settle)
