@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -14,13 +15,24 @@ from panechat.engine.engine import Engine, EngineConfig
 MAX_TOKENS = 16  # replies stay short so the suite runs in a few minutes on 2 cores
 
 
+@contextmanager
+def running_engine(loaded_model, **config):
+    """A started Engine on the default model (4 at once, 8 KV slots unless `config` says
+    otherwise; no start-up self-check, tests/test_batch_invariance.py covers it)."""
+    settings = {"max_concurrent": 4, "kv_sessions": 8, "max_queue": 16, "ctx_size": 1024,
+                "verify_invariance": False, **config}
+    engine = Engine(loaded_model, EngineConfig(**settings)).start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 @pytest.fixture(scope="session")
 def tui_engine(loaded_model):
-    """A started Engine (4 at once, 8 KV slots) shared by every TUI test."""
-    engine = Engine(loaded_model, EngineConfig(max_concurrent=4, kv_sessions=8, max_queue=16, ctx_size=1024,
-                                               verify_invariance=False)).start()
-    yield engine
-    engine.stop()
+    """The engine shared by every TUI test."""
+    with running_engine(loaded_model) as engine:
+        yield engine
 
 
 @pytest.fixture

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from panechat.engine.engine import Engine, EngineConfig
-
-from .conftest import make_app, wait_engine_idle
+from .conftest import make_app, running_engine, wait_engine_idle
 
 
 @pytest.fixture(scope="module")
 def fresh_engine(loaded_model):
     """Configured like the shared `tui_engine`, but with nothing left in it by other tests."""
-    engine = Engine(loaded_model, EngineConfig(max_concurrent=4, kv_sessions=8, max_queue=16, ctx_size=1024,
-                                               verify_invariance=False)).start()
-    yield engine
-    engine.stop()
+    with running_engine(loaded_model) as engine:
+        yield engine
 
 CONVERSATIONS = [
     ("Sea haiku", "Write a haiku about the sea",

@@ -14,10 +14,9 @@ import pytest
 pytestmark = pytest.mark.bench
 
 from panechat.app.tui.perf import UI_COST
-from panechat.engine.engine import Engine, EngineConfig
 from panechat.engine.sampling import SamplingParams
 
-from .conftest import make_app, type_into, wait_for
+from .conftest import make_app, running_engine, type_into, wait_for
 
 MAX_TOKENS = 160
 PROMPTS = [f"Write a very long story about {i + 3} dragons" for i in range(8)]
@@ -26,10 +25,8 @@ ALONE_PROMPTS = [f"Write a very long story about {i + 3} wizards" for i in range
 
 @pytest.fixture(scope="module")
 def engine8(loaded_model):
-    engine = Engine(loaded_model, EngineConfig(max_concurrent=8, kv_sessions=16, max_queue=8, ctx_size=512,
-                                               verify_invariance=False)).start()
-    yield engine
-    engine.stop()
+    with running_engine(loaded_model, max_concurrent=8, kv_sessions=16, max_queue=8, ctx_size=512) as engine:
+        yield engine
 
 
 def engine_alone_ms_per_step(engine, prompts: list[str]) -> float:
