@@ -24,10 +24,9 @@ from ...engine.sampling import SamplingParams
 from . import errors
 from .app import ServerState, parse_json, set_log_detail, state_of
 from .errors import APIError, bad_request
+from .request_fields import FieldError, opt_int, opt_num, sampling_params, stop_strings
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_STOP = 16
-MAX_STOP_LEN = 256
 
 
 @dataclass
@@ -41,32 +40,6 @@ class ChatRequest:
 
 
 # -- validation -----------------------------------------------------------------------------
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _opt_num(body: dict, key: str, default):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not _is_num(v):
-        raise bad_request(f"'{key}' must be a number", param=key, code="invalid_type")
-    return float(v)
-
-
-def _opt_int(body: dict, key: str, default):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise bad_request(f"'{key}' must be an integer", param=key, code="invalid_type")
-    return v
-
-
 def _content(m: dict, i: int) -> str:
     c = m.get("content")
     if isinstance(c, str):
@@ -99,33 +72,6 @@ def parse_messages(v) -> list[dict]:
     return out
 
 
-def parse_stop(v) -> list[str]:
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad_request("'stop' must be a string or a list of strings", param="stop")
-    if len(v) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in v):
-        raise bad_request(f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters",
-                          param="stop")
-    return [s for s in v if s]
-
-
-def sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, ctx: int) -> SamplingParams:
-    """SamplingParams from already type-checked values; ValueError for out-of-range ones."""
-    if max_tokens is None:
-        max_tokens = ctx
-    if max_tokens < 1:
-        raise ValueError("max_tokens must be >= 1")
-    if seed is not None:
-        seed %= 2**64  # numpy seeds are non-negative; keep any integer deterministic
-    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                       max_tokens=min(max_tokens, ctx))
-    p.validate()
-    return p
-
-
 def parse_chat_request(body, st: ServerState) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -151,19 +97,22 @@ def parse_chat_request(body, st: ServerState) -> ChatRequest:
         raise bad_request("tools are not supported by this server", param="tools")
     if body.get("logprobs"):
         raise bad_request("logprobs are not supported by this server", param="logprobs")
-    max_tokens = _opt_int(body, "max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", None)
-    seed = _opt_int(body, "seed", None)
     try:
-        params = sampling_params(
-            temperature=_opt_num(body, "temperature", 1.0),  # OpenAI's default
-            top_p=_opt_num(body, "top_p", 1.0), top_k=_opt_int(body, "top_k", 0),
-            min_p=_opt_num(body, "min_p", 0.0), seed=seed, max_tokens=max_tokens, ctx=st.engine.ctx)
+        max_tokens = opt_int(body, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = opt_int(body, "max_tokens", None)
+        seed = opt_int(body, "seed", None)
+        temperature = opt_num(body, "temperature", 1.0)  # OpenAI's default
+        top_p, top_k, min_p = opt_num(body, "top_p", 1.0), opt_int(body, "top_k", 0), opt_num(body, "min_p", 0.0)
+        stop = stop_strings(body.get("stop"))
+    except FieldError as e:
+        raise bad_request(f"'{e.key}' {e.what}", param=e.key, code=e.code) from None
+    try:
+        params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                 max_tokens=max_tokens, ctx=st.engine.ctx)
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, param=msg.split(" ")[0], code="invalid_value") from None
-    stop = parse_stop(body.get("stop"))
     return ChatRequest(model or st.model_id(), messages, params, stop, bool(stream), include_usage)
 
 

@@ -18,7 +18,7 @@ from ...engine.engine import PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from .app import SERVER_NAME, ServerState, parse_json
 from .conversations import Conversation
-from .openai_api import sampling_params
+from .request_fields import FieldError, is_num, opt_int, opt_num, sampling_params, stop_strings
 
 PROTOCOL = 1
 MAX_ID = 256  # characters in a conversation or request id
@@ -28,14 +28,6 @@ class FrameError(Exception):
     def __init__(self, code: str, message: str, request: str | None = None):
         super().__init__(message)
         self.code, self.message, self.request = code, message, request
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _id(frame: dict, key: str, required: bool, request: str | None = None) -> str | None:
@@ -78,35 +70,16 @@ def parse_params(p, ctx: int, request: str | None):
         p = {}
     if not isinstance(p, dict):
         raise FrameError("bad_params", "'params' must be an object", request)
-
-    def num(key, default):
-        v = p.get(key)
-        if v is None:
-            return default
-        if not _is_num(v):
-            raise FrameError("bad_params", f"params.{key} must be a number", request)
-        return float(v)
-
-    def integer(key, default):
-        v = p.get(key)
-        if v is None:
-            return default
-        if not _is_int(v):
-            raise FrameError("bad_params", f"params.{key} must be an integer", request)
-        return v
-
-    stop = p.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-        raise FrameError("bad_params", "params.stop must be a string or a list of at most 16 strings", request)
     try:
-        params = sampling_params(temperature=num("temperature", 0.0), top_p=num("top_p", 1.0),
-                                 top_k=integer("top_k", 0), min_p=num("min_p", 0.0),
-                                 seed=integer("seed", None), max_tokens=integer("max_tokens", 256), ctx=ctx)
+        stop = stop_strings(p.get("stop"))
+        params = sampling_params(temperature=opt_num(p, "temperature", 0.0), top_p=opt_num(p, "top_p", 1.0),
+                                 top_k=opt_int(p, "top_k", 0), min_p=opt_num(p, "min_p", 0.0),
+                                 seed=opt_int(p, "seed", None), max_tokens=opt_int(p, "max_tokens", 256), ctx=ctx)
+    except FieldError as e:
+        raise FrameError("bad_params", f"params.{e.key} {e.what}", request) from None
     except ValueError as e:
         raise FrameError("bad_params", str(e), request) from None
-    return params, [s for s in stop if s]
+    return params, stop
 
 
 class Connection:
@@ -212,7 +185,7 @@ class Connection:
         try:
             if isinstance(proto, bool):
                 raise ValueError
-            major = int(proto) if _is_num(proto) else int(str(proto).split(".")[0])
+            major = int(proto) if is_num(proto) else int(str(proto).split(".")[0])
         except (ValueError, OverflowError):
             raise FrameError("bad_frame", "'protocol' must be a version number such as 1") from None
         if major > PROTOCOL:
@@ -335,7 +308,7 @@ class Connection:
 
     async def on_subscribe(self, frame: dict) -> None:
         iv = frame.get("interval_ms", 250)
-        if not _is_num(iv):
+        if not is_num(iv):
             raise FrameError("bad_frame", "'interval_ms' must be a number (100..5000)")
         iv = min(5000.0, max(100.0, float(iv)))
         if self.stats_task is not None:

@@ -251,6 +251,9 @@ async def test_request_level_errors(live):
         send = {"type": "send", "conversation": cid, "content": "Hi"}
         f = await ask(ws, {**send, "request": "p", "params": {"temperature": "hot"}})
         assert (f["type"], f["code"], f["request"]) == ("error", "bad_params", "p")
+        assert f["message"] == "params.temperature must be a number"
+        f = await ask(ws, {**send, "request": "p", "params": {"stop": ["x" * 300]}})  # same limits as HTTP
+        assert f["code"] == "bad_params" and f["message"].startswith("params.stop takes at most 16 strings")
         f = await ask(ws, {**send, "request": "p", "params": {"max_tokens": 0}})
         assert f["code"] == "bad_params"
         f = await ask(ws, {**send, "request": "p", "params": [1]})

@@ -122,8 +122,8 @@ class ChatPane(Vertical):
             await self.ready.wait()
         if self.backend.info.kind != "remote":
             return
+        ours = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         try:
-            ours = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
             remote = await self.backend.attach(self.conversation.id, self.conversation.system, ours)
         except Exception as e:  # noqa: BLE001 - shown, never fatal: the pane still works locally
             self.notify(f"pane {self.number}: could not open the conversation on the server: {e}", severity="error")
