@@ -31,7 +31,7 @@ def teacher_forced_logits(model: Model, prompt_ids: list[int], tokens: list[int]
 
 
 def golden_agreement(model: Model, cases: list[dict]) -> tuple[int, int, list, list]:
-    """Teacher-forced comparison with llama.cpp's greedy cases (shared/golden/README.md):
+    """Teacher-forced comparison with llama.cpp's greedy cases (tests/data/GOLDEN_README.md):
     (steps agreeing on top-1, steps, disagreements where llama.cpp's top1-top2 margin is
     >= 0.5, per-step largest |logprob difference| over llama.cpp's top 5)."""
     agree = total = 0

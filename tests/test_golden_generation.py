@@ -1,6 +1,6 @@
 """The numpy engine against llama.cpp's own answers for the default model.
 
-Criteria from shared/golden/README.md: teacher-forced, the same most likely token
+Criteria from tests/data/GOLDEN_README.md: teacher-forced, the same most likely token
 wherever llama.cpp's top-1/top-2 margin is at least 0.5, and at least 93% overall."""
 
 import numpy as np
