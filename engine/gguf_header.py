@@ -35,12 +35,18 @@ class GGUFHeader:
     `metadata` holds the scalar and string KV pairs (arrays are skipped);
     `type_elements` maps each GGML tensor type name to its element count in the file;
     `data_end` is the size the file must have to hold every tensor (None when a tensor
-    type is unknown to the installed `gguf` package)."""
+    type is unknown to the installed `gguf` package); `file_size` the size it has."""
 
     version: int
     metadata: dict[str, Any]
     type_elements: dict[str, int]
     data_end: int | None
+    file_size: int
+
+    @property
+    def truncated(self) -> bool:
+        """The header is whole but the tensor data stops early (an interrupted download)."""
+        return self.data_end is not None and self.file_size < self.data_end
 
     @property
     def architecture(self) -> str | None:
@@ -75,8 +81,9 @@ class GGUFHeader:
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:
-    """Read `path`'s GGUF header; raises GGUFHeaderError with a short reason
-    ("not a GGUF file", "truncated file ...") for anything that cannot be a whole GGUF."""
+    """Read `path`'s GGUF header; raises GGUFHeaderError with a short reason ("not a GGUF
+    file", "truncated file ...") when there is no whole header. A whole header over cut
+    tensor data is returned with `truncated` set, so its facts can still be shown."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -115,9 +122,7 @@ def _parse(buf: mmap.mmap, size: int) -> GGUFHeader:
         alignment = _DEFAULT_ALIGNMENT
     data_start = -(-cur.pos // alignment) * alignment
     type_elements, data_end = _tensor_extent(tensors, data_start)
-    if data_end is not None and size < data_end:
-        raise GGUFHeaderError(f"truncated file ({size:,} of {data_end:,} bytes)")
-    return GGUFHeader(version, metadata, type_elements, data_end)
+    return GGUFHeader(version, metadata, type_elements, data_end, size)
 
 
 def _tensor_extent(tensors: list[tuple[int, int, int]], data_start: int) -> tuple[dict[str, int], int | None]:
