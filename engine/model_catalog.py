@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .gguf_file import ModelFileError
@@ -121,8 +121,16 @@ def _candidates(dirs: Sequence[str | Path], env: Mapping[str, str] | None, home:
     roots = search_roots(dirs, env, home)
     found = [c for source, root in roots if source == "path" for c in _explicit(root)]
     found += _packages(shipped)
-    found += [c for source, root in roots if source != "path" for c in _SCANNERS[source](root)]
+    found += [c for source, root in roots if source != "path" for c in _scan(source, root)]
     return _unique(found)
+
+
+def _scan(source: str, root: Path) -> list[_Candidate]:
+    """One store's models; a store that cannot be read (permissions) is one line, not an error."""
+    try:
+        return _SCANNERS[source](root)
+    except OSError as e:
+        return [_Candidate(str(root), source, root, problem=f"cannot read this folder ({e.strerror or e})")]
 
 
 def _unique(found: Iterable[_Candidate]) -> list[_Candidate]:
@@ -132,7 +140,7 @@ def _unique(found: Iterable[_Candidate]) -> list[_Candidate]:
         if cand.name in taken:
             if _same_file(taken[cand.name].path, cand.path):
                 continue
-            cand = _Candidate(f"{cand.source}:{cand.name}", cand.source, cand.path, cand.shipped, cand.problem)
+            cand = replace(cand, name=f"{cand.source}:{cand.name}")
             if cand.name in taken:
                 continue
         taken[cand.name] = cand
@@ -218,8 +226,7 @@ def _lmstudio(root: Path) -> list[_Candidate]:
 
 def _llama_cache(root: Path) -> list[_Candidate]:
     """llama.cpp keeps downloads as flat files (ORG_REPO_FILE.gguf) or in the hub layout."""
-    return _folder(root, "llama.cpp", recursive=False) + [
-        _Candidate(c.name, "llama.cpp", c.path) for c in _hf_cache(root)]
+    return _folder(root, "llama.cpp", recursive=False) + [replace(c, source="llama.cpp") for c in _hf_cache(root)]
 
 
 def _ollama(root: Path) -> list[_Candidate]:

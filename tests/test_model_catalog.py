@@ -215,6 +215,19 @@ def test_package_models_assemble_once_and_failures_are_reasons(home, tmp_path, m
     assert find_models(shipped=[absent]) == []
 
 
+def test_an_unreadable_store_is_a_line_not_an_error(home, tiny, monkeypatch):
+    fill_home(home, tiny)
+
+    def denied(root):
+        raise PermissionError(13, "Permission denied", str(root))
+
+    monkeypatch.setitem(model_catalog._SCANNERS, "ollama", denied)
+    entries = find_models(shipped=())
+    assert entries[-1].name == str(home / ".ollama/models") and not entries[-1].loadable
+    assert entries[-1].reason == "cannot read this folder (Permission denied)"
+    assert sum(e.loadable for e in entries) == 2  # the other stores are still listed
+
+
 def test_supported_architectures_are_the_loaders(home):
     from panechat.engine.model_args import ROPE_STYLE
 
