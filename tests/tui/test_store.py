@@ -16,15 +16,45 @@ def test_data_dir_follows_the_env_var(data_dir):
 
 
 
+def dump(path) -> dict[str, list[tuple]]:
+    """Every row of every panechat table, read with plain sqlite3 (not through the Store)."""
+    db = sqlite3.connect(path)
+    try:
+        return {t: db.execute(f"SELECT * FROM {t} ORDER BY 1, 2").fetchall()
+                for t in ("conversations", "messages", "settings", "layout")}
+    finally:
+        db.close()
+
+
+def write_history(st: Store, conversations: int = 3, turns: int = 2, size: int = 40) -> list[str]:
+    """Real conversations with messages, a layout and a setting; returns the conversation ids."""
+    ids = []
+    for c in range(conversations):
+        conv = st.new_conversation(f"chat {c}", max_tokens=64 + c, seed=c)
+        for t in range(turns):
+            st.add_message(conv.id, "user", f"question {c}.{t} " + "q" * size)
+            st.add_message(conv.id, "assistant", f"answer {c}.{t} " + "a" * size, {"reason": "stop", "n": t})
+        ids.append(conv.id)
+    st.save_layout("local", ids[::-1])
+    st.set_setting("theme", "panechat-ember")
+    return ids
+
+
 def test_migrations_run_once_and_in_order(tmp_path):
     path = tmp_path / DB_NAME
     st = Store(path)
     assert st.version == len(MIGRATIONS)
     tables = {r[0] for r in st.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"conversations", "messages", "settings", "layout"} <= tables
+    ids = write_history(st)
     st.close()
+    before = dump(path)
+    assert len(before["conversations"]) == 3 and len(before["messages"]) == 12 and before["layout"]
     st = Store(path)  # reopening applies nothing new and keeps the data
     assert st.version == len(MIGRATIONS)
+    assert dump(path) == before
+    assert [c.id for c in st.list_conversations()] and st.layout("local") == ids[::-1]
+    assert [m.content for m in st.messages(ids[0])][:2] == ["question 0.0 " + "q" * 40, "answer 0.0 " + "a" * 40]
     st.close()
 
 
