@@ -16,6 +16,8 @@ from panechat.app import store as store_mod
 from panechat.app.cli import main
 from panechat.app.store import DB_NAME, MIGRATIONS, Store, StoreError, conversation_markdown, side_file
 
+from .conftest import MAX_TOKENS, type_and_send, wait_for
+
 
 def test_data_dir_follows_the_env_var(data_dir):
     assert store_mod.data_dir() == data_dir
@@ -457,3 +459,42 @@ def test_a_writer_killed_mid_loop_keeps_every_committed_message(tmp_path):
         st.close()
     assert committed == list(range(len(committed)))
 
+
+async def test_the_app_starts_on_a_damaged_store_and_says_so(tui_engine, data_dir, capsys):
+    """The launch path end to end: a damaged file in the data dir, the app built as `panechat`
+    builds it; it starts, shows the one line, and keeps working when damage appears later."""
+    from panechat.app.clients.local import LocalBackend
+    from panechat.app.tui.launch import build_app
+
+    path = data_dir / DB_NAME
+    data = bytearray(real_store(path, conversations=10, turns=20, size=300))
+    mid = len(data) // PAGE // 2 * PAGE
+    data[mid: mid + 3 * PAGE] = random.Random(4).randbytes(3 * PAGE)
+    path.write_bytes(data)
+    st = Store.open()  # as launch() opens it: the line goes to stderr before the screen opens
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"panechat: the history store {path} was damaged")
+    st.set_setting("default_max_tokens", str(MAX_TOKENS))
+    app = build_app(LocalBackend(tui_engine), st)
+    toasts = lambda: [str(t.render()) for t in app.screen.query("Toast")]  # noqa: E731
+    async with app.run_test(size=(160, 45), notifications=True) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+        await wait_for(pilot, lambda: len(toasts()) == 1, timeout=10, what="the store's notice")
+        assert toasts() == st.notices and str(aside_files(path)[0]) in toasts()[0]
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Hi")
+        # the first reply after the engine starts may compile the numba kernels: a long timeout
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, timeout=180,
+                       what="the first reply")
+        assert [m.role for m in st.messages(pane.conversation.id)] == ["user", "assistant"]
+
+        corrupt_under(st)  # the disk fails under the running app
+        pane.last_finish = None
+        await type_and_send(pilot, pane, "Again")
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, what="the second reply")
+        assert pane.last_finish.reason in ("stop", "length") and len(pane.history) == 4
+        await wait_for(pilot, lambda: len(toasts()) == 2, timeout=10, what="the second notice")
+        assert "is damaged" in toasts()[1] and "nothing more is written" in toasts()[1]
+    st.close()
+    moved = aside_databases(path)
+    assert len(moved) == 1 and moved[0].read_bytes() == bytes(data)
