@@ -25,7 +25,7 @@ from .metrics import EngineMetrics
 from .model import Batch
 from .request import Request, RequestState
 from .sampling import SamplingParams, make_sampler
-from .scheduler import QueueFull, Scheduler
+from .scheduler import QueueFull, Scheduler, StepPlan
 from .tokenizer import StreamDecoder
 
 __all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong"]
@@ -113,8 +113,7 @@ class Engine:
         be = lm.model.backend
         self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
         self.pool = SlotPool(n_slots)
-        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk,
-                                   copy_prefix=lambda src, dst, n: be.copy_slot(self.kv, src, dst, n))
+        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_slots
         # Set by the compute thread's start-up self-check (see start()).
@@ -233,19 +232,23 @@ class Engine:
             except Exception as e:  # a broken check must not pass for a proof
                 self.invariance_problem = f"self-check failed to run: {type(e).__name__}: {e}"
             self.batching = self.invariance_problem is None
+        # rows are only proven independent of each other when the check passed
+        self.scheduler.max_seqs_per_step = None if self.batching else 1
         self._checked.set()
 
     def _run(self) -> None:
         self._self_check()
+        be = self.lm.model.backend
         while not self._stop:
-            plan = None
+            plan, copied = None, False
             try:
                 with self._lock:
                     self._reap_cancelled()
                     plan = self.scheduler.schedule()
-                    if plan.requests and not self.batching:
-                        plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
                     self._publish_state(force=self._members_changed or not plan.requests)
+                for c in plan.kv_copies:  # before the forward pass, in order
+                    be.copy_slot(self.kv, c.src, c.dst, c.n_tokens)
+                copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()
                     self._wake.wait(0.5)
@@ -256,12 +259,14 @@ class Engine:
                 self._step(plan)
             except Exception as e:  # a bug must not kill the engine: fail the requests it touched
                 with self._lock:
-                    victims = plan.requests if plan is not None and plan.requests else list(self._by_id.values())
+                    # a failed copy leaves a slot whose KV its request relies on: fail them all
+                    ok = plan is not None and plan.requests and copied
+                    victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
                         self._finish(r, "error", error=f"internal error: {type(e).__name__}: {e}",
                                      keep_cache=False)
 
-    def _step(self, plan) -> None:
+    def _step(self, plan: StepPlan) -> None:
         tokens, slots, positions, logit_rows, sampled = [], [], [], [], []
         now = time.perf_counter()
         for r, n in zip(plan.requests, plan.n_tokens):

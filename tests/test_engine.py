@@ -52,6 +52,16 @@ def test_concurrent_conversations_get_their_solo_tokens(make_engine, params):
     assert max(i for i, n in enumerate(e.stats()["step_hist"]) if n) == 4  # really batched
 
 
+def test_a_failed_self_check_runs_one_sequence_per_step(make_engine, monkeypatch):
+    monkeypatch.setattr("panechat.engine.engine.check_model_invariance", lambda model, kv: "forced for the test")
+    e = make_engine(max_concurrent=3)
+    assert not e.batching and "NOT batched" in e.startup_lines()[-1]
+    gens = [e.submit(_msgs(q), params=SamplingParams(max_tokens=6)) for q in QUESTIONS[:3]]
+    assert all(g.result().reason in ("stop", "length") for g in gens)
+    hist = e.stats()["step_hist"]
+    assert hist[1] > 0 and sum(hist[2:]) == 0, hist
+
+
 def test_chunked_prefill_gives_the_same_reply(make_engine):
     long_q = "Summarize: " + " ".join(f"item {i} is a {['cat', 'dog', 'fish'][i % 3]}." for i in range(40))
     whole = make_engine(prefill_chunk=512).submit(_msgs(long_q), params=SamplingParams(max_tokens=12)).result()
@@ -75,6 +85,16 @@ def test_second_turn_reuses_the_cached_prefix(make_engine):
     stats = e.stats()
     assert stats["reused_tokens"] >= second.usage["reused_tokens"]
     assert [c["state"] for c in stats["idle"]] == ["idle"]  # resident between turns
+
+
+def test_a_prefix_copied_from_another_conversations_slot_gives_the_solo_reply(make_engine):
+    params = SamplingParams(max_tokens=12)
+    solo = make_engine().submit(_msgs("Why is the sky blue?"), params=params).result()
+    e = make_engine()
+    e.submit(_msgs("Name a fruit."), params=params, conversation="a").result()
+    b = e.submit(_msgs("Why is the sky blue?"), params=params, conversation="b").result()
+    assert b.usage["reused_tokens"] > 0  # the shared system prompt, copied from a's slot into b's
+    assert b.token_ids == solo.token_ids
 
 
 def test_evicted_conversation_comes_back_with_the_same_reply(make_engine):
