@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 
@@ -49,51 +50,68 @@ class EngineConfig:
 
 
 class Generation:
-    """Handle for one submitted request: iterate its events (sync or async), or cancel."""
+    """Handle for one submitted request: read its events, or cancel it.
+
+    The engine thread puts events on a thread-safe queue; the consumer picks how to read
+    them: `events()` blocks (any thread), `aevents()` awaits on the loop it is iterated
+    from. Nothing is guessed at submit time, so a Generation may be created on one thread
+    and read on another. Each event is delivered once; the last one is the FinishEvent."""
 
     def __init__(self, engine: "Engine", request_id: str):
         self.engine = engine
         self.id = request_id
         self.finish: FinishEvent | None = None
-        try:
-            self._loop = asyncio.get_running_loop()
-            self._aq: asyncio.Queue = asyncio.Queue()
-        except RuntimeError:
-            self._loop = None
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        # set by aevents(): the reading loop and the asyncio.Event that wakes it
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def _emit(self, ev: Event) -> None:  # called on the engine thread
-        if self._loop is None:
-            self._q.put(ev)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
-        except RuntimeError:  # the consumer's loop is gone: nobody listens any more
-            self.cancel()
+        self._q.put(ev)
+        waker = self._waker
+        if waker is not None:
+            loop, ready = waker
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the reader's loop is closed: nobody listens any more
+                self.cancel()
 
     def cancel(self) -> None:
         """Stop generating; a FinishEvent with reason 'cancelled' follows."""
         self.engine.cancel(self.id)
 
-    def __iter__(self):
-        while True:
+    def events(self) -> Iterator[Event]:
+        """Block for each event in turn until the FinishEvent (which is yielded, then kept
+        in `finish`)."""
+        self._waker = None
+        while self.finish is None:
             ev = self._q.get()
-            yield ev
             if isinstance(ev, FinishEvent):
                 self.finish = ev
-                return
+            yield ev
 
-    async def __aiter__(self):
-        while True:
-            ev = await self._aq.get()
-            yield ev
-            if isinstance(ev, FinishEvent):
-                self.finish = ev
-                return
+    async def aevents(self) -> AsyncIterator[Event]:
+        """`events()` for asyncio: awaits on the running loop, never blocks it."""
+        ready = asyncio.Event()
+        self._waker = (asyncio.get_running_loop(), ready)
+        try:
+            while self.finish is None:
+                ready.clear()  # before looking: an event put after this look sets it again
+                try:
+                    ev = self._q.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    continue
+                if isinstance(ev, FinishEvent):
+                    self.finish = ev
+                yield ev
+        finally:
+            if self.finish is not None:
+                self._waker = None
+            # else the reader gave up early: once its loop closes, the next event cancels
 
     def result(self) -> FinishEvent:
-        """Block until finished (sync use only); returns the FinishEvent."""
-        for _ in self:
+        """Block until finished (not on an event loop); returns the FinishEvent."""
+        for _ in self.events():
             pass
         assert self.finish is not None
         return self.finish

@@ -1,6 +1,7 @@
 """The engine end to end on the default model: concurrency never changes the answer,
 and limits, cancellation and eviction never lose or leak anything."""
 
+import asyncio
 import random
 import threading
 import time
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from panechat.engine.engine import Engine, EngineConfig, PromptTooLong, QueueFull
-from panechat.engine.events import PrefillEvent, TokenEvent
+from panechat.engine.events import FinishEvent, PrefillEvent, TokenEvent
 from panechat.engine.sampling import SamplingParams
 
 QUESTIONS = ["Name a fruit.", "Why is the sky blue?", "Write a haiku about the sea.",
@@ -68,7 +69,7 @@ def test_chunked_prefill_gives_the_same_reply(make_engine):
     e = make_engine(prefill_chunk=16, max_concurrent=2)
     other = e.submit(_msgs("Name a river."), params=SamplingParams(max_tokens=40))
     gen = e.submit(_msgs(long_q), params=SamplingParams(max_tokens=12))
-    events = list(gen)
+    events = list(gen.events())
     progress = [ev.done for ev in events if isinstance(ev, PrefillEvent)]
     assert len(progress) > 5 and progress == sorted(progress)  # prefilled in pieces
     assert events[-1].token_ids == whole.token_ids
@@ -129,7 +130,7 @@ def test_full_queue_is_refused_at_once(make_engine):
 def test_cancel_frees_the_slot(make_engine):
     e = make_engine(max_concurrent=2, kv_sessions=2)
     gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=300))
-    for ev in gen:
+    for ev in gen.events():
         if isinstance(ev, TokenEvent):
             gen.cancel()
             break
@@ -180,7 +181,7 @@ def test_stress_random_requests_and_cancellations(make_engine):
                 continue
             cancel_after = r.randint(0, 4) if r.random() < 0.33 else None
             n = 0
-            for ev in gen:
+            for ev in gen.events():
                 n += isinstance(ev, TokenEvent)
                 if cancel_after is not None and n >= cancel_after:
                     gen.cancel()
@@ -212,7 +213,7 @@ def test_stats_show_a_stream_by_the_time_it_emits_anything(make_engine):
     e = make_engine(max_concurrent=1)
     for _ in range(10):  # each submit lands just after the previous finish was published
         gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
-        ev = next(iter(gen))
+        ev = next(gen.events())
         assert isinstance(ev, (PrefillEvent, TokenEvent))
         s = e.stats()
         assert [st["id"] for st in s["streams"]] == [gen.id] and s["kv_in_use"] == 1, s
@@ -222,10 +223,50 @@ def test_stats_show_a_stream_by_the_time_it_emits_anything(make_engine):
         assert e.stats()["streams"] == []
 
 
+def test_events_reach_the_reader_whichever_way_it_reads(make_engine):
+    """A generation submitted off any event loop may be read on one, and one submitted on a
+    loop may be read by a blocking thread: the reader picks, nothing is guessed at submit."""
+    e = make_engine(max_concurrent=2)
+    params = SamplingParams(max_tokens=6)
+    plain = e.submit(_msgs("Name a fruit."), params=params)  # no loop running here
+
+    async def read_async():
+        return [ev async for ev in plain.aevents()]
+
+    async def submit_on_loop_read_in_thread():
+        gen = e.submit(_msgs("Name a fruit."), params=params)
+        return await asyncio.wait_for(asyncio.to_thread(lambda: list(gen.events())), 60)
+
+    async def both():
+        return await asyncio.wait_for(read_async(), 60), await submit_on_loop_read_in_thread()
+
+    via_loop, via_thread = asyncio.run(both())
+    for events in (via_loop, via_thread):
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason in ("stop", "length")
+        assert [ev.token_id for ev in events if isinstance(ev, TokenEvent) and ev.token_id >= 0] == \
+            events[-1].token_ids
+    assert via_loop[-1].token_ids == via_thread[-1].token_ids
+    assert plain.finish is via_loop[-1]
+
+
+def test_a_generation_whose_async_reader_and_loop_are_gone_is_cancelled(make_engine):
+    e = make_engine(max_concurrent=1)
+    gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=400))
+
+    async def read_one():
+        async for ev in gen.aevents():
+            return ev
+
+    asyncio.run(read_one())  # the loop closes with the generation still running
+    _wait_idle(e)
+    assert not e.stats()["streams"]
+    assert gen.result().reason == "cancelled"
+
+
 def test_stop_finishes_every_generation_and_refuses_new_ones(loaded_model):
     e = Engine(loaded_model, EngineConfig(ctx_size=512)).start()
     gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
-    next(iter(gen))
+    next(gen.events())
     e.stop()
     assert gen.result().reason == "cancelled"
     with pytest.raises(RuntimeError, match="stopped"):

@@ -24,7 +24,7 @@ class LocalStream(ChatStream):
             yield Finished("error", "", error=self.error)
             return
         yield Queued()
-        async for ev in self.gen:
+        async for ev in self.gen.aevents():
             if isinstance(ev, TokenEvent):
                 yield Delta(ev.text, 0 if ev.token_id < 0 else 1)
             elif isinstance(ev, PrefillEvent):

@@ -112,7 +112,7 @@ class ServerState:
         """Render and tokenize `messages` off the event loop, then queue the generation.
 
         Raises ValueError (bad messages/params), PromptTooLong or QueueFull, as
-        `Engine.submit`. Must be called on the event loop (the Generation is async)."""
+        `Engine.submit`."""
         engine = self.require_engine()
         prompt_ids = await asyncio.to_thread(engine.lm.prompt_ids, messages)
         return engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))

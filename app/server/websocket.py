@@ -275,7 +275,7 @@ class Connection:
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
         try:
-            async for ev in gen:
+            async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent):
                     await self.send({"type": "delta", "request": rid, "text": ev.text, "token_id": ev.token_id})
                 elif isinstance(ev, PrefillEvent):
