@@ -27,9 +27,14 @@ from .model import Batch
 from .request import Request, RequestState
 from .sampling import SamplingParams, make_sampler
 from .scheduler import QueueFull, Scheduler, StepPlan
+from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
 
 __all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong"]
+
+
+_STREAM_STATE = {RequestState.WAITING: StreamState.QUEUED, RequestState.PREFILLING: StreamState.PREFILLING,
+                 RequestState.DECODING: StreamState.DECODING}
 
 
 class PromptTooLong(ValueError):
@@ -235,12 +240,9 @@ class Engine:
             req.cancelled = True
             self._wake.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Snapshot of streams, batch occupancy, queue and KV slots (cheap)."""
-        snap = self.metrics.snapshot()
-        snap["batching"] = self.batching
-        snap["ctx"] = self.ctx
-        return snap
+        return self.metrics.snapshot(batching=self.batching, ctx=self.ctx)
 
     # -- the compute thread ------------------------------------------------------------
     def _self_check(self) -> None:
@@ -371,23 +373,18 @@ class Engine:
         self._published, self._members_changed = now, False
         streams = []
         for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):
-            if r.state == RequestState.WAITING:
-                state = "queued"
-            elif r.state == RequestState.PREFILLING:
-                state = f"prefill {100 * r.computed // max(1, len(r.prompt_ids))}%"
-            else:
-                state = "decoding"
             n = len(r.output_ids)
             dt = now - r.t_first if r.t_first else 0.0
-            streams.append({
-                "id": r.id, "conversation": r.conversation, "state": state, "tokens": n,
-                "tok_s": (n - 1) / dt if n > 1 and dt > 0 else 0.0,
-                "ttft_ms": 1000 * (r.t_first - r.t_submit) if r.t_first else None,
-                "prefill_pct": 100 * r.computed // max(1, len(r.prompt_ids)),
-            })
-        idle = [{"conversation": s.conversation, "state": "idle", "slot": s.index, "cached_tokens": len(s.tokens)}
-                for s in self.pool.slots if s.tokens and not s.busy]
-        self.metrics.set_state(streams, idle, len(self.scheduler.waiting), self.pool.in_use,
+            n_prompt = len(r.prompt_ids)
+            streams.append(StreamStats(
+                id=r.id, conversation=r.conversation, state=_STREAM_STATE[r.state], tokens=n,
+                tok_s=(n - 1) / dt if n > 1 and dt > 0 else 0.0,
+                ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
+                prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
+            ))
+        idle = tuple(IdleConversation(s.conversation, s.index, len(s.tokens))
+                     for s in self.pool.slots if s.tokens and not s.busy)
+        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), self.pool.in_use,
                                self.pool.resident, len(self.pool.slots), self.pool.evictions)
 
 

@@ -50,7 +50,7 @@ def test_concurrent_conversations_get_their_solo_tokens(make_engine, params):
     gens = [e.submit(_msgs(q), params=params) for q in QUESTIONS]
     together = [g.result() for g in gens]
     assert [f.token_ids for f in together] == [f.token_ids for f in solo]
-    assert max(i for i, n in enumerate(e.stats()["step_hist"]) if n) == 4  # really batched
+    assert max(i for i, n in enumerate(e.stats().step_hist) if n) == 4  # really batched
 
 
 def test_a_failed_self_check_runs_one_sequence_per_step(make_engine, monkeypatch):
@@ -59,7 +59,7 @@ def test_a_failed_self_check_runs_one_sequence_per_step(make_engine, monkeypatch
     assert not e.batching and "NOT batched" in e.startup_lines()[-1]
     gens = [e.submit(_msgs(q), params=SamplingParams(max_tokens=6)) for q in QUESTIONS[:3]]
     assert all(g.result().reason in ("stop", "length") for g in gens)
-    hist = e.stats()["step_hist"]
+    hist = e.stats().step_hist
     assert hist[1] > 0 and sum(hist[2:]) == 0, hist
 
 
@@ -84,8 +84,10 @@ def test_second_turn_reuses_the_cached_prefix(make_engine):
     second = e.submit(history, params=SamplingParams(max_tokens=12)).result()
     assert second.usage["reused_tokens"] > first.usage["prompt_tokens"] - 2
     stats = e.stats()
-    assert stats["reused_tokens"] >= second.usage["reused_tokens"]
-    assert [c["state"] for c in stats["idle"]] == ["idle"]  # resident between turns
+    assert stats.reused_tokens >= second.usage["reused_tokens"]
+    # one conversation resident between turns (the second turn continued in the first's slot)
+    assert [(c.conversation, c.cached_tokens >= second.usage["prompt_tokens"]) for c in stats.idle] == \
+        [(second.request_id, True)]
 
 
 def test_a_prefix_copied_from_another_conversations_slot_gives_the_solo_reply(make_engine):
@@ -110,7 +112,7 @@ def test_evicted_conversation_comes_back_with_the_same_reply(make_engine):
     rebuilt = conversation(evicting, "Name a planet.")
     # Rebuilt: only the system prompt it shares with "b" is still cached.
     assert rebuilt.usage["reused_tokens"] < kept.usage["reused_tokens"] - 10
-    assert evicting.stats()["evictions"] >= 2
+    assert evicting.stats().evictions >= 2
     assert rebuilt.token_ids == kept.token_ids
 
 
@@ -137,7 +139,7 @@ def test_cancel_frees_the_slot(make_engine):
     fin = gen.result()
     assert fin.reason == "cancelled" and 0 < len(fin.token_ids) < 300
     _wait_idle(e)
-    assert e.stats()["kv_in_use"] == 0
+    assert e.stats().kv_in_use == 0
 
 
 def test_prompt_longer_than_context_is_refused(make_engine):
@@ -198,12 +200,12 @@ def test_stress_random_requests_and_cancellations(make_engine):
     assert set(outcomes) <= {"stop", "length", "cancelled", "refused"}
     _wait_idle(e)
     s = e.stats()
-    assert s["kv_in_use"] == 0 and s["queue_depth"] == 0 and s["streams"] == []
+    assert s.kv_in_use == 0 and s.queue_depth == 0 and not s.streams
 
 
 def _wait_idle(e, timeout=5.0):
     end = time.time() + timeout
-    while time.time() < end and (e.stats()["kv_in_use"] or e.stats()["streams"]):
+    while time.time() < end and (e.stats().kv_in_use or e.stats().streams):
         time.sleep(0.05)
 
 
@@ -216,11 +218,11 @@ def test_stats_show_a_stream_by_the_time_it_emits_anything(make_engine):
         ev = next(gen.events())
         assert isinstance(ev, (PrefillEvent, TokenEvent))
         s = e.stats()
-        assert [st["id"] for st in s["streams"]] == [gen.id] and s["kv_in_use"] == 1, s
+        assert [st.id for st in s.streams] == [gen.id] and s.kv_in_use == 1, s
         gen.cancel()
         assert gen.result().reason == "cancelled"
         _wait_idle(e)  # the FinishEvent comes first; the stats follow within one loop turn
-        assert e.stats()["streams"] == []
+        assert not e.stats().streams
 
 
 def test_events_reach_the_reader_whichever_way_it_reads(make_engine):
@@ -259,7 +261,7 @@ def test_a_generation_whose_async_reader_and_loop_are_gone_is_cancelled(make_eng
 
     asyncio.run(read_one())  # the loop closes with the generation still running
     _wait_idle(e)
-    assert not e.stats()["streams"]
+    assert not e.stats().streams
     assert gen.result().reason == "cancelled"
 
 
@@ -294,4 +296,4 @@ def test_an_internal_error_fails_its_requests_and_the_engine_lives_on(make_engin
     assert fin.reason == "error" and "simulated kernel failure" in fin.error
     assert e.submit(_msgs("Name a fruit."), params=SamplingParams(max_tokens=4)).result().reason in ("stop", "length")
     _wait_idle(e)
-    assert e.stats()["kv_in_use"] == 0
+    assert e.stats().kv_in_use == 0

@@ -8,6 +8,7 @@ from typing import AsyncIterator, Callable
 from ...engine.engine import Engine, Generation, PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from ...engine.sampling import SamplingParams
+from ...engine.stats import EngineStats
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued
 
 
@@ -77,10 +78,8 @@ class LocalBackend(ChatBackend):
         except (PromptTooLong, ValueError) as e:
             return LocalStream(None, str(e))
 
-    def stats(self) -> dict | None:
+    def stats(self) -> EngineStats | None:
         if self.engine is None:
             return None
-        snap = self.engine.stats()
-        snap["terminals"] = self.terminals()
-        return snap
+        return self.engine.stats().with_terminals(self.terminals())
 

@@ -132,9 +132,9 @@ async def health(request: Request) -> Response:
         return errors.ErrorJSON(body, status_code=503, headers={"Retry-After": "1"})
     s = st.engine.stats()
     return JSONResponse({
-        "status": "ok", "model": st.engine.lm.name, "batching": s.get("batching"),
-        "running": s.get("batch_now"), "queue_depth": s.get("queue_depth"),
-        "kv_in_use": s.get("kv_in_use"), "kv_total": s.get("kv_total"),
+        "status": "ok", "model": st.engine.lm.name, "batching": s.batching,
+        "running": s.batch_now, "queue_depth": s.queue_depth,
+        "kv_in_use": s.kv_in_use, "kv_total": s.kv_total,
         "terminals": st.terminals, "uptime_s": round(time.time() - st.started, 1),
     })
 
