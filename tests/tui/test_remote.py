@@ -217,6 +217,8 @@ async def test_share_hosts_the_server_in_process(tui_engine, store):
         await wait_for(pilot, lambda: app.share_line is not None, timeout=30, what="sharing to start")
         assert f":{sharing.srv.port}" in app.share_line
         dash = app.main.query_one(Dashboard)
+        await wait_for(pilot, lambda: str(dash.query_one("#dash-share").render()) == app.share_line,
+                       timeout=5, what="the dashboard to show the share line")
         pane = app.main.panes[0]
         await type_into(pilot, pane, "Name a bird")
         started, release = asyncio.Event(), asyncio.Event()
