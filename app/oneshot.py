@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                                      ctx_size=args.ctx_size, verify_invariance=False)).start()
     try:
         gen = engine.submit(messages, params=params)
-        for ev in gen:
+        for ev in gen.events():
             if isinstance(ev, TokenEvent) and not args.json:
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()

@@ -8,6 +8,7 @@ from typing import AsyncIterator, Callable
 from ...engine.engine import Engine, Generation, PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from ...engine.sampling import SamplingParams
+from ...engine.stats import EngineStats
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued
 
 
@@ -24,7 +25,7 @@ class LocalStream(ChatStream):
             yield Finished("error", "", error=self.error)
             return
         yield Queued()
-        async for ev in self.gen:
+        async for ev in self.gen.aevents():
             if isinstance(ev, TokenEvent):
                 yield Delta(ev.text, 0 if ev.token_id < 0 else 1)
             elif isinstance(ev, PrefillEvent):
@@ -77,10 +78,8 @@ class LocalBackend(ChatBackend):
         except (PromptTooLong, ValueError) as e:
             return LocalStream(None, str(e))
 
-    def stats(self) -> dict | None:
+    def stats(self) -> EngineStats | None:
         if self.engine is None:
             return None
-        snap = self.engine.stats()
-        snap["terminals"] = self.terminals()
-        return snap
+        return self.engine.stats().with_terminals(self.terminals())
 

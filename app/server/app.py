@@ -112,7 +112,7 @@ class ServerState:
         """Render and tokenize `messages` off the event loop, then queue the generation.
 
         Raises ValueError (bad messages/params), PromptTooLong or QueueFull, as
-        `Engine.submit`. Must be called on the event loop (the Generation is async)."""
+        `Engine.submit`."""
         engine = self.require_engine()
         prompt_ids = await asyncio.to_thread(engine.lm.prompt_ids, messages)
         return engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
@@ -132,9 +132,9 @@ async def health(request: Request) -> Response:
         return errors.ErrorJSON(body, status_code=503, headers={"Retry-After": "1"})
     s = st.engine.stats()
     return JSONResponse({
-        "status": "ok", "model": st.engine.lm.name, "batching": s.get("batching"),
-        "running": s.get("batch_now"), "queue_depth": s.get("queue_depth"),
-        "kv_in_use": s.get("kv_in_use"), "kv_total": s.get("kv_total"),
+        "status": "ok", "model": st.engine.lm.name, "batching": s.batching,
+        "running": s.batch_now, "queue_depth": s.queue_depth,
+        "kv_in_use": s.kv_in_use, "kv_total": s.kv_total,
         "terminals": st.terminals, "uptime_s": round(time.time() - st.started, 1),
     })
 

@@ -197,7 +197,7 @@ async def chat_completions(request: Request) -> Response:
         return SSEResponse(request, gen, req, cid, created)
     watcher = asyncio.create_task(_watch_disconnect(request, gen))
     try:
-        async for _ev in gen:
+        async for _ev in gen.aevents():
             pass
     finally:
         watcher.cancel()
@@ -257,7 +257,7 @@ class SSEResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await emit(self._chunk({"role": "assistant", "content": ""}))
-            async for ev in gen:
+            async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent) and ev.text:
                     await emit(self._chunk({"content": ev.text}))
             fin = gen.finish

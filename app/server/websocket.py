@@ -275,7 +275,7 @@ class Connection:
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
         try:
-            async for ev in gen:
+            async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent):
                     await self.send({"type": "delta", "request": rid, "text": ev.text, "token_id": ev.token_id})
                 elif isinstance(ev, PrefillEvent):
@@ -325,8 +325,8 @@ class Connection:
         model, backend = engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
-            frame = {"type": "stats", **engine.stats(), "terminals": self.st.terminals,
-                     "model": model, "backend": backend}
+            stats = engine.stats().with_terminals(self.st.terminals)
+            frame = {"type": "stats", **stats.to_dict(), "model": model, "backend": backend}
             await self.send(frame)
             nxt += interval
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))

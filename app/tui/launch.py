@@ -52,12 +52,11 @@ class ShareServer:
         return self.srv.ws_url
 
     async def attach(self, app) -> str:
-        """Serve the loaded engine; returns the line to show (how teammates connect)."""
+        """Serve the loaded engine; returns the line to show (how teammates connect; the
+        app puts it on the dashboard)."""
         self.srv.state.attach(self.backend.engine)
         self.backend.terminals = lambda: self.srv.state.terminals + 1  # the others, and this one
-        line = f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
-        app.main.query_one("Dashboard").share_line = line
-        return line
+        return f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
 
     async def close(self) -> None:
         await asyncio.to_thread(self.srv.stop)

@@ -16,6 +16,7 @@ from panechat.app.server import start_in_background
 from panechat.app.store import Store
 from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
+from panechat.engine.stats import EngineStats
 
 from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_for
 
@@ -72,9 +73,9 @@ async def test_ws_panes_join_the_servers_batch(server, store):
         async def sample() -> None:  # what the dashboard got from the stats subscription
             nonlocal seen_other, seen_terminals
             while True:
-                s = dash.last_stats or {}
-                seen_terminals = max(seen_terminals, s.get("terminals") or 0)
-                seen_other |= any(str(x.get("conversation")) == "c-other" for x in s.get("streams", []))
+                s = dash.stats or EngineStats()
+                seen_terminals = max(seen_terminals, s.terminals or 0)
+                seen_other |= any(x.conversation == "c-other" for x in s.streams)
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())
@@ -179,7 +180,7 @@ async def test_openai_http_backend(server, store):
         async def sample() -> None:
             nonlocal seen_stream
             while True:
-                seen_stream |= bool((dash.last_stats or {}).get("streams"))
+                seen_stream |= bool(dash.stats and dash.stats.streams)
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())
@@ -214,6 +215,8 @@ async def test_share_hosts_the_server_in_process(tui_engine, store):
         await wait_for(pilot, lambda: app.share_line is not None, timeout=30, what="sharing to start")
         assert f":{sharing.srv.port}" in app.share_line
         dash = app.main.query_one(Dashboard)
+        await wait_for(pilot, lambda: str(dash.query_one("#dash-share").render()) == app.share_line,
+                       timeout=5, what="the dashboard to show the share line")
         pane = app.main.panes[0]
         await type_into(pilot, pane, "Name a bird")
         started, release = asyncio.Event(), asyncio.Event()
@@ -237,9 +240,9 @@ async def test_share_hosts_the_server_in_process(tui_engine, store):
         async def sample() -> None:
             nonlocal seen_terminals, seen_mate
             while True:
-                s = dash.last_stats or {}
-                seen_terminals = max(seen_terminals, s.get("terminals") or 0)
-                seen_mate |= any(x.get("conversation") == "c-mate" for x in s.get("streams", []))
+                s = dash.stats or EngineStats()
+                seen_terminals = max(seen_terminals, s.terminals or 0)
+                seen_mate |= any(x.conversation == "c-mate" for x in s.streams)
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())
