@@ -125,10 +125,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _user_error(e: Exception) -> str | None:
     """The one-line message for a user mistake, or None for a real bug."""
-    from ..backends import BackendUnavailable
+    from ..backends.errors import BackendUnavailable, one_line
     from ..engine.gguf_file import ModelFileError
 
     if isinstance(e, (UsageError, ModelFileError, BackendUnavailable, ValueError, OSError)):
-        text = str(e).strip().splitlines()
-        return text[0] if text else type(e).__name__
+        return one_line(e)
     return None

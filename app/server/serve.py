@@ -26,6 +26,7 @@ import time
 
 import uvicorn
 
+from ...backends.errors import one_line
 from .app import MAX_BODY, ServerState, create_app
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
@@ -191,8 +192,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             engine = build_engine(args, quiet=True)
         except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
-            text = str(e).strip().splitlines()
-            msg = text[0] if text else type(e).__name__
+            msg = one_line(e)
             state.fail(msg)
             print(f"panechat: error: {msg}", file=sys.stderr, flush=True)
             result["rc"] = 2
