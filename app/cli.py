@@ -10,10 +10,9 @@ import argparse
 import sys
 
 from ..backends import BACKENDS
-
-
-class UsageError(Exception):
-    """A user mistake; printed as one line, exit code 2."""
+from ..backends.errors import BackendUnavailable, one_line
+from ..engine.gguf_file import ModelFileError
+from .usage import UsageError
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -125,9 +124,6 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _user_error(e: Exception) -> str | None:
     """The one-line message for a user mistake, or None for a real bug."""
-    from ..backends.errors import BackendUnavailable, one_line
-    from ..engine.gguf_file import ModelFileError
-
     if isinstance(e, (UsageError, ModelFileError, BackendUnavailable, ValueError, OSError)):
         return one_line(e)
     return None

@@ -10,9 +10,10 @@ from pathlib import Path
 from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
 from ..engine.events import FinishEvent, TokenEvent
-from ..engine.loader import load_model
+from ..engine.gguf_file import GGUFFile
+from ..engine.loader import load_model, load_tokenizer
 from ..engine.sampling import SamplingParams
-from .cli import UsageError
+from .usage import UsageError
 
 
 def read_messages(args: argparse.Namespace) -> list[dict]:
@@ -73,9 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def tokenize(args: argparse.Namespace) -> int:
-    from ..engine.gguf_file import GGUFFile
-    from ..engine.loader import load_tokenizer
-
     tok = load_tokenizer(GGUFFile.open(resolve_model_path(args.model)))
     ids = tok.encode(args.text, add_bos=None, parse_special=True)
     print(json.dumps({"ids": ids}) if args.json else " ".join(map(str, ids)))

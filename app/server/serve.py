@@ -27,6 +27,8 @@ import time
 import uvicorn
 
 from ...backends.errors import one_line
+from ...engine.default_model import resolve_model_path
+from ..engine_factory import build_engine, engine_config
 from .app import MAX_BODY, ServerState, create_app
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
@@ -164,9 +166,6 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
 def serve(args: argparse.Namespace) -> int:
     """`panechat serve`: listen at once (/health answers 503 while the model loads), load
     the model in the background, then serve until Ctrl-C."""
-    from ...engine.default_model import resolve_model_path
-    from ..engine_factory import build_engine, engine_config
-
     engine_config(args)  # flag errors before anything else
     resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
     logger = logging.getLogger("panechat.server")
