@@ -22,9 +22,10 @@ from ...engine.engine import PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, TokenEvent
 from ...engine.sampling import SamplingParams
 from . import errors
-from .app import ServerState, parse_json, set_log_detail, state_of
 from .errors import APIError, bad_request
-from .request_fields import FieldError, opt_int, opt_num, sampling_params, stop_strings
+from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .request_log import set_log_detail
+from .state import ServerState, state_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 

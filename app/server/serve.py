@@ -29,7 +29,8 @@ import uvicorn
 from ...backends.errors import one_line
 from ...engine.default_model import resolve_model_path
 from ..engine_factory import build_engine, engine_config
-from .app import MAX_BODY, ServerState, create_app
+from .app import MAX_BODY, create_app
+from .state import ServerState
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
 

@@ -16,9 +16,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ...engine.engine import PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
-from .app import SERVER_NAME, ServerState, parse_json
 from .conversations import Conversation
-from .request_fields import FieldError, is_num, opt_int, opt_num, sampling_params, stop_strings
+from .request_fields import FieldError, is_num, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .state import SERVER_NAME, ServerState
 
 PROTOCOL = 1
 MAX_ID = 256  # characters in a conversation or request id
