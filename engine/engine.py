@@ -28,11 +28,15 @@ from .sampling import SamplingParams, make_sampler
 from .scheduler import QueueFull, Scheduler
 from .tokenizer import StreamDecoder
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong"]
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "EngineStopped"]
 
 
 class PromptTooLong(ValueError):
     """The prompt does not fit the per-conversation context (never truncated silently)."""
+
+
+class EngineStopped(RuntimeError):
+    """`submit` after `stop()`: the engine takes no more work."""
 
 
 @dataclass
@@ -179,9 +183,10 @@ class Engine:
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:
-        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull."""
+        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull,
+        EngineStopped."""
         if self._stop:
-            raise RuntimeError("the engine is stopped")
+            raise EngineStopped("the engine is stopped")
         params = params or SamplingParams()
         params.validate()
         if prompt_ids is None:

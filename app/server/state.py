@@ -102,7 +102,7 @@ class ServerState:
                      conversation: str | None = None) -> "Generation":
         """Render and tokenize `messages` off the event loop, then queue the generation.
 
-        Raises ValueError (bad messages/params), PromptTooLong or QueueFull, as
+        Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`. Must be called on the event loop (the Generation is async)."""
         engine = self.require_engine()
         prompt_ids = await asyncio.to_thread(engine.lm.prompt_ids, messages)
