@@ -48,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
-    lm = load_model(resolve_model_path(args.model), args.backend, max_positions=args.ctx_size)
-    engine = Engine(lm, EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1,
-                                     ctx_size=args.ctx_size, verify_invariance=False)).start()
+    cfg = EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1, ctx_size=args.ctx_size,
+                       verify_invariance=False)  # validated: a bad --ctx-size fails before loading
+    lm = load_model(resolve_model_path(args.model), args.backend, max_positions=cfg.ctx_size)
+    engine = Engine(lm, cfg).start()
     try:
         gen = engine.submit(messages, params=params)
         for ev in gen:
