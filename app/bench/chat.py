@@ -132,7 +132,7 @@ async def run_cell(base: str, clients: int, turns: int, max_tokens: int, api_key
 
 
 def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
-    from ..engine_factory import build_engine
+    from ..engine_factory import build_engine  # deferred: with --url no engine or server is needed
     from ..server.serve import start_in_background
 
     ns = argparse.Namespace(**vars(args))
