@@ -13,6 +13,7 @@ from ..backends import BACKENDS
 from ..backends.errors import BackendUnavailable, one_line
 from ..engine.config import EngineConfig
 from ..engine.gguf_file import ModelFileError
+from .models_cmd import add_models_parser, models
 from .usage import UsageError
 
 
@@ -30,7 +31,8 @@ _D = SHARED_DEFAULTS
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", metavar="PATH", help="GGUF model file (default: the installed SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "-m", metavar="PATH|NAME",
+                   help="GGUF model file, or a name `panechat models` lists (default: the installed SmolLM2-135M-Instruct)")
     p.add_argument("--backend", choices=BACKENDS, help=f"array backend (default: {_D['backend']})")
 
 
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server", parents=[model, context, batching, listen])
 
+    add_models_parser(sub, parents=[json_out])
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     sweep = bsub.add_parser("sweep", help="llama-batched-bench style PP/TG sweep", parents=[model, json_out])
@@ -144,6 +148,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .server.serve import serve
 
         return serve(args)
+    if args.command == "models":
+        return models(args)
     if args.command == "bench":
         from .bench import dispatch
 

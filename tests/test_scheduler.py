@@ -82,11 +82,16 @@ def test_shared_prefix_is_copied_not_stolen():
 
 def test_lru_idle_slot_is_evicted_and_at_least_one_token_is_left_to_compute():
     pool = SlotPool(2)
-    for conv, toks in (("a", [1, 2]), ("b", [3, 4])):
+    slot_of = {}
+    for conv, toks in (("a", [1, 2]), ("b", [3, 4]), ("a", [1, 2, 7])):  # a used last
         g = pool.acquire(conv, toks)
+        slot_of[conv] = g.slot.index
         pool.release(g.slot, toks)
+    assert slot_of["a"] != slot_of["b"]
     g = pool.acquire("c", [5, 6])
+    assert g.slot.index == slot_of["b"], "the least recently used slot (b's) is the one evicted"
     assert g.slot.conversation == "c" and pool.evictions == 1
+    assert pool.slots[slot_of["a"]].tokens == [1, 2, 7]  # the recent conversation is intact
     pool.release(g.slot, [5, 6])
     same = pool.acquire("c", [5, 6])  # identical prompt: reuse all but the last token
     assert same.reuse == 1

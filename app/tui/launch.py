@@ -13,8 +13,10 @@ from ...engine.gguf_file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend
 from ..engine_factory import build_engine, engine_config
-from ..store import Store
+from ..store import Store, StoreError
 from ..usage import UsageError
+
+STORE_NOTICE_S = 30  # seconds a store notice stays on screen (the app goes on; the user should read it)
 
 
 def make_backend(args: argparse.Namespace):
@@ -59,19 +61,40 @@ class ShareServer:
         await asyncio.to_thread(self.srv.stop)
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Run the TUI until the user quits; returns the exit code."""
+def build_app(backend, store: Store, **kwargs):
+    """The PanechatApp over `store`, with the store's lines (damage found at open, writing
+    stopped later) shown as notifications; `kwargs` go to PanechatApp."""
     from .app import PanechatApp  # deferred: textual loads only when the TUI opens
 
+    app = PanechatApp(backend, store, **kwargs)
+
+    def show(line: str) -> None:
+        app.notify(line, severity="warning", timeout=STORE_NOTICE_S, markup=False)
+
+    for line in store.notices:
+        show(line)
+    store.report = show
+    return app
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the TUI until the user quits; returns the exit code."""
     backend = make_backend(args)
-    sharing = ShareServer(backend, args.host, args.port, args.token) if args.share else None
-    store = Store.open()
     try:
-        app = PanechatApp(backend, store, share=sharing.attach if sharing else None,
-                          close_share=sharing.close if sharing else None)
+        store = Store.open()  # a damaged file is moved aside, said in one line on stderr
+    except StoreError as e:
+        print(f"panechat: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        sharing = ShareServer(backend, args.host, args.port, args.token) if args.share else None
+        app = build_app(backend, store, share=sharing.attach if sharing else None,
+                        close_share=sharing.close if sharing else None)
+        shown = len(store.notices)
         app.run()
     finally:
         store.close()
+    for line in store.notices[shown:]:  # said on screen during the session; kept on stderr too
+        print(f"panechat: {line}", file=sys.stderr)
     if app.fatal_error:
         print(f"panechat: error: {app.fatal_error}", file=sys.stderr)
         return 2

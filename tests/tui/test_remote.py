@@ -12,6 +12,7 @@ from textual import events
 
 from panechat.app.clients.openai_http import OpenAIBackend
 from panechat.app.clients.remote_ws import RemoteBackend
+from panechat.app.server import start_in_background
 from panechat.app.store import Store
 from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
@@ -23,16 +24,14 @@ SIZE = (160, 45)
 
 @pytest.fixture(scope="module")
 def server(tui_engine):
-    serve = pytest.importorskip("panechat.app.server.serve")
-    srv = serve.start_in_background(tui_engine, "127.0.0.1", 0)
+    srv = start_in_background(tui_engine, "127.0.0.1", 0)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def token_server(tui_engine):
-    serve = pytest.importorskip("panechat.app.server.serve")
-    srv = serve.start_in_background(tui_engine, "127.0.0.1", 0, token="s3cret")
+    srv = start_in_background(tui_engine, "127.0.0.1", 0, token="s3cret")
     yield srv
     srv.stop()
 
@@ -113,7 +112,6 @@ async def test_ws_panes_join_the_servers_batch(server, store):
 async def test_a_restarted_server_gets_the_history_back_from_the_terminal(server, tui_engine, store):
     """The server keeps conversations in memory only; after a restart the terminal's own
     copy (SQLite) seeds them again, so the next reply still sees the earlier turns."""
-    serve = pytest.importorskip("panechat.app.server.serve")
     app = make_app(RemoteBackend(server.ws_url), store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, app.backend_ready.is_set, what="the connection")
@@ -121,7 +119,7 @@ async def test_a_restarted_server_gets_the_history_back_from_the_terminal(server
         await type_and_send(pilot, pane, "My cat is called Miso")
         await wait_for(pilot, lambda: pane.last_finish is not None, timeout=60, what="the reply")
         conv_id, first = pane.conversation.id, [m.content for m in pane.history]
-    restarted = serve.start_in_background(tui_engine, "127.0.0.1", 0)  # empty conversation store
+    restarted = start_in_background(tui_engine, "127.0.0.1", 0)  # empty conversation store
     try:
         store.save_layout(restarted.ws_url, [conv_id])
         app = make_app(RemoteBackend(restarted.ws_url), store)
