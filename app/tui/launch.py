@@ -8,25 +8,23 @@ import argparse
 import asyncio
 import sys
 
+from ...engine.default_model import resolve_model_path
+from ...engine.gguf_file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend
+from ..engine_factory import build_engine, engine_config
 from ..store import Store, StoreError
+from ..usage import UsageError
 
 STORE_NOTICE_S = 30  # seconds a store notice stays on screen (the app goes on; the user should read it)
 
 
 def make_backend(args: argparse.Namespace):
     """The ChatBackend the flags ask for (validates flags; loads nothing yet)."""
-    from ..cli import UsageError
-
     if args.connect:
         if args.share:
             raise UsageError("--share serves this terminal's own engine; it cannot be combined with --connect")
         return backend_for_url(args.connect, token=args.token, api_key=args.api_key, model=args.model)
-    from ...engine.default_model import resolve_model_path
-    from ...engine.gguf_file import ModelFileError
-    from ..engine_factory import build_engine, engine_config
-
     engine_config(args)  # flag errors before the screen opens
     path = resolve_model_path(args.model)  # a missing default model: one line, exit 2
     if not path.is_file():  # the rest of the checks run while loading, on screen
@@ -41,7 +39,7 @@ class ShareServer:
     engine is attached once it has loaded, so teammates' requests join the panes' batch."""
 
     def __init__(self, backend: LocalBackend, host: str = "127.0.0.1", port: int = 8765, token: str | None = None):
-        from ..server.app import create_app
+        from ..server.app import create_app  # deferred: only --share needs starlette and uvicorn
         from ..server.serve import ServerThread
 
         self.backend, self.host, self.token = backend, host, token
@@ -65,7 +63,7 @@ class ShareServer:
 def build_app(backend, store: Store, **kwargs):
     """The PanechatApp over `store`, with the store's lines (damage found at open, writing
     stopped later) shown as notifications; `kwargs` go to PanechatApp."""
-    from .app import PanechatApp
+    from .app import PanechatApp  # deferred: textual loads only when the TUI opens
 
     app = PanechatApp(backend, store, **kwargs)
 
