@@ -31,6 +31,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait this long after an idle engine wakes so near-simultaneous requests share the first step (default 2)")
 
 
+def _server_limit_args(p: argparse.ArgumentParser) -> None:
+    """Timeouts, caps and the public address of the server (`serve`, `--share`); see
+    docs/protocol.md, "Limits and timeouts". Defaults live in server.limits.Limits."""
+    p.add_argument("--header-timeout", type=float, metavar="S",
+                   help="close a connection whose request headers take longer (default 10)")
+    p.add_argument("--body-timeout", type=float, metavar="S",
+                   help="close a request whose body takes longer after its headers (default 30)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="open connections (HTTP and websocket) before answering 503 (default 512)")
+    p.add_argument("--auth-grace", type=float, metavar="S",
+                   help="close a websocket that has not sent a valid hello by then (default 5)")
+    p.add_argument("--public-url", metavar="URL",
+                   help="the address browsers reach the server at, e.g. https://chat.example.com; web pages "
+                        "from other origins than it and loopback are refused (default: from --host/--port)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="panechat", description="Terminal chat with a batch-invariant multi-session LLM engine.")
     _model_args(parser)
@@ -41,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", action="store_true", help="also serve this engine to other terminals")
     parser.add_argument("--host", default="127.0.0.1", help="bind address for --share")
     parser.add_argument("--port", type=int, default=8765, help="port for --share")
+    _server_limit_args(parser)
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser("run", help="generate one reply and stream it to stdout")
@@ -68,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8765)
     serve.add_argument("--token", help="require this bearer token")
+    _server_limit_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
