@@ -11,9 +11,11 @@ runs uvicorn's h11 protocol through `GuardedH11Protocol`, which adds, per connec
 - a body deadline (`client_body_timeout`, but for the whole body): the rest of the request
   within `body_timeout` of its headers, else 408 and close;
 - the connection cap (nginx's `worker_connections`): a connection opened while
-  `max_connections` are open (HTTP and websockets alike) gets 503 on its request (GET
-  /health still answers); one opened beyond twice that, or near the process's file
-  limit, is closed at once. Should descriptors run out all the same (a burst accepted
+  `max_connections` are open (HTTP and websockets alike) first closes the one that has
+  waited longest for its headers, if that has waited over a second (so stalled clients
+  cannot hold the cap); failing that it gets 503 on its request (GET /health still
+  answers); one opened beyond twice the cap, or near the process's file limit, is
+  closed at once. Should descriptors run out all the same (a burst accepted
   before any of it is closed), `Listener` drops connections quietly at `accept()`.
 
 Websockets get `GuardedWebSocket`: until the app lifts it at a good `hello`, a frame over
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -49,6 +52,8 @@ __all__ = ["Limits", "Guard", "LimitLog", "Listener", "raise_fd_limit", "run_ser
 _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 #: descriptors kept free for the engine, model files, logs and the listening socket.
 _FD_RESERVE = 64
+#: seconds after which a connection still waiting for its headers gives way to a new one at the cap
+STALLED_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class LimitLog:
     LABELS = {
         "header_timeout": "headers not in within {header_timeout:g} s: {n} closed",
         "body_timeout": "body not in within {body_timeout:g} s: {n} closed",
+        "evicted": "at --max-connections {max_connections}: {n} stalled connections closed for new ones",
         "over_capacity": "over --max-connections {max_connections}: {n} answered 503",
         "refused": "over {hard_cap} open connections: {n} closed at accept",
         "accept_failed": "out of file descriptors (limit {fd_limit}): {n} dropped at accept",
@@ -220,12 +226,15 @@ class GuardedH11Protocol(H11Protocol):
         self._phase: str | None = None  # "header" | "body" | None: what the timer waits for
         self._over_capacity = False
         self._upgraded = False
+        self._evicted = False
 
     # -- connection life ----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
-        others = len(self.server_state.connections)
-        super().connection_made(transport)
         g = self.guard
+        others = len(self.server_state.connections) - g.closing
+        super().connection_made(transport)
+        if others >= g.limits.max_connections and g.evict_stalled():
+            others -= 1
         if others >= g.hard_cap:
             g.log.count("refused")
             transport.abort()
@@ -245,7 +254,17 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_phase(None)
+        if self._evicted:
+            self.guard.closing -= 1
         super().connection_lost(exc)
+
+    def evict(self) -> None:
+        """Close this connection (stalled in its headers) to make room for a new one."""
+        self._set_phase(None)
+        if not self.transport.is_closing():
+            self._evicted = True
+            self.guard.closing += 1
+            self.transport.close()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._set_phase(None)
@@ -265,14 +284,17 @@ class GuardedH11Protocol(H11Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self.guard.waiting.pop(self, None)
         self._phase = phase
         if phase == "header":
+            self.guard.waiting[self] = time.monotonic()
             self._timer = self.loop.call_later(self.guard.limits.header_timeout, self._header_timeout)
         elif phase == "body":
             self._timer = self.loop.call_later(self.guard.limits.body_timeout, self._body_timeout)
 
     def _header_timeout(self) -> None:
-        self._timer = self._phase = None
+        self._timer = None
+        self._set_phase(None)
         if self.transport.is_closing():
             return
         self.guard.log.count("header_timeout")
@@ -282,7 +304,8 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     def _body_timeout(self) -> None:
-        self._timer = self._phase = None
+        self._timer = None
+        self._set_phase(None)
         if self.transport.is_closing():
             return
         self.guard.log.count("body_timeout")
@@ -353,6 +376,18 @@ class Guard:
         self.log = LimitLog(logger or logging.getLogger("panechat.server"), self)
         self.unauthed = 0
         self.hard_cap = 2 * self.limits.max_connections
+        self.waiting: dict[GuardedH11Protocol, float] = {}  # waiting for headers since; oldest first
+        self.closing = 0  # connections evicted whose close is still under way
+
+    def evict_stalled(self) -> bool:
+        """Close the connection that has waited longest for its request headers, if over
+        STALLED_S: at the cap, a new client beats one that stalls (slowloris)."""
+        oldest = next(iter(self.waiting.items()), None)
+        if oldest is None or time.monotonic() - oldest[1] < STALLED_S:
+            return False
+        oldest[0].evict()
+        self.log.count("evicted")
+        return True
 
     def uvicorn_options(self, ws_impl: str) -> dict:
         """`uvicorn.Config` keyword arguments: the guarded protocols and the keep-alive.

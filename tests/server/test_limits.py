@@ -118,6 +118,35 @@ def test_slowloris_headers_are_cut_off_while_health_stays_fast(server_engine):
         assert not log.bad(), log.bad()
 
 
+def test_stalled_connections_cannot_hold_the_cap(server_engine):
+    """More stalled clients than the cap, with a long header timeout: each new client
+    closes the longest-stalled one, so /health still gets in, fast, on a new connection."""
+    cap = 50
+    with guarded_server(server_engine, max_connections=cap, header_timeout=30, log_interval=0.5) as (srv, log):
+        stalled = []
+        try:
+            for _ in range(3 * cap):  # beyond the hard cap (2 x cap) too
+                s = _conn(srv.port)
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                stalled.append(s)
+            time.sleep(1.5)  # they have now stalled longer than a real client ever does
+            probe = _HealthProbe(srv.port)
+            probe.start()
+            time.sleep(1.0)
+            probe.stop.set()
+            probe.join(10)
+        finally:
+            for s in stalled:
+                s.close()
+        assert len(probe.results) >= 5 and {st for _, st in probe.results} == {"HTTP/1.1 200 OK"}, probe.results
+        assert max(t for t, _ in probe.results) < 0.5, probe.results
+        t0 = time.monotonic()  # the counts of the last interval are still to come
+        while _limit_counts(log, "at --max-connections 50: ") < len(probe.results) and time.monotonic() - t0 < 3:
+            time.sleep(0.1)
+        assert _limit_counts(log, "at --max-connections 50: ") == len(probe.results)  # one evicted per probe
+        assert not log.bad(), log.bad()
+
+
 def _post_head(length: int) -> bytes:
     return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
