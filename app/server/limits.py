@@ -14,8 +14,8 @@ runs uvicorn's h11 protocol through `GuardedH11Protocol`, which adds, per connec
   `max_connections` are open (HTTP and websockets alike) first closes the one that has
   waited longest for its headers, if that has waited over a second (so stalled clients
   cannot hold the cap); failing that it gets 503 on its request (GET /health still
-  answers); one opened beyond twice the cap, or near the process's file limit, is
-  closed at once. Should descriptors run out all the same (a burst accepted
+  answers). At twice the cap, or near the process's file limit, the longest-waiting
+  one gives way whatever its age; with none waiting, the new connection is closed. Should descriptors run out all the same (a burst accepted
   before any of it is closed), `Listener` drops connections quietly at `accept()`.
 
 Websockets get `GuardedWebSocket`: until the app lifts it at a good `hello`, a frame over
@@ -233,7 +233,7 @@ class GuardedH11Protocol(H11Protocol):
         g = self.guard
         others = len(self.server_state.connections) - g.closing
         super().connection_made(transport)
-        if others >= g.limits.max_connections and g.evict_stalled():
+        if others >= g.limits.max_connections and g.evict_stalled(at_hard_cap=others >= g.hard_cap):
             others -= 1
         if others >= g.hard_cap:
             g.log.count("refused")
@@ -379,11 +379,12 @@ class Guard:
         self.waiting: dict[GuardedH11Protocol, float] = {}  # waiting for headers since; oldest first
         self.closing = 0  # connections evicted whose close is still under way
 
-    def evict_stalled(self) -> bool:
+    def evict_stalled(self, at_hard_cap: bool = False) -> bool:
         """Close the connection that has waited longest for its request headers, if over
-        STALLED_S: at the cap, a new client beats one that stalls (slowloris)."""
+        STALLED_S (or at all, at the hard cap, where the new one would be refused): at
+        the cap, a new client beats one that stalls (slowloris)."""
         oldest = next(iter(self.waiting.items()), None)
-        if oldest is None or time.monotonic() - oldest[1] < STALLED_S:
+        if oldest is None or (not at_hard_cap and time.monotonic() - oldest[1] < STALLED_S):
             return False
         oldest[0].evict()
         self.log.count("evicted")

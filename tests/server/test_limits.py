@@ -141,9 +141,9 @@ def test_stalled_connections_cannot_hold_the_cap(server_engine):
         assert len(probe.results) >= 5 and {st for _, st in probe.results} == {"HTTP/1.1 200 OK"}, probe.results
         assert max(t for t, _ in probe.results) < 0.5, probe.results
         t0 = time.monotonic()  # the counts of the last interval are still to come
-        while _limit_counts(log, "at --max-connections 50: ") < len(probe.results) and time.monotonic() - t0 < 3:
+        while _limit_counts(log, "at --max-connections 50: ") < cap + len(probe.results) and time.monotonic() - t0 < 3:
             time.sleep(0.1)
-        assert _limit_counts(log, "at --max-connections 50: ") == len(probe.results)  # one evicted per probe
+        assert _limit_counts(log, "at --max-connections 50: ") >= cap + len(probe.results)  # 1 per probe too
         assert not log.bad(), log.bad()
 
 
@@ -205,7 +205,7 @@ def test_connection_cap_answers_503_and_recovers(server_engine):
             ws, head = _ws_handshake(srv.port)
             ws.close()
             assert head.startswith(b"HTTP/1.1 503 "), head
-            # beyond twice the cap, connections are closed as soon as they are accepted
+            # at twice the cap, each new connection closes the one waiting longest for its headers
             open_now = srv.server.server_state.connections
             t0 = time.monotonic()
             while len(open_now) > cap and time.monotonic() - t0 < 5:  # the probes above are gone
@@ -214,15 +214,16 @@ def test_connection_cap_answers_503_and_recovers(server_engine):
             time.sleep(0.5)
             for s in idle:
                 s.setblocking(False)
-            closed = 0
-            for s in idle:
+            closed = []
+            for i, s in enumerate(idle):
                 try:
-                    closed += s.recv(1) == b""
+                    if s.recv(1) == b"":
+                        closed.append(i)
                 except BlockingIOError:
                     pass
                 except ConnectionResetError:
-                    closed += 1
-            assert closed == 3 * cap - cap, closed  # 2 x cap are open: the holders and cap idle ones
+                    closed.append(i)
+            assert closed == list(range(2 * cap)), closed  # the oldest went; 2 x cap stay: holders, newest
             for s in idle:
                 s.close()
         finally:
@@ -232,9 +233,9 @@ def test_connection_cap_answers_503_and_recovers(server_engine):
         while httpx.get(srv.url + "/v1/models", timeout=10).status_code != 200:
             assert time.monotonic() - t0 < 5, "still refusing after the connections closed"
             time.sleep(0.1)
-        log.wait_for("closed at accept")
+        log.wait_for("stalled connections closed for new ones")
         assert _limit_counts(log, r"over --max-connections 8: ") == 2  # /v1/models and /ws
-        assert _limit_counts(log, r"over 16 open connections: ") == 2 * cap
+        assert _limit_counts(log, r"at --max-connections 8: ") == 2 * cap
         assert not log.bad(), log.bad()
 
 
@@ -377,7 +378,7 @@ def test_flood_past_the_file_limit_logs_no_emfile_tracebacks():
                 p.kill()
     assert "Traceback" not in err and "Too many open files" not in err, err[:2000]
     lines = [ln for ln in err.splitlines() if "limits in the last" in ln]
-    assert 1 <= len(lines) <= 3 and "closed at accept" in " ".join(lines), err[:2000]
+    assert 1 <= len(lines) <= 3, err[:2000]
     dropped = sum(int(n) for ln in lines for n in re.findall(r"(\d+) dropped at accept", ln))
     assert dropped <= len(flood), lines  # one per connection dropped, not one per retried accept()
 
