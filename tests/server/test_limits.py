@@ -43,6 +43,22 @@ def _read_to_close(s: socket.socket, timeout: float) -> tuple[bytes, float]:
     return data, time.monotonic() - t0
 
 
+def _read_response(s: socket.socket) -> bytes:
+    """One whole response with a Content-Length, leaving the connection open."""
+    def more() -> bytes:
+        chunk = s.recv(4096)
+        assert chunk, "the server closed the connection mid-response"
+        return chunk
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+    while len(body) < length:
+        body += more()
+    return head + b"\r\n\r\n" + body
+
+
 def _limit_counts(log, label: str) -> int:
     """The total of `label: N ...` over the server's `limits` lines."""
     return sum(int(m) for line in log.lines("limits in the last") for m in re.findall(label + r"(\d+)", line))
@@ -115,6 +131,18 @@ def test_slowloris_headers_are_cut_off_while_health_stays_fast(server_engine):
         log.wait_for("headers not in within 1 s")
         assert _limit_counts(log, "headers not in within 1 s: ") == n
         assert len(log.lines("limits in the last")) <= 3
+        assert not log.bad(), log.bad()
+
+
+def test_header_timeout_also_covers_a_kept_alive_connections_next_request(server_engine):
+    with guarded_server(server_engine, header_timeout=1.0) as (srv, log), _conn(srv.port) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = _read_response(s)
+        assert first.startswith(b"HTTP/1.1 200 ") and b"connection: close" not in first.lower()
+        time.sleep(1.2)  # idle past the header timeout: only the keep-alive timeout (5 s) applies
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # then stalls
+        data, took = _read_to_close(s, timeout=5)
+        assert data.startswith(b"HTTP/1.1 408 ") and 0.9 < took < 2.5, (data[:40], took)
         assert not log.bad(), log.bad()
 
 
