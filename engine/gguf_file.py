@@ -49,15 +49,8 @@ class GGUFFile:
             ) from None
         return cls(path, metadata, tensors)
 
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", "unknown"))
-
     def has(self, name: str) -> bool:
         return name in self._tensors
-
-    def tensor_names(self) -> list[str]:
-        return list(self._tensors)
 
     def tensor_type(self, name: str) -> str:
         return self._tensors[name].tensor_type.name

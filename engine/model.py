@@ -9,7 +9,7 @@ rows of different sequences (prefill chunks and decode tokens alike) share one p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,14 +61,12 @@ class Model:
     rope: tuple = ()  # (cos, sin) tables on the backend
     load_seconds: float = 0.0
     weight_bytes: int = 0
-    qtypes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None = None) -> "Model":
         """Dequantize every tensor of `gf` onto `backend`; timed in `load_seconds`."""
         t0 = time.perf_counter()
         args = ModelArgs.from_metadata(gf.metadata)
-        qtypes: dict[str, int] = {}
         nbytes = 0
 
         def tensor(name: str, required: bool = True) -> np.ndarray | None:
@@ -76,7 +74,6 @@ class Model:
                 if required:
                     raise ModelFileError(f"{gf.path}: tensor {name} is missing; the file is incomplete")
                 return None
-            qtypes[gf.tensor_type(name)] = qtypes.get(gf.tensor_type(name), 0) + 1
             return gf.tensor(name)
 
         def vec(name: str, required: bool = True):
@@ -117,7 +114,7 @@ class Model:
         rope = backend.rope_tables(args.rope_dim, args.rope_base, max_positions or args.context_length,
                                    freq_factors)
         return cls(args, backend, backend.asarray(embd), vec("output_norm.weight"), output, layers,
-                   rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, qtypes=qtypes)
+                   rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
         """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
