@@ -34,9 +34,6 @@ class ArrayBackend(Backend):
     def to_numpy(self, a: Array) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)
 
-    def embed(self, table: Array, ids: Array) -> Array:
-        return table[ids]
-
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         xp = self.xp
         ms = xp.mean(x * x, axis=-1, keepdims=True, dtype=xp.float32)

@@ -12,15 +12,15 @@ Weights live on the GPU:
   anything else     (BF16, K-quants, Q5_x, ...) dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
-The embedding table is float32 (rows are gathered, not multiplied). Activations, the KV
-cache (`ArrayKV`, float32 [slots, n_kv, ctx, head_dim] per layer) and all arithmetic are
-float32.
+The embedding table stays on the host as stored; a step's rows are dequantized there and
+copied over (`Backend.embed`). Activations, the KV cache (`ArrayKV`, float32 [slots, n_kv,
+ctx, head_dim] per layer) and all arithmetic are float32.
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
-whose per-element arithmetic is fixed by the source; rope, residual adds, bias adds and
-the embedding gather are single elementwise CuPy operations (one IEEE operation per
-element, so nothing to reorder). Logits come back to the host for sampling.
+whose per-element arithmetic is fixed by the source; rope, residual adds and bias adds
+are single elementwise CuPy operations (one IEEE operation per element, so nothing to
+reorder). Logits come back to the host for sampling.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from . import BackendUnavailable
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, EmulatedModule, Kernels, build_module
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
+from .gguf_tensor import GGUFTensor
 
-# GGUF types kept quantized on the device: bytes per block of 32 weights
-KEPT_QUANT = BLOCK_BYTES
 F16_MAX = 65504.0
 
 
@@ -62,17 +61,18 @@ class CupyWeight:
         return (self.n, self.k)
 
 
-def prepare_weight(w: np.ndarray, qtype: str = "F32", raw: Any = None,
-                   float_weights: str = "f16") -> CupyWeight:
-    """The host-side form of a weight for the kernels (numpy arrays; see module doc)."""
-    n, k = w.shape
-    if kept_quantized(qtype, raw, k):
-        q, d, m = unpack(raw[0], qtype, n, k)
+def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
+    """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc)."""
+    n, k = t.shape
+    if kept_quantized(t):
+        q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    if qtype == "F32" or float_weights == "f32":
+    if t.qtype == "F16" and float_weights != "f32":
+        return CupyWeight("f16", n, k, np.ascontiguousarray(t.blocks, dtype=np.float16))  # as stored
+    w = t.dequantize()
+    if t.qtype == "F32" or float_weights == "f32":
         return CupyWeight("f32", n, k, w)
-    if qtype == "F16" or not w.size or float(np.abs(w).max()) <= F16_MAX:
+    if not w.size or float(np.abs(w).max()) <= F16_MAX:
         return CupyWeight("f16", n, k, w.astype(np.float16))
     return CupyWeight("f32", n, k, w)
 
@@ -112,7 +112,6 @@ class CupyBackend(ArrayBackend):
     """CuPy arrays on the current CUDA device (CUDA_VISIBLE_DEVICES picks it)."""
 
     name = "cupy"
-    wants_raw = True
 
     def __init__(self, float_weights: str | None = None):
         cp = _import_cupy()
@@ -180,8 +179,8 @@ class CupyBackend(ArrayBackend):
                 "(no cuBLAS), row-invariant")
 
     # -- weights ---------------------------------------------------------------------
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> CupyWeight:
-        h = prepare_weight(w, qtype, raw, self.float_weights)
+    def linear_weight(self, t: GGUFTensor) -> CupyWeight:
+        h = prepare_weight(t, self.float_weights)
         xp = self.xp
         return CupyWeight(h.kind, h.n, h.k, xp.asarray(h.w),
                           None if h.scales is None else xp.asarray(h.scales),
@@ -256,16 +255,7 @@ class CupyBackend(ArrayBackend):
         cases = [(70, 96, "F32"), (70, 96, "F16"), (64, 200, "F16"), (37, 44, "F32"),
                  (70, 96, "Q8_0"), (70, 128, "Q4_1"), (wide, 64, "F16"), (wide, 32, "Q8_0")]
         for N, K, qtype in cases:
-            w = rng.standard_normal((N, K), dtype=np.float32)
-            raw = None
-            if qtype in KEPT_QUANT:
-                from gguf import quants, GGMLQuantizationType
-
-                qt = getattr(GGMLQuantizationType, qtype)
-                blocks = quants.quantize(w, qt)
-                w = quants.dequantize(blocks, qt).astype(np.float32)
-                raw = (blocks, qtype)
-            pw = self.linear_weight(w, qtype, raw)
+            pw = self.linear_weight(GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype))
             bs = batches if N < 1000 else batches[:3] + (17,)
 
             def run(x, pw=pw):
@@ -352,22 +342,15 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
             n = int((got.view(np.uint32) != want.view(np.uint32)).sum())
             problems.append(f"{name}: {n} of {got.size} values differ, up to {_ulps(got, want)} ulp")
 
-    from gguf import GGMLQuantizationType, quants
-
     linear_cases = [(1, 40, 64), (2, 70, 96), (3, 33, 288), (4, 9000, 64), (8, 70, 4096),
                     (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77)]
     for qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0"):
         for M, N, K in linear_cases:
-            if qtype in KEPT_QUANT and K % 32:
+            if qtype in BLOCK_BYTES and K % 32:
                 continue
-            w = rng.standard_normal((N, K), dtype=np.float32)
-            raw = None
-            if qtype in KEPT_QUANT:
-                qt = getattr(GGMLQuantizationType, qtype)
-                blocks = quants.quantize(w, qt)
-                w, raw = quants.dequantize(blocks, qt).astype(np.float32), (blocks, qtype)
+            t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
             x = rng.standard_normal((M, K), dtype=np.float32)
-            pw, ew = backend.linear_weight(w, qtype, raw), emu.linear_weight(w, qtype, raw)
+            pw, ew = backend.linear_weight(t), emu.linear_weight(t)
             same(f"linear {qtype} M={M} N={N} K={K}", backend.linear(backend.asarray(x), pw),
                  emu.linear(x, ew))
     for R, D in ((5, 300), (3, 4096), (1, 64)):

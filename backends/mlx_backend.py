@@ -5,7 +5,7 @@ quantization with group size 32 (w = scale * q + bias, q unsigned):
   Q4_1  w = d*q + m        -> bits 4, scale d, bias m
   Q4_0  w = d*(q - 8)      -> bits 4, scale d, bias -8d
   Q8_0  w = d*q, q int8    -> bits 8, q + 128, scale d, bias -128d
-built from the raw GGUF blocks (`GGUFFile.raw`), with float32 scales and biases (every
+built from the GGUF blocks as stored (`GGUFTensor.blocks`), with float32 scales and biases (every
 f16 d and m, and -8d, -128d, is exact in float32), so the weights MLX multiplies are
 bit for bit the dequantized GGUF weights. Other tensor types are dequantized: float32 on
 the CPU device (exact; MLX's CPU float16 matmul is no faster there), float16 on the GPU
@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from .base import Array, Backend
 from .gguf_blocks import unpack
+from .gguf_tensor import GGUFTensor
 
 GROUP = 32  # GGUF block size == MLX affine group size
 TILE = 32  # "tile" policy: rows padded to a multiple of this
@@ -103,7 +104,6 @@ class MLXBackend(Backend):
     """MLX arrays on the default MLX device; quantized GGUF weights stay quantized."""
 
     name = "mlx"
-    wants_raw = True
 
     def __init__(self, device: str | None = None, policy: str | None = None,
                  float_dtype: str | None = None):
@@ -140,17 +140,18 @@ class MLXBackend(Backend):
         mx.eval(a, *pending)
         return np.array(a, copy=True)
 
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> MLXWeight:
-        n, k = w.shape
-        if raw is not None and qtype in _AFFINE and k % GROUP == 0:
-            blocks, raw_type = raw
-            if raw_type == qtype:
-                wq, scales, biases, bits = affine_from_gguf(blocks, qtype, n, k)
-                out = MLXWeight(n, k, mx.array(wq), mx.array(scales), mx.array(biases), bits)
-                mx.eval(out.w, out.scales, out.biases)
-                return out
-        dtype = mx.float32 if qtype == "F32" else self.float_dtype
-        out = MLXWeight(n, k, mx.array(np.ascontiguousarray(w, dtype=np.float32)).astype(dtype))
+    def linear_weight(self, t: GGUFTensor) -> MLXWeight:
+        n, k = t.shape
+        if t.qtype in _AFFINE and k % GROUP == 0:
+            wq, scales, biases, bits = affine_from_gguf(t.blocks, t.qtype, n, k)
+            out = MLXWeight(n, k, mx.array(wq), mx.array(scales), mx.array(biases), bits)
+            mx.eval(out.w, out.scales, out.biases)
+            return out
+        dtype = mx.float32 if t.qtype == "F32" else self.float_dtype
+        if t.qtype == "F16" and dtype == mx.float16:
+            out = MLXWeight(n, k, mx.array(np.ascontiguousarray(t.blocks)))  # as stored
+        else:
+            out = MLXWeight(n, k, mx.array(t.dequantize()).astype(dtype))
         mx.eval(out.w)
         return out
 
@@ -158,9 +159,6 @@ class MLXBackend(Backend):
         return int(w.nbytes)
 
     # -- the forward pass's operations -------------------------------------------------
-    def embed(self, table: Array, ids: Array) -> Array:
-        return mx.take(table, ids, axis=0)
-
     def linear(self, x: Array, w: MLXWeight) -> Array:
         R = x.shape[0]
         if self.policy == "plain" or (w.bits and not self.on_gpu):
@@ -296,14 +294,7 @@ def _self_check(be: MLXBackend) -> str | None:
     for qtype, k, n in (("Q4_1", 576, 96), ("Q4_0", 128, 64), ("Q8_0", 512, 72), ("F32", 64, 48),
                         ("F16", 256, 40)):
         w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
-        raw = None
-        if qtype in _AFFINE:
-            from gguf import GGMLQuantizationType, quants
-
-            t = getattr(GGMLQuantizationType, qtype)
-            blocks = quants.quantize(w, t)
-            w, raw = quants.dequantize(blocks, t).astype(np.float32), (blocks, qtype)
-        wt = be.linear_weight(w, qtype, raw=raw)
+        wt = be.linear_weight(GGUFTensor.from_array(w, qtype))
         x = rng.standard_normal((max(sizes), k)).astype(np.float32)
         alone = [np.array(be.linear(be.asarray(x[i:i + 1]), wt)) for i in range(len(x))]
         for size in sizes[1:]:

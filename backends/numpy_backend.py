@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
 from .cpu_threads import ThreadGovernor
 from .gguf_blocks import kept_quantized, unpack
+from .gguf_tensor import GGUFTensor
 
 
 @dataclass
@@ -50,8 +50,6 @@ class NumpyBackend(ArrayBackend):
 
     name = "numpy"
 
-    wants_raw = True
-
     def __init__(self):
         from . import numpy_kernels  # needs numba; `cpu_backend()` falls back without it
 
@@ -73,10 +71,10 @@ class NumpyBackend(ArrayBackend):
         if self.governor is not None:
             self.governor.tick()
 
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> np.ndarray | QuantWeight:
-        if kept_quantized(qtype, raw, w.shape[1]):
-            return QuantWeight(*unpack(raw[0], qtype, *w.shape))
-        return np.ascontiguousarray(w, dtype=np.float32)
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight:
+        if kept_quantized(t):
+            return QuantWeight(*unpack(t.blocks, t.qtype, *t.shape))
+        return t.dequantize()
 
     def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
@@ -108,8 +106,8 @@ class StackedGemvBackend(ArrayBackend):
     def describe(self) -> str:
         return "numpy on CPU, stacked GEMV (OpenBLAS gemv per row)"
 
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> np.ndarray:
-        return np.ascontiguousarray(w, dtype=np.float32)
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray:
+        return t.dequantize()
 
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         # A stacked GEMV: one BLAS gemv per row, identical to the row computed alone.

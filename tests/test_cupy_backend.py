@@ -30,6 +30,7 @@ from panechat.backends.cupy_backend import (
     compare_kernels_with_emulation,
     prepare_weight,
 )
+from panechat.backends.gguf_tensor import GGUFTensor
 from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.invariance import check_model_invariance
@@ -297,7 +298,7 @@ def test_kernel_variant_choice():
     rng = np.random.default_rng(0)
     for (M, N, K), want in (((3, 70, 64), "linear_f32_4_1"), ((17, 9000, 16), "linear_f32_16_4"),
                             ((2, 5, 77), "linear_f32_s")):
-        w = be.linear_weight(rng.standard_normal((N, K), dtype=np.float32), "F32")
+        w = be.linear_weight(GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32)))
         be.linear(rng.standard_normal((M, K), dtype=np.float32), w)
         assert mod.launches[-1][0] == want
 
@@ -329,8 +330,9 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
     path, _ = tiny("llama", qtype)
     gf = GGUFFile.open(path)
     for name in ("blk.0.ffn_gate.weight", "token_embd.weight"):
-        w = gf.tensor(name)
-        pw = prepare_weight(w, gf.tensor_type(name), gf.raw(name))
+        t = gf.tensor(name)
+        w = t.dequantize()
+        pw = prepare_weight(t)
         assert pw.kind == "q8" and pw.w.dtype == np.int8 and pw.nbytes < w.nbytes / 3
         assert (pw.mins is not None) == (qtype == "Q4_1")
         deq = ck.dequantize("q8", pw.w, pw.scales, pw.mins)
@@ -341,19 +343,20 @@ def test_float_weight_kinds(tiny):
     path, _ = tiny("llama", "F16", tied=False)
     gf = GGUFFile.open(path)
     name = "blk.0.attn_q.weight"
-    w = gf.tensor(name)
-    pw = prepare_weight(w, "F16", gf.raw(name))
+    t = gf.tensor(name)
+    w = t.dequantize()
+    pw = prepare_weight(t)
     assert pw.kind == "f16" and np.array_equal(ck.dequantize("f16", pw.w), w)
     w32 = np.random.default_rng(0).standard_normal((8, 16), dtype=np.float32)
-    assert prepare_weight(w32, "F32").kind == "f32"
-    assert np.array_equal(prepare_weight(w32, "F32").w, w32)
-    assert prepare_weight(w32, "BF16").kind == "f16"  # other types: float16 ...
-    assert prepare_weight(w32, "Q6_K", float_weights="f32").kind == "f32"  # ... unless asked
+    assert prepare_weight(GGUFTensor.from_array(w32, "F32")).kind == "f32"
+    assert np.array_equal(prepare_weight(GGUFTensor.from_array(w32, "F32")).w, w32)
+    assert prepare_weight(GGUFTensor.from_array(w32, "BF16")).kind == "f16"  # other types: float16 ...
+    q6_k = GGUFTensor("w", (8, 256), "Q6_K", np.zeros((8, 210), np.uint8))  # 210-byte blocks of 256
+    assert prepare_weight(q6_k, float_weights="f32").kind == "f32"  # ... unless asked
     big = w32.copy()
     big[0, 0] = 1e5
-    assert prepare_weight(big, "BF16").kind == "f32"  # ... or out of float16's range
-    assert prepare_weight(w32, "Q8_0").kind == "f16"  # no raw blocks: dequantized
-    assert isinstance(prepare_weight(w32, "F32"), CupyWeight)
+    assert prepare_weight(GGUFTensor.from_array(big, "BF16")).kind == "f32"  # ... or out of float16's range
+    assert isinstance(prepare_weight(GGUFTensor.from_array(w32, "F32")), CupyWeight)
 
 
 # ---------------------------------------------------------------------------------------
