@@ -61,7 +61,6 @@ class ArrayBackend(Backend):
         return ArrayKV(self.xp, n_slots, n_layer, n_kv, ctx, head_dim)
 
     def write_kv(self, kv: ArrayKV, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
-        """Store this step's K, V [R, n_kv, hd] at each row's (slot, position)."""
         kv.k[layer][slots, :, positions, :] = k
         kv.v[layer][slots, :, positions, :] = v
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .gguf_tensor import GGUFTensor
+from .self_check import CheckPlan, check_batch_invariance
 
 Array = Any  # the backend's array type
 
@@ -78,10 +79,14 @@ class Backend(ABC):
         """Allocate the KV store: per layer, K and V of shape [slots, n_kv, ctx, head_dim]."""
 
     @abstractmethod
+    def write_kv(self, kv: Any, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
+        """Store k, v [R, n_kv, hd] of layer `layer` at each row's (slot, position)."""
+
+    @abstractmethod
     def attend(self, kv: Any, layer: int, q: Array, k: Array, v: Array,
                slots: Array, positions: Array, scale: float) -> Array:
-        """Write k, v [R, n_kv, hd] at (slot, position) per row, then causal attention of
-        q [R, n_head, hd] over keys 0..position of the row's slot -> [R, n_head, hd]."""
+        """`write_kv` k and v, then causal attention of q [R, n_head, hd] over keys
+        0..position of the row's slot -> [R, n_head, hd]."""
 
     @abstractmethod
     def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
@@ -98,6 +103,10 @@ class Backend(ABC):
         return (self.asarray(np.cos(angles).astype(np.float32)),
                 self.asarray(np.sin(angles).astype(np.float32)))
 
+    #: the shapes `self_check` probes: those that cross this backend's kernel choices
+    check_plan: CheckPlan = CheckPlan()
+
     def self_check(self) -> str | None:
-        """None when rows are batch-invariant on this device, else what differed."""
-        return None
+        """None when rows are batch-invariant on this device, else what differed (one
+        check for every backend, `self_check.check_batch_invariance`)."""
+        return check_batch_invariance(self, self.check_plan)

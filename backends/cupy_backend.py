@@ -26,16 +26,17 @@ reorder). Logits come back to the host for sampling.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from . import BackendUnavailable
 from .array_backend import ArrayBackend, ArrayKV
-from .cupy_kernels import MAX_HEAD_DIM, EmulatedModule, Kernels, build_module
+from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
+from .self_check import AttentionCase, CheckPlan
 
 F16_MAX = 65504.0
 
@@ -112,6 +113,15 @@ class CupyBackend(ArrayBackend):
     """CuPy arrays on the current CUDA device (CUDA_VISIBLE_DEVICES picks it)."""
 
     name = "cupy"
+    # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
+    # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
+    # one at 128; the emulation (`emulated_on_cpu`) runs fewer batch sizes, being slow
+    check_plan = CheckPlan(
+        batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
+        linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
+                ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
+        norm_widths=(300,),
+        attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,))))
 
     def __init__(self, float_weights: str | None = None):
         cp = _import_cupy()
@@ -145,6 +155,7 @@ class CupyBackend(ArrayBackend):
         emulation of `cupy_kernels` (bit for bit what the GPU must compute). For tests and
         for checking the GPU; slow."""
         self = cls.__new__(cls)
+        self.check_plan = replace(cls.check_plan, batches=(2, 3, 5, 8, 9, 17, 33), wide_batches=(2, 3, 5, 17))
         self.xp = np
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
@@ -210,110 +221,23 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty_like(gate)
         return self.kernels.silu_mul(gate, up, out)
 
+    def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
+        xp = self.xp
+        self.kernels.kv_write(self._f32(k), self._f32(v), kv.k[layer], kv.v[layer],
+                              xp.ascontiguousarray(slots, dtype=xp.int32),
+                              xp.ascontiguousarray(positions, dtype=xp.int32))
+
     def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
                slots: Any, positions: Any, scale: float) -> Any:
         xp = self.xp
-        q, k, v = self._f32(q), self._f32(k), self._f32(v)
+        q = self._f32(q)
         slots = xp.ascontiguousarray(slots, dtype=xp.int32)
         positions = xp.ascontiguousarray(positions, dtype=xp.int32)
         if q.shape[-1] > MAX_HEAD_DIM:
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
-        kc, vc = kv.k[layer], kv.v[layer]
-        self.kernels.kv_write(k, v, kc, vc, slots, positions)
+        self.write_kv(kv, layer, k, v, slots, positions)
         out = xp.empty_like(q)
-        return self.kernels.attention(q, kc, vc, slots, positions, scale, out)
-
-    # -- start-up self check -----------------------------------------------------------
-    def self_check(self) -> str | None:
-        """None when a row computed alone and the same row inside batches of several
-        sizes, at several positions, give the same bits in every kernel; else what
-        differed. Covers every linear kind and kernel variant (row tiles 1..16, 1 and 4
-        columns per warp, the any-K kernel), RMS norm and attention (GQA, a head_dim below
-        and one at 128, rows of other slots and positions around, prefill vs one row)."""
-        rng = np.random.default_rng(1234)
-        batches = (2, 3, 5, 8, 9, 17, 33) if self.emulated else (2, 3, 4, 5, 8, 9, 16, 17, 33, 64)
-        try:
-            return (self._check_linear(rng, batches) or self._check_rms(rng, batches)
-                    or self._check_attention(rng, batches))
-        except Exception as e:  # a kernel that cannot run is a failed check, not a crash
-            return f"self-check raised {_one_line(e)}"
-
-    def _rows_agree(self, name: str, run, k: int, rng, batches) -> str | None:
-        """run(x [B, k] host) -> host rows; compare row alone with the row in batches."""
-        row = rng.standard_normal((1, k), dtype=np.float32)
-        alone = run(row)[0]
-        for B in batches:
-            pos = int(rng.integers(B))
-            x = rng.standard_normal((B, k), dtype=np.float32)
-            x[pos] = row[0]
-            if not np.array_equal(run(x)[pos], alone):
-                return f"{name}: row alone != row {pos} of a batch of {B}"
-        return None
-
-    def _check_linear(self, rng, batches) -> str | None:
-        wide = 8200  # > WIDE_N: the 4-columns-per-warp kernels
-        cases = [(70, 96, "F32"), (70, 96, "F16"), (64, 200, "F16"), (37, 44, "F32"),
-                 (70, 96, "Q8_0"), (70, 128, "Q4_1"), (wide, 64, "F16"), (wide, 32, "Q8_0")]
-        for N, K, qtype in cases:
-            pw = self.linear_weight(GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype))
-            bs = batches if N < 1000 else batches[:3] + (17,)
-
-            def run(x, pw=pw):
-                return self.to_numpy(self.linear(self.asarray(x), pw))
-
-            err = self._rows_agree(f"linear {pw.kind} N={N} K={K}", run, K, rng, bs)
-            if err:
-                return err
-        return None
-
-    def _check_rms(self, rng, batches) -> str | None:
-        D = 300  # a tail past the 256 threads
-        wt = self.asarray(rng.standard_normal(D, dtype=np.float32))
-
-        def run(x):
-            return self.to_numpy(self.rms_norm(self.asarray(x), wt, 1e-5))
-
-        return self._rows_agree("rms_norm D=300", run, D, rng, batches)
-
-    def _check_attention(self, rng, batches) -> str | None:
-        for S, G, C, D, H in ((4, 2, 80, 40, 6), (3, 1, 300, 128, 2)):
-            kv = self.new_kv(S, 1, G, C, D)
-            kv.k[0][...] = self.asarray(rng.standard_normal((S, G, C, D), dtype=np.float32))
-            kv.v[0][...] = self.asarray(rng.standard_normal((S, G, C, D), dtype=np.float32))
-            slot, p = 1, C - 43
-            q1 = rng.standard_normal((1, H, D), dtype=np.float32)
-            kn = rng.standard_normal((1, G, D), dtype=np.float32)
-            vn = rng.standard_normal((1, G, D), dtype=np.float32)
-
-            def run(q, k, v, slots, poss, kv=kv, D=D):
-                out = self.attend(kv, 0, self.asarray(q), self.asarray(k), self.asarray(v),
-                                  self.asarray(np.asarray(slots, np.int32)),
-                                  self.asarray(np.asarray(poss, np.int32)), D ** -0.5)
-                return self.to_numpy(out)
-
-            alone = run(q1, kn, vn, [slot], [p])[0]
-            for B in batches:
-                pos = int(rng.integers(B))
-                q = rng.standard_normal((B, H, D), dtype=np.float32)
-                k = rng.standard_normal((B, G, D), dtype=np.float32)
-                v = rng.standard_normal((B, G, D), dtype=np.float32)
-                slots = rng.choice([s for s in range(S) if s != slot], B)  # others write elsewhere
-                poss = rng.integers(0, C, B)
-                q[pos], k[pos], v[pos], slots[pos], poss[pos] = q1[0], kn[0], vn[0], slot, p
-                if not np.array_equal(run(q, k, v, slots, poss)[pos], alone):
-                    return f"attention D={D}: row alone != row {pos} of a batch of {B}"
-            # prefill rows (one slot, consecutive positions) vs the same rows one at a time
-            n = 24
-            qp = rng.standard_normal((n, H, D), dtype=np.float32)
-            kp = rng.standard_normal((n, G, D), dtype=np.float32)
-            vp = rng.standard_normal((n, G, D), dtype=np.float32)
-            poss = np.arange(7, 7 + n)
-            full = run(qp, kp, vp, np.zeros(n, np.int32), poss)
-            for i in (0, 11, n - 1):  # the cache already holds every prefill row's K, V
-                one = run(qp[i:i + 1], kp[i:i + 1], vp[i:i + 1], [0], [poss[i]])[0]
-                if not np.array_equal(full[i], one):
-                    return f"attention D={D}: prefill row {i} != the same row computed alone"
-        return None
+        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:

@@ -92,9 +92,6 @@ class NumpyBackend(ArrayBackend):
                                positions.astype(np.int32), np.float32(scale), out)
         return out
 
-    def self_check(self) -> str | None:
-        return self.kernels.self_check()
-
 
 class StackedGemvBackend(ArrayBackend):
     """The slow reference policy, for comparison in benchmarks and tests: one OpenBLAS
