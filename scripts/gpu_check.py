@@ -10,7 +10,7 @@ numpy backend used for comparisons falls back to its GEMV path without it).
 What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
   1. versions: GPU, driver, CUDA driver API and runtime, NVRTC, cupy, numpy, gguf;
   2. every CUDA kernel variant against the numpy emulation of its documented arithmetic,
-     bit for bit (backends/cupy_kernels.py);
+     bit for bit (backends/cupy_kernels/);
   3. the backend's start-up self_check() (rows alone vs in batches, bit for bit);
   4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, and
      head_dim 128): GPU logits == emulated backend bit for bit; vs the numpy backend and

@@ -131,6 +131,14 @@ def test_nvrtc_compiles_every_kernel_with_ieee_arithmetic_only(arch):
     assert "fma.rn.f32" in f32_ops
 
 
+def test_the_geometry_is_defined_once_and_passed_to_the_source():
+    from panechat.backends.cupy_kernels import constants
+
+    for name, value in constants.CUDA_DEFINES.items():
+        assert value == getattr(constants, name) and f"-D{name}={value}" in ck.OPTIONS
+        assert f"#define {name}" not in ck.SOURCE and name in ck.SOURCE
+
+
 def test_build_module_compiles_with_our_flags_and_caches(tmp_path):
     """build_module calls NVRTC itself (CuPy's compile path would append -ftz=true):
     a cubin for the device's architecture, PTX for one newer than NVRTC knows; cached."""
@@ -314,7 +322,7 @@ def test_attention_row_chunks_do_not_change_bits(monkeypatch):
     slots = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2], np.int32)
     pos = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2], np.int32) + 5
     whole = be.attend(kv, 0, q, k, v, slots, pos, 0.25)
-    monkeypatch.setattr(ck, "SCRATCH_FLOATS", 2 * H * C)  # two rows per launch pair
+    monkeypatch.setattr(ck.launch, "SCRATCH_FLOATS", 2 * H * C)  # two rows per launch pair
     n0 = len(be.kernels.module.launches)
     chunked = be.attend(kv, 0, q, k, v, slots, pos, 0.25)
     assert sum(1 for name, _ in be.kernels.module.launches[n0:] if name == "attn_scores") == 5
