@@ -115,7 +115,7 @@ class CupyBackend(ArrayBackend):
     name = "cupy"
     # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
     # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
-    # one at 128; the emulation (`emulated_on_cpu`) runs fewer batch sizes, being slow
+    # one at 128
     check_plan = CheckPlan(
         batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
         linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
@@ -146,7 +146,6 @@ class CupyBackend(ArrayBackend):
                 f"the CuPy backend cannot build its CUDA kernels ({_one_line(e)}); cupy needs NVRTC from "
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
-        self.emulated = False
         self._info = self._device_info(cp)
 
     @classmethod
@@ -155,11 +154,11 @@ class CupyBackend(ArrayBackend):
         emulation of `cupy_kernels` (bit for bit what the GPU must compute). For tests and
         for checking the GPU; slow."""
         self = cls.__new__(cls)
+        # the emulation is slow: fewer batch sizes (the wide weights fewer still)
         self.check_plan = replace(cls.check_plan, batches=(2, 3, 5, 8, 9, 17, 33), wide_batches=(2, 3, 5, 17))
         self.xp = np
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
-        self.emulated = True
         self._info = "numpy emulation of the CUDA kernels on the CPU"
         return self
 

@@ -53,8 +53,7 @@ TILE = 32  # "tile" policy: rows padded to a multiple of this
 POLICIES = ("rowwise", "tile", "plain")
 ATTN_BLOCK = 128  # attention key lengths are rounded up to a multiple of this
 
-# (bytes per block, bits) of the GGUF types kept quantized
-_AFFINE = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # bits per weight in MLX
+_AFFINE = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # the GGUF types kept quantized: bits per weight in MLX
 
 
 @dataclass
