@@ -4,22 +4,40 @@ The database lives in the platform's user data dir (platformdirs), or in $PANECH
 when set (the tests point it at a temporary folder). Every call runs on the UI thread and
 touches a handful of rows, so plain synchronous sqlite3 is cheap enough; message text is
 written once per finished reply, never per token.
+
+The store survives damage (docs/tui.md, "History store"): opening runs `PRAGMA quick_check`
+on a read-only connection; a damaged file is moved aside untouched, with its side files,
+and a new store begins, said in one line. A file the store cannot use for another reason
+(locked, read-only, another application's database, a newer schema) is left alone and
+`StoreError` says why. An SQLite error later on never reaches the caller: one line, and
+nothing more is written to that file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sqlite3
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import platformdirs
 
 DATA_DIR_ENV = "PANECHAT_DATA_DIR"
 DB_NAME = "panechat.db"
+SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite keeps these next to the database; they belong to it
+SQLITE_MAGIC = b"SQLite format 3\x00"
+BUSY_TIMEOUT_S = 5.0  # another panechat holds the write lock for milliseconds; longer is a real lock
+_DAMAGE_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary codes)
+
+T = TypeVar("T")
+Report = Callable[[str], None]
 
 # Each entry upgrades the schema by one version (PRAGMA user_version); never edit a shipped one.
 MIGRATIONS: list[str] = [
@@ -64,6 +82,108 @@ def data_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_data_dir("panechat", appauthor=False))
 
 
+class StoreError(Exception):
+    """The store file cannot be used and was left untouched (locked, unreadable, read-only,
+    another application's database, a newer panechat's schema); the message is one line."""
+
+
+def report_to_stderr(line: str) -> None:
+    """The default way a store says something: one line on stderr."""
+    print(f"panechat: {line}", file=sys.stderr)
+
+
+def side_file(path: Path, suffix: str) -> Path:
+    """SQLite's side file of `path` (`suffix` one of SIDE_FILES)."""
+    return path.with_name(path.name + suffix)
+
+
+def read_only_uri(path: Path) -> str:
+    """An SQLite URI that opens `path` read-only: such a connection never writes the database."""
+    return f"{path.absolute().as_uri()}?mode=ro"
+
+
+def is_damage(e: sqlite3.Error) -> bool:
+    """True when SQLite says the file is damaged (not a lock, a permission, a full disk)."""
+    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in _DAMAGE_CODES
+    return "malformed" in str(e) or "not a database" in str(e)
+
+
+@functools.lru_cache(maxsize=None)
+def schema_tables(version: int) -> frozenset[str]:
+    """The tables a panechat store has at schema `version` (the migrations run in memory)."""
+    db = sqlite3.connect(":memory:")
+    for script in MIGRATIONS[:version]:
+        db.executescript(script)
+    names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    db.close()
+    return frozenset(n for n in names if not n.startswith("sqlite_"))
+
+
+def unusable(path: Path, e: sqlite3.Error, verb: str) -> StoreError:
+    """The one-line StoreError for an SQLite error that is not damage."""
+    what = "is locked by another process" if "locked" in str(e) else f"cannot be {verb} ({e})"
+    return StoreError(f"the history store {path} {what}; it was left as it is")
+
+
+def find_damage(path: Path) -> str | None:
+    """Why the store file at `path` is damaged, or None when it is usable: missing, empty (a new
+    store), or a sound SQLite database with panechat's tables. Reads only (a read-only
+    connection never checkpoints into the file). Raises StoreError for a file that is not
+    damaged but must not be used: locked, unreadable, another application's, a newer schema."""
+    try:
+        size = path.stat().st_size if path.exists() else 0
+        wal = side_file(path, "-wal")
+        if size == 0:  # what sqlite3.connect leaves before the first write: no data to lose
+            wal_size = wal.stat().st_size if wal.exists() else 0
+            # SQLite would delete a WAL next to an empty database, and the messages in it
+            return f"the database is empty but {wal.name} holds {wal_size} bytes" if wal_size else None
+        with open(path, "rb") as f:
+            if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+                return "not an SQLite database"
+        db = sqlite3.connect(read_only_uri(path), uri=True, timeout=BUSY_TIMEOUT_S)
+        try:
+            # quick_check: every b-tree page, cell and freelist entry, in O(N); integrity_check
+            # adds index-vs-table agreement at ~4x the time (0.16 vs 0.58 s for a 60 MB store)
+            rows = db.execute("PRAGMA quick_check").fetchall()
+            if rows != [("ok",)]:
+                return "quick_check: " + " ".join(" ".join(str(r[0]) for r in rows[:3]).split())[:200]
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        if is_damage(e):
+            return str(e)
+        raise unusable(path, e, "read") from None
+    except OSError as e:
+        raise StoreError(f"cannot read the history store {path} ({e.strerror or e})") from None
+    tables = {t for t in tables if not t.startswith("sqlite_")}
+    if version > len(MIGRATIONS):
+        raise StoreError(f"the history store {path} is from a newer panechat (schema {version}, this one knows "
+                         f"{len(MIGRATIONS)}); it was left as it is: upgrade panechat or set ${DATA_DIR_ENV}")
+    if (version == 0 and tables) or not schema_tables(version) <= tables:
+        raise StoreError(f"{path} is not a panechat history store (its tables: {', '.join(sorted(tables)) or 'none'}); "
+                         f"it was left as it is: move it or set ${DATA_DIR_ENV}")
+    return None
+
+
+def move_aside(path: Path) -> Path:
+    """Rename the damaged store and its side files to `<name>.damaged-<local time>[-n]`,
+    bytes untouched; returns the new path of the database. The side files move first: one
+    left behind would be deleted by SQLite, with what it holds, when the new store is made."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    aside, n = path.with_name(f"{path.name}.damaged-{stamp}"), 1
+    while any(side_file(aside, s).exists() for s in ("", *SIDE_FILES)):
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    for suffix in (*SIDE_FILES, ""):
+        if side_file(path, suffix).exists():
+            os.rename(side_file(path, suffix), side_file(aside, suffix))
+    return aside
+
+
 @dataclass
 class Conversation:
     """One conversation: its title, system prompt and sampling settings."""
@@ -89,23 +209,72 @@ class Message:
 
 
 class Store:
-    """The SQLite store; `Store.open()` finds the data dir and applies pending migrations."""
+    """The SQLite store; `Store.open()` finds the data dir, checks the file and applies
+    pending migrations.
 
-    def __init__(self, path: Path):
+    Opening a damaged file moves it aside (`move_aside`) and starts a new store, reported in
+    one line; a file that must not be touched raises StoreError. Afterwards no read or write
+    method raises an SQLite error: the first one is reported in one line (`report`, stderr
+    by default; the TUI shows it as a notification) and kept in `write_error`; from then on
+    writes are skipped (a damaged file is never written to) and failed reads return nothing.
+    Every line reported is also kept in `notices`."""
+
+    def __init__(self, path: Path, *, report: Report | None = None):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(path, isolation_level=None)  # autocommit; `with self.db` for transactions
-        self.db.execute("PRAGMA foreign_keys = ON")
-        self.db.execute("PRAGMA journal_mode = WAL")
-        self.db.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync per commit, never corrupt
-        self.migrate()
+        self.report: Report = report or report_to_stderr
+        self.notices: list[str] = []  # every line reported so far, oldest first
+        self.write_error: str | None = None  # why writing stopped; None while it goes on
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the history folder {path.parent} ({e.strerror or e})") from None
+        damage = find_damage(path)
+        if damage is not None:
+            try:
+                aside = move_aside(path)
+            except OSError as e:
+                raise StoreError(f"the history store {path} is damaged ({damage}) and could not be moved aside "
+                                 f"({e.strerror or e})") from None
+            self._say(f"the history store {path} was damaged ({damage}); moved it to {aside} and started a new one")
+        self._connect()
 
     @classmethod
-    def open(cls, folder: Path | None = None) -> "Store":
-        return cls((folder or data_dir()) / DB_NAME)
+    def open(cls, folder: Path | None = None, *, report: Report | None = None) -> "Store":
+        return cls((folder or data_dir()) / DB_NAME, report=report)
+
+    def _connect(self) -> None:
+        """Open the read-write connection and migrate, then probe a write (a read-only file or
+        a lock held by another process is found now, not at the first message)."""
+        db = self.db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+        try:
+            db.execute("PRAGMA foreign_keys = ON")
+            db.execute("PRAGMA journal_mode = WAL")
+            # FULL: the WAL is fsynced at each commit (~4 ms here, once per message, never per token),
+            # so even a power cut loses at most the message being written; NORMAL would be safe
+            # for a killed process but could lose every message since the last checkpoint
+            db.execute("PRAGMA synchronous = FULL")
+            self.migrate()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(f"PRAGMA user_version = {self.version}")
+            finally:
+                db.execute("ROLLBACK")
+        except sqlite3.Error as e:
+            db.close()
+            raise unusable(self.path, e, "written") from None
 
     def close(self) -> None:
+        """Close the connection. Once writing has stopped nothing more reaches the file: SQLite
+        checkpoints the WAL into the database when its last connection closes, so a read-only
+        connection holding a read lock stays open across the close (it cannot checkpoint itself)."""
+        guard = None
+        if self.write_error is not None:
+            with contextlib.suppress(sqlite3.Error):
+                guard = sqlite3.connect(read_only_uri(self.path), uri=True)
+                guard.execute("PRAGMA user_version").fetchone()
         self.db.close()
+        if guard is not None:
+            guard.close()
 
     @property
     def version(self) -> int:
@@ -116,7 +285,7 @@ class Store:
         for n, script in enumerate(MIGRATIONS, start=1):
             if n <= self.version:
                 continue
-            self.db.execute("BEGIN")
+            self.db.execute("BEGIN IMMEDIATE")
             try:
                 for stmt in filter(str.strip, script.split(";")):
                     self.db.execute(stmt)
@@ -126,94 +295,136 @@ class Store:
                 self.db.execute("ROLLBACK")
                 raise
 
+    # -- failures --------------------------------------------------------------------------
+    def _say(self, line: str) -> None:
+        self.notices.append(line)
+        self.report(line)
+
+    def _failed(self, e: sqlite3.Error) -> None:
+        """Stop writing after an SQLite error, saying so once."""
+        if self.write_error is not None:
+            return
+        self.write_error = str(e)
+        if is_damage(e):
+            self._say(f"the history store {self.path} is damaged ({e}); nothing more is written to it, "
+                      "and the next start moves it aside")
+        else:
+            self._say(f"the history store {self.path} failed ({e}); nothing more is written to it this session")
+
+    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T | None:
+        """Run `work` in one transaction; None, without writing, once writing has stopped."""
+        if self.write_error is not None:
+            return None
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                result = work(self.db)
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            self._failed(e)
+            return None
+        return result
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """The rows of one query; [] after an SQLite error (which also stops writing)."""
+        try:
+            return self.db.execute(sql, params).fetchall()
+        except sqlite3.Error as e:
+            self._failed(e)
+            return []
+
     # -- conversations -------------------------------------------------------------------
     def new_conversation(self, title: str = "", *, conv_id: str | None = None, **settings) -> Conversation:
         """A new conversation (a fresh id unless `conv_id`, e.g. a server's conversation)."""
         conv = Conversation(id=conv_id or f"c-{uuid.uuid4().hex[:12]}", title=title or "New chat", **settings)
-        self.db.execute(
+        self._write(lambda db: db.execute(
             "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (conv.id, conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed,
-             conv.created, conv.updated),
-        )
+             conv.created, conv.updated)))
         return conv
 
     def get_conversation(self, conv_id: str) -> Conversation | None:
-        row = self.db.execute(
+        rows = self._read(
             "SELECT id, title, system, temperature, max_tokens, seed, created, updated "
-            "FROM conversations WHERE id = ?", (conv_id,)).fetchone()
-        return Conversation(*row) if row else None
+            "FROM conversations WHERE id = ?", (conv_id,))
+        return Conversation(*rows[0]) if rows else None
 
     def list_conversations(self) -> list[Conversation]:
-        rows = self.db.execute(
+        rows = self._read(
             "SELECT id, title, system, temperature, max_tokens, seed, created, updated "
-            "FROM conversations ORDER BY updated DESC").fetchall()
+            "FROM conversations ORDER BY updated DESC")
         return [Conversation(*r) for r in rows]
 
     def save_conversation(self, conv: Conversation) -> None:
         """Write back title, system prompt and sampling settings."""
         conv.updated = time.time()
-        self.db.execute(
+        self._write(lambda db: db.execute(
             "UPDATE conversations SET title = ?, system = ?, temperature = ?, max_tokens = ?, seed = ?, "
             "updated = ? WHERE id = ?",
-            (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.id),
-        )
+            (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.id)))
 
     def delete_conversation(self, conv_id: str) -> None:
-        self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+        self._write(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)))
 
     # -- messages --------------------------------------------------------------------------
     def add_message(self, conv_id: str, role: str, content: str, meta: dict | None = None) -> Message:
+        """Store one message in one transaction (its id is None when it could not be stored)."""
         now = time.time()
-        with self.db:
-            self.db.execute("BEGIN")
-            cur = self.db.execute(
+
+        def insert(db: sqlite3.Connection) -> int | None:
+            cur = db.execute(
                 "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                (conv_id, role, content, json.dumps(meta or {}), now),
-            )
-            self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
-        return Message(role, content, meta or {}, cur.lastrowid)
+                (conv_id, role, content, json.dumps(meta or {}), now))
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
+            return cur.lastrowid
+
+        return Message(role, content, meta or {}, self._write(insert))
 
     def messages(self, conv_id: str) -> list[Message]:
-        rows = self.db.execute(
-            "SELECT role, content, meta, id FROM messages WHERE conversation_id = ? ORDER BY id",
-            (conv_id,)).fetchall()
+        rows = self._read(
+            "SELECT role, content, meta, id FROM messages WHERE conversation_id = ? ORDER BY id", (conv_id,))
         return [Message(role, content, json.loads(meta), mid) for role, content, meta, mid in rows]
 
     def replace_messages(self, conv_id: str, messages: list[Message]) -> None:
         """Make the stored history exactly `messages` (a remote server's copy wins)."""
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.execute("DELETE FROM messages WHERE conversation_id = ?", (conv_id,))
-            for m in messages:
-                self.db.execute(
-                    "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                    (conv_id, m.role, m.content, json.dumps(m.meta), time.time()))
+        def replace(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM messages WHERE conversation_id = ?", (conv_id,))
+            db.executemany(
+                "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+                [(conv_id, m.role, m.content, json.dumps(m.meta), time.time()) for m in messages])
+
+        self._write(replace)
 
     # -- layout ------------------------------------------------------------------------------
     def save_layout(self, profile: str, conversation_ids: list[str]) -> None:
         """Remember which conversations are open as panes, in grid order, for `profile`."""
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.execute("DELETE FROM layout WHERE profile = ?", (profile,))
-            self.db.executemany(
+        def save(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM layout WHERE profile = ?", (profile,))
+            db.executemany(
                 "INSERT INTO layout (profile, position, conversation_id) VALUES (?, ?, ?)",
                 [(profile, i, cid) for i, cid in enumerate(conversation_ids)])
 
+        self._write(save)
+
     def layout(self, profile: str) -> list[str]:
-        rows = self.db.execute(
-            "SELECT conversation_id FROM layout WHERE profile = ? ORDER BY position", (profile,)).fetchall()
+        rows = self._read("SELECT conversation_id FROM layout WHERE profile = ? ORDER BY position", (profile,))
         return [r[0] for r in rows]
 
     # -- settings ----------------------------------------------------------------------------
     def get_setting(self, key: str, default: str | None = None) -> str | None:
-        row = self.db.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else default
+        rows = self._read("SELECT value FROM settings WHERE key = ?", (key,))
+        return rows[0][0] if rows else default
 
     def set_setting(self, key: str, value: str) -> None:
-        self.db.execute(
+        self._write(lambda db: db.execute(
             "INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-            (key, value))
+            (key, value)))
 
 
 def conversation_markdown(conv: Conversation, messages: list[Message]) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .base import Array, Backend
+from .self_check import CheckPlan, check_batch_invariance
 
 
 class ArrayKV:
@@ -27,6 +28,7 @@ class ArrayBackend(Backend):
     """The forward pass's non-matmul operations written once against `self.xp`."""
 
     xp: Any = np
+    check_plan: CheckPlan = CheckPlan()  # what `self_check` probes; subclasses pick theirs
 
     def asarray(self, a: np.ndarray) -> Array:
         return self.xp.ascontiguousarray(self.xp.asarray(a))
@@ -68,3 +70,6 @@ class ArrayBackend(Backend):
         for layer in range(len(kv.k)):
             kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
             kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
+
+    def self_check(self) -> str | None:
+        return check_batch_invariance(self, self.check_plan)

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from .gguf_tensor import GGUFTensor
-from .self_check import CheckPlan, check_batch_invariance
 
 Array = Any  # the backend's array type
 
@@ -103,10 +102,8 @@ class Backend(ABC):
         return (self.asarray(np.cos(angles).astype(np.float32)),
                 self.asarray(np.sin(angles).astype(np.float32)))
 
-    #: the shapes `self_check` probes: those that cross this backend's kernel choices
-    check_plan: CheckPlan = CheckPlan()
-
+    @abstractmethod
     def self_check(self) -> str | None:
-        """None when rows are batch-invariant on this device, else what differed (one
-        check for every backend, `self_check.check_batch_invariance`)."""
-        return check_batch_invariance(self, self.check_plan)
+        """None when rows are batch-invariant on this device, else what differed: every
+        backend runs the one check, `self_check.check_batch_invariance`, with its own
+        `CheckPlan` of the shapes that cross its kernel choices."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import BackendUnavailable
+from .errors import BackendUnavailable, one_line
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
@@ -78,17 +78,12 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
     return CupyWeight("f32", n, k, w)
 
 
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
-
-
 def _import_cupy():
     try:
         import cupy
     except Exception as e:  # ImportError, or a broken install raising on import
         raise BackendUnavailable(
-            f"the CuPy backend needs cupy ({_one_line(e)}); install it with: pip install 'panechat[cuda]'"
+            f"the CuPy backend needs cupy ({one_line(e, with_type=True)}); install it with: pip install 'panechat[cuda]'"
         ) from None
     return cupy
 
@@ -129,7 +124,7 @@ class CupyBackend(ArrayBackend):
             n_dev = cp.cuda.runtime.getDeviceCount()
         except Exception as e:
             raise BackendUnavailable(
-                f"the CuPy backend found no usable CUDA GPU ({_one_line(e)}); check nvidia-smi and that "
+                f"the CuPy backend found no usable CUDA GPU ({one_line(e, with_type=True)}); check nvidia-smi and that "
                 "the cupy wheel matches the driver (cupy-cuda12x for CUDA 12 drivers, cupy-cuda13x for 13)"
             ) from None
         if n_dev < 1:
@@ -143,7 +138,7 @@ class CupyBackend(ArrayBackend):
             self.kernels.compile_all()
         except Exception as e:
             raise BackendUnavailable(
-                f"the CuPy backend cannot build its CUDA kernels ({_one_line(e)}); cupy needs NVRTC from "
+                f"the CuPy backend cannot build its CUDA kernels ({one_line(e, with_type=True)}); cupy needs NVRTC from "
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
         self._info = self._device_info(cp)

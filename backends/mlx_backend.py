@@ -46,7 +46,7 @@ import mlx.core as mx
 from .base import Array, Backend
 from .gguf_blocks import unpack
 from .gguf_tensor import GGUFTensor
-from .self_check import AttentionCase, CheckPlan
+from .self_check import AttentionCase, CheckPlan, check_batch_invariance
 
 GROUP = 32  # GGUF block size == MLX affine group size
 TILE = 32  # "tile" policy: rows padded to a multiple of this
@@ -270,6 +270,9 @@ class MLXBackend(Backend):
                 groups.append((int(length), rows, rows_np, slots[rows], positions[rows]))
         self._plan = (positions, slots, ctx, groups)  # holds the arrays: `is` stays valid
         return groups
+
+    def self_check(self) -> str | None:
+        return check_batch_invariance(self, self.check_plan)
 
     def copy_slot(self, kv: MLXKV, src: int, dst: int, n_tokens: int) -> None:
         for layer in range(len(kv.k)):

@@ -13,10 +13,11 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 
+from .config import EngineConfig
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
 from .kv_slots import SlotPool
@@ -25,75 +26,88 @@ from .metrics import EngineMetrics
 from .model import Batch
 from .request import Request, RequestState
 from .sampling import SamplingParams, make_sampler
-from .scheduler import QueueFull, Scheduler
+from .scheduler import QueueFull, Scheduler, StepPlan
+from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong"]
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "EngineStopped"]
+
+
+_STREAM_STATE = {RequestState.WAITING: StreamState.QUEUED, RequestState.PREFILLING: StreamState.PREFILLING,
+                 RequestState.DECODING: StreamState.DECODING}
 
 
 class PromptTooLong(ValueError):
     """The prompt does not fit the per-conversation context (never truncated silently)."""
 
 
-@dataclass
-class EngineConfig:
-    """Limits and batching knobs (the CLI flags of the same names)."""
-
-    max_concurrent: int = 4
-    kv_sessions: int | None = None  # default: 2 x max_concurrent
-    max_queue: int = 8
-    ctx_size: int = 4096
-    prefill_chunk: int = 512
-    straggler_ms: float = 2.0
-    verify_invariance: bool = True
+class EngineStopped(RuntimeError):
+    """`submit` after `stop()`: the engine takes no more work."""
 
 
 class Generation:
-    """Handle for one submitted request: iterate its events (sync or async), or cancel."""
+    """Handle for one submitted request: read its events, or cancel it.
+
+    The engine thread puts events on a thread-safe queue; the consumer picks how to read
+    them: `events()` blocks (any thread), `aevents()` awaits on the loop it is iterated
+    from. Nothing is guessed at submit time, so a Generation may be created on one thread
+    and read on another. Each event is delivered once; the last one is the FinishEvent."""
 
     def __init__(self, engine: "Engine", request_id: str):
         self.engine = engine
         self.id = request_id
         self.finish: FinishEvent | None = None
-        try:
-            self._loop = asyncio.get_running_loop()
-            self._aq: asyncio.Queue = asyncio.Queue()
-        except RuntimeError:
-            self._loop = None
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        # set by aevents(): the reading loop and the asyncio.Event that wakes it
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def _emit(self, ev: Event) -> None:  # called on the engine thread
-        if self._loop is None:
-            self._q.put(ev)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
-        except RuntimeError:  # the consumer's loop is gone: nobody listens any more
-            self.cancel()
+        self._q.put(ev)
+        waker = self._waker
+        if waker is not None:
+            loop, ready = waker
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the reader's loop is closed: nobody listens any more
+                self.cancel()
 
     def cancel(self) -> None:
         """Stop generating; a FinishEvent with reason 'cancelled' follows."""
         self.engine.cancel(self.id)
 
-    def __iter__(self):
-        while True:
+    def events(self) -> Iterator[Event]:
+        """Block for each event in turn until the FinishEvent (which is yielded, then kept
+        in `finish`)."""
+        self._waker = None
+        while self.finish is None:
             ev = self._q.get()
-            yield ev
             if isinstance(ev, FinishEvent):
                 self.finish = ev
-                return
+            yield ev
 
-    async def __aiter__(self):
-        while True:
-            ev = await self._aq.get()
-            yield ev
-            if isinstance(ev, FinishEvent):
-                self.finish = ev
-                return
+    async def aevents(self) -> AsyncIterator[Event]:
+        """`events()` for asyncio: awaits on the running loop, never blocks it."""
+        ready = asyncio.Event()
+        self._waker = (asyncio.get_running_loop(), ready)
+        try:
+            while self.finish is None:
+                ready.clear()  # before looking: an event put after this look sets it again
+                try:
+                    ev = self._q.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    continue
+                if isinstance(ev, FinishEvent):
+                    self.finish = ev
+                yield ev
+        finally:
+            if self.finish is not None:
+                self._waker = None
+            # else the reader gave up early: once its loop closes, the next event cancels
 
     def result(self) -> FinishEvent:
-        """Block until finished (sync use only); returns the FinishEvent."""
-        for _ in self:
+        """Block until finished (not on an event loop); returns the FinishEvent."""
+        for _ in self.events():
             pass
         assert self.finish is not None
         return self.finish
@@ -107,14 +121,14 @@ class Engine:
         self.cfg = cfg = config or EngineConfig()
         args = lm.model.args
         self.ctx = min(cfg.ctx_size, args.context_length)
-        if self.ctx < 16:
-            raise ValueError("ctx-size must be at least 16")
+        if self.ctx < cfg.MIN_CTX:  # the config is valid, so the model's own context is this short
+            raise ValueError(f"the model's context ({args.context_length} tokens) is shorter than "
+                             f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
         n_slots = cfg.kv_sessions or 2 * cfg.max_concurrent
         be = lm.model.backend
         self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
         self.pool = SlotPool(n_slots)
-        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk,
-                                   copy_prefix=lambda src, dst, n: be.copy_slot(self.kv, src, dst, n))
+        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_slots
         # Set by the compute thread's start-up self-check (see start()).
@@ -179,9 +193,10 @@ class Engine:
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:
-        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull."""
+        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull,
+        EngineStopped."""
         if self._stop:
-            raise RuntimeError("the engine is stopped")
+            raise EngineStopped("the engine is stopped")
         params = params or SamplingParams()
         params.validate()
         if prompt_ids is None:
@@ -218,12 +233,9 @@ class Engine:
             req.cancelled = True
             self._wake.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Snapshot of streams, batch occupancy, queue and KV slots (cheap)."""
-        snap = self.metrics.snapshot()
-        snap["batching"] = self.batching
-        snap["ctx"] = self.ctx
-        return snap
+        return self.metrics.snapshot(batching=self.batching, ctx=self.ctx)
 
     # -- the compute thread ------------------------------------------------------------
     def _self_check(self) -> None:
@@ -233,19 +245,23 @@ class Engine:
             except Exception as e:  # a broken check must not pass for a proof
                 self.invariance_problem = f"self-check failed to run: {type(e).__name__}: {e}"
             self.batching = self.invariance_problem is None
+        # rows are only proven independent of each other when the check passed
+        self.scheduler.max_seqs_per_step = None if self.batching else 1
         self._checked.set()
 
     def _run(self) -> None:
         self._self_check()
+        be = self.lm.model.backend
         while not self._stop:
-            plan = None
+            plan, copied = None, False
             try:
                 with self._lock:
                     self._reap_cancelled()
                     plan = self.scheduler.schedule()
-                    if plan.requests and not self.batching:
-                        plan.requests, plan.n_tokens = plan.requests[:1], plan.n_tokens[:1]
                     self._publish_state(force=self._members_changed or not plan.requests)
+                for c in plan.kv_copies:  # before the forward pass, in order
+                    be.copy_slot(self.kv, c.src, c.dst, c.n_tokens)
+                copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()
                     self._wake.wait(0.5)
@@ -256,12 +272,14 @@ class Engine:
                 self._step(plan)
             except Exception as e:  # a bug must not kill the engine: fail the requests it touched
                 with self._lock:
-                    victims = plan.requests if plan is not None and plan.requests else list(self._by_id.values())
+                    # a failed copy leaves a slot whose KV its request relies on: fail them all
+                    ok = plan is not None and plan.requests and copied
+                    victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
                         self._finish(r, "error", error=f"internal error: {type(e).__name__}: {e}",
                                      keep_cache=False)
 
-    def _step(self, plan) -> None:
+    def _step(self, plan: StepPlan) -> None:
         tokens, slots, positions, logit_rows, sampled = [], [], [], [], []
         now = time.perf_counter()
         for r, n in zip(plan.requests, plan.n_tokens):
@@ -348,23 +366,18 @@ class Engine:
         self._published, self._members_changed = now, False
         streams = []
         for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):
-            if r.state == RequestState.WAITING:
-                state = "queued"
-            elif r.state == RequestState.PREFILLING:
-                state = f"prefill {100 * r.computed // max(1, len(r.prompt_ids))}%"
-            else:
-                state = "decoding"
             n = len(r.output_ids)
             dt = now - r.t_first if r.t_first else 0.0
-            streams.append({
-                "id": r.id, "conversation": r.conversation, "state": state, "tokens": n,
-                "tok_s": (n - 1) / dt if n > 1 and dt > 0 else 0.0,
-                "ttft_ms": 1000 * (r.t_first - r.t_submit) if r.t_first else None,
-                "prefill_pct": 100 * r.computed // max(1, len(r.prompt_ids)),
-            })
-        idle = [{"conversation": s.conversation, "state": "idle", "slot": s.index, "cached_tokens": len(s.tokens)}
-                for s in self.pool.slots if s.tokens and not s.busy]
-        self.metrics.set_state(streams, idle, len(self.scheduler.waiting), self.pool.in_use,
+            n_prompt = len(r.prompt_ids)
+            streams.append(StreamStats(
+                id=r.id, conversation=r.conversation, state=_STREAM_STATE[r.state], tokens=n,
+                tok_s=(n - 1) / dt if n > 1 and dt > 0 else 0.0,
+                ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
+                prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
+            ))
+        idle = tuple(IdleConversation(s.conversation, s.index, len(s.tokens))
+                     for s in self.pool.slots if s.tokens and not s.busy)
+        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), self.pool.in_use,
                                self.pool.resident, len(self.pool.slots), self.pool.evictions)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.errors import one_line
 from ..backends.gguf_tensor import GGUFTensor
 
 
@@ -46,7 +47,7 @@ class GGUFFile:
             tensors = {t.name: _lazy(t) for t in reader.tensors}
         except Exception as e:  # the reader raises many kinds on damaged files
             raise ModelFileError(
-                f"{path} is a damaged or truncated GGUF file ({type(e).__name__}: {_one_line(e)}); "
+                f"{path} is a damaged or truncated GGUF file ({one_line(e, with_type=True)}); "
                 "download it again"
             ) from None
         return cls(path, metadata, tensors)
@@ -72,7 +73,3 @@ def _field_value(field: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-def _one_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

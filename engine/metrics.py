@@ -1,12 +1,15 @@
 """Engine statistics: updated once per step by the engine thread, read by anyone.
 
-`snapshot()` copies a small dict under a lock, cheap enough for 10 reads a second."""
+`snapshot()` builds an `EngineStats` (engine/stats.py) under a lock, cheap enough for 10
+reads a second."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
+
+from .stats import EngineStats, IdleConversation, StreamStats, TTFTHistogram
 
 #: Upper bounds (seconds) of the cumulative time-to-first-token histogram (Prometheus `le`).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -32,8 +35,8 @@ class EngineMetrics:
         self.ttft_sum = 0.0
         self._recent: deque[tuple[float, int, int]] = deque()  # (t, sequences, tokens) per step
         self.window_s = window_s
-        self.streams: list[dict] = []  # running and queued requests
-        self.idle_conversations: list[dict] = []  # conversations resident in a KV slot between turns
+        self.streams: tuple[StreamStats, ...] = ()  # running and queued requests
+        self.idle_conversations: tuple[IdleConversation, ...] = ()  # resident in a KV slot between turns
         self.queue_depth = 0
         self.kv_in_use = 0
         self.kv_resident = 0
@@ -50,7 +53,8 @@ class EngineMetrics:
             while self._recent and now - self._recent[0][0] > self.window_s:
                 self._recent.popleft()
 
-    def set_state(self, streams: list[dict], idle: list[dict], queue_depth: int, kv_in_use: int,
+    def set_state(self, streams: tuple[StreamStats, ...], idle: tuple[IdleConversation, ...], queue_depth: int,
+                  kv_in_use: int,
                   kv_resident: int, kv_total: int, evictions: int) -> None:
         with self._lock:
             self.streams, self.idle_conversations, self.queue_depth = streams, idle, queue_depth
@@ -75,31 +79,32 @@ class EngineMetrics:
         with self._lock:
             self.batch_now = self.rows_now = 0
 
-    def snapshot(self) -> dict:
+    def snapshot(self, batching: bool | None = None, ctx: int | None = None) -> EngineStats:
         """A consistent copy of everything, plus tok/s over the last second."""
         now = time.perf_counter()
         with self._lock:
             last = [(t, n, k) for t, n, k in self._recent if now - t <= 1.0]
-            return {
-                "batch_now": self.batch_now,
-                "batch_max": self.max_batch,
-                "rows_now": self.rows_now,
-                "steps": self.steps,
-                "step_hist": list(self.step_hist),
-                "tok_s": float(sum(k for _, _, k in last)),
-                "queue_depth": self.queue_depth,
-                "kv_in_use": self.kv_in_use,
-                "kv_resident": self.kv_resident,
-                "kv_total": self.kv_total,
-                "evictions": self.evictions,
-                "streams": [dict(s) for s in self.streams],
-                "idle": [dict(s) for s in self.idle_conversations],
-                "requests_total": self.requests_total,
-                "requests_finished": dict(self.requests_finished),
-                "refused": self.refused,
-                "prompt_tokens": self.prompt_tokens,
-                "generated_tokens": self.generated_tokens,
-                "reused_tokens": self.reused_tokens,
-                "ttft_hist": {"le": list(TTFT_BUCKETS), "counts": list(self.ttft_counts),
-                              "sum": self.ttft_sum},
-            }
+            return EngineStats(
+                batch_now=self.batch_now,
+                batch_max=self.max_batch,
+                rows_now=self.rows_now,
+                steps=self.steps,
+                step_hist=tuple(self.step_hist),
+                tok_s=float(sum(k for _, _, k in last)),
+                queue_depth=self.queue_depth,
+                kv_in_use=self.kv_in_use,
+                kv_resident=self.kv_resident,
+                kv_total=self.kv_total,
+                evictions=self.evictions,
+                streams=self.streams,  # immutable: rebuilt, never changed, by set_state
+                idle=self.idle_conversations,
+                requests_total=self.requests_total,
+                requests_finished=dict(self.requests_finished),
+                refused=self.refused,
+                prompt_tokens=self.prompt_tokens,
+                generated_tokens=self.generated_tokens,
+                reused_tokens=self.reused_tokens,
+                ttft_hist=TTFTHistogram(TTFT_BUCKETS, tuple(self.ttft_counts), self.ttft_sum),
+                batching=batching,
+                ctx=ctx,
+            )

@@ -4,12 +4,16 @@ Each step, every running request lets its computed tokens catch up with its know
 tokens: a decoding request contributes one token, a prefilling one a chunk of its prompt
 within a shared per-step prefill budget, so a long newcomer is spread over several steps
 with decode steps for everyone else between its chunks.
+
+The scheduler only decides: `schedule()` returns a `StepPlan` (plain data, like vLLM's
+`SchedulerOutput`) and touches no device; the engine performs the plan's KV copies, then
+the forward pass.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kv_slots import SlotPool
 from .request import Request, RequestState
@@ -19,30 +23,44 @@ class QueueFull(Exception):
     """The waiting queue is at --max-queue; the server maps this to HTTP 429."""
 
 
+@dataclass(frozen=True)
+class KVCopy:
+    """Copy the KV of positions 0..n_tokens-1 from slot `src` into slot `dst`."""
+
+    src: int
+    dst: int
+    n_tokens: int
+
+
 @dataclass
 class StepPlan:
-    """What one forward step computes: per request, how many of its tokens (in row order)."""
+    """What one step does, in order: the KV copies (prefixes shared by requests admitted
+    this step; before the forward pass, in list order), then one forward pass computing,
+    per request, its next `n_tokens` known tokens (in row order)."""
 
     requests: list[Request]
     n_tokens: list[int]
-
-    @property
-    def n_rows(self) -> int:
-        return sum(self.n_tokens)
+    kv_copies: list[KVCopy] = field(default_factory=list)
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and the KV slot bookkeeping."""
+    """Owns the waiting queue, the running set and the KV slot bookkeeping.
+
+    `max_seqs_per_step` caps the sequences in one step (None: up to max_concurrent); the
+    engine sets it to 1 when batching is off. Admission does not depend on it: every
+    admitted request holds its slot, and they take turns."""
 
     def __init__(self, pool: SlotPool, max_concurrent: int = 4, max_queue: int = 8,
-                 prefill_chunk: int = 512, copy_prefix=lambda src, dst, n: None):
+                 prefill_chunk: int = 512, max_seqs_per_step: int | None = None):
         if max_concurrent < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max-concurrent and prefill-chunk must be >= 1, max-queue >= 0")
+        if max_seqs_per_step is not None and max_seqs_per_step < 1:
+            raise ValueError("max_seqs_per_step must be >= 1 (or None)")
         self.pool = pool
-        self.copy_prefix = copy_prefix  # (src slot, dst slot, n tokens): copies cached KV
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        self.max_seqs_per_step = max_seqs_per_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -57,11 +75,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> StepPlan:
-        """Admit what fits, then plan the next step (empty when nothing runs)."""
-        self._admit()
+        """Admit what fits, then plan the next step (no requests when nothing runs; the
+        copies of requests admitted now are in the plan either way)."""
+        copies = self._admit()
         reqs, counts = [], []
         budget = self.prefill_chunk
+        limit = self.max_seqs_per_step or len(self.running)
         for r in self.running:
+            if len(reqs) >= limit:
+                break
             todo = r.n_known - r.computed
             if r.state == RequestState.DECODING:
                 reqs.append(r)
@@ -71,20 +93,23 @@ class Scheduler:
                 budget -= n
                 reqs.append(r)
                 counts.append(n)
-        return StepPlan(reqs, counts)
+        return StepPlan(reqs, counts, copies)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[KVCopy]:
+        """Move waiting requests into free slots, in order; returns the KV copies they need."""
+        copies: list[KVCopy] = []
         while self.waiting and len(self.running) < self.max_concurrent:
             req = self.waiting[0]
             grant = self.pool.acquire(req.conversation, req.prompt_ids)
             if grant is None:
-                return  # every slot busy: wait for a running request to finish
+                break  # every slot busy: wait for a running request to finish
             if grant.copy_from is not None:
-                self.copy_prefix(grant.copy_from, grant.slot.index, grant.reuse)
+                copies.append(KVCopy(grant.copy_from, grant.slot.index, grant.reuse))
             self.waiting.popleft()
             req.slot, req.reused, req.computed = grant.slot.index, grant.reuse, grant.reuse
             req.state = RequestState.PREFILLING
             self.running.append(req)
+        return copies
 
     def finish(self, req: Request, keep_cache: bool = True) -> None:
         """Remove a request; its slot keeps the tokens whose KV was written."""

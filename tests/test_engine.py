@@ -1,6 +1,7 @@
 """The engine end to end on the default model: concurrency never changes the answer,
 and limits, cancellation and eviction never lose or leak anything."""
 
+import asyncio
 import random
 import threading
 import time
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from panechat.engine.engine import Engine, EngineConfig, PromptTooLong, QueueFull
-from panechat.engine.events import PrefillEvent, TokenEvent
+from panechat.engine.events import FinishEvent, PrefillEvent, TokenEvent
 from panechat.engine.sampling import SamplingParams
 
 QUESTIONS = ["Name a fruit.", "Why is the sky blue?", "Write a haiku about the sea.",
@@ -49,7 +50,17 @@ def test_concurrent_conversations_get_their_solo_tokens(make_engine, params):
     gens = [e.submit(_msgs(q), params=params) for q in QUESTIONS]
     together = [g.result() for g in gens]
     assert [f.token_ids for f in together] == [f.token_ids for f in solo]
-    assert max(i for i, n in enumerate(e.stats()["step_hist"]) if n) == 4  # really batched
+    assert max(i for i, n in enumerate(e.stats().step_hist) if n) == 4  # really batched
+
+
+def test_a_failed_self_check_runs_one_sequence_per_step(make_engine, monkeypatch):
+    monkeypatch.setattr("panechat.engine.engine.check_model_invariance", lambda model, kv: "forced for the test")
+    e = make_engine(max_concurrent=3)
+    assert not e.batching and "NOT batched" in e.startup_lines()[-1]
+    gens = [e.submit(_msgs(q), params=SamplingParams(max_tokens=6)) for q in QUESTIONS[:3]]
+    assert all(g.result().reason in ("stop", "length") for g in gens)
+    hist = e.stats().step_hist
+    assert hist[1] > 0 and sum(hist[2:]) == 0, hist
 
 
 def test_chunked_prefill_gives_the_same_reply(make_engine):
@@ -58,7 +69,7 @@ def test_chunked_prefill_gives_the_same_reply(make_engine):
     e = make_engine(prefill_chunk=16, max_concurrent=2)
     other = e.submit(_msgs("Name a river."), params=SamplingParams(max_tokens=40))
     gen = e.submit(_msgs(long_q), params=SamplingParams(max_tokens=12))
-    events = list(gen)
+    events = list(gen.events())
     progress = [ev.done for ev in events if isinstance(ev, PrefillEvent)]
     assert len(progress) > 5 and progress == sorted(progress)  # prefilled in pieces
     assert events[-1].token_ids == whole.token_ids
@@ -73,8 +84,20 @@ def test_second_turn_reuses_the_cached_prefix(make_engine):
     second = e.submit(history, params=SamplingParams(max_tokens=12)).result()
     assert second.usage["reused_tokens"] > first.usage["prompt_tokens"] - 2
     stats = e.stats()
-    assert stats["reused_tokens"] >= second.usage["reused_tokens"]
-    assert [c["state"] for c in stats["idle"]] == ["idle"]  # resident between turns
+    assert stats.reused_tokens >= second.usage["reused_tokens"]
+    # one conversation resident between turns (the second turn continued in the first's slot)
+    assert [(c.conversation, c.cached_tokens >= second.usage["prompt_tokens"]) for c in stats.idle] == \
+        [(second.request_id, True)]
+
+
+def test_a_prefix_copied_from_another_conversations_slot_gives_the_solo_reply(make_engine):
+    params = SamplingParams(max_tokens=12)
+    solo = make_engine().submit(_msgs("Why is the sky blue?"), params=params).result()
+    e = make_engine()
+    e.submit(_msgs("Name a fruit."), params=params, conversation="a").result()
+    b = e.submit(_msgs("Why is the sky blue?"), params=params, conversation="b").result()
+    assert b.usage["reused_tokens"] > 0  # the shared system prompt, copied from a's slot into b's
+    assert b.token_ids == solo.token_ids
 
 
 def test_evicted_conversation_comes_back_with_the_same_reply(make_engine):
@@ -89,7 +112,7 @@ def test_evicted_conversation_comes_back_with_the_same_reply(make_engine):
     rebuilt = conversation(evicting, "Name a planet.")
     # Rebuilt: only the system prompt it shares with "b" is still cached.
     assert rebuilt.usage["reused_tokens"] < kept.usage["reused_tokens"] - 10
-    assert evicting.stats()["evictions"] >= 2
+    assert evicting.stats().evictions >= 2
     assert rebuilt.token_ids == kept.token_ids
 
 
@@ -109,14 +132,14 @@ def test_full_queue_is_refused_at_once(make_engine):
 def test_cancel_frees_the_slot(make_engine):
     e = make_engine(max_concurrent=2, kv_sessions=2)
     gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=300))
-    for ev in gen:
+    for ev in gen.events():
         if isinstance(ev, TokenEvent):
             gen.cancel()
             break
     fin = gen.result()
     assert fin.reason == "cancelled" and 0 < len(fin.token_ids) < 300
     _wait_idle(e)
-    assert e.stats()["kv_in_use"] == 0
+    assert e.stats().kv_in_use == 0
 
 
 def test_prompt_longer_than_context_is_refused(make_engine):
@@ -160,7 +183,7 @@ def test_stress_random_requests_and_cancellations(make_engine):
                 continue
             cancel_after = r.randint(0, 4) if r.random() < 0.33 else None
             n = 0
-            for ev in gen:
+            for ev in gen.events():
                 n += isinstance(ev, TokenEvent)
                 if cancel_after is not None and n >= cancel_after:
                     gen.cancel()
@@ -177,12 +200,12 @@ def test_stress_random_requests_and_cancellations(make_engine):
     assert set(outcomes) <= {"stop", "length", "cancelled", "refused"}
     _wait_idle(e)
     s = e.stats()
-    assert s["kv_in_use"] == 0 and s["queue_depth"] == 0 and s["streams"] == []
+    assert s.kv_in_use == 0 and s.queue_depth == 0 and not s.streams
 
 
 def _wait_idle(e, timeout=5.0):
     end = time.time() + timeout
-    while time.time() < end and (e.stats()["kv_in_use"] or e.stats()["streams"]):
+    while time.time() < end and (e.stats().kv_in_use or e.stats().streams):
         time.sleep(0.05)
 
 
@@ -192,20 +215,60 @@ def test_stats_show_a_stream_by_the_time_it_emits_anything(make_engine):
     e = make_engine(max_concurrent=1)
     for _ in range(10):  # each submit lands just after the previous finish was published
         gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
-        ev = next(iter(gen))
+        ev = next(gen.events())
         assert isinstance(ev, (PrefillEvent, TokenEvent))
         s = e.stats()
-        assert [st["id"] for st in s["streams"]] == [gen.id] and s["kv_in_use"] == 1, s
+        assert [st.id for st in s.streams] == [gen.id] and s.kv_in_use == 1, s
         gen.cancel()
         assert gen.result().reason == "cancelled"
         _wait_idle(e)  # the FinishEvent comes first; the stats follow within one loop turn
-        assert e.stats()["streams"] == []
+        assert not e.stats().streams
+
+
+def test_events_reach_the_reader_whichever_way_it_reads(make_engine):
+    """A generation submitted off any event loop may be read on one, and one submitted on a
+    loop may be read by a blocking thread: the reader picks, nothing is guessed at submit."""
+    e = make_engine(max_concurrent=2)
+    params = SamplingParams(max_tokens=6)
+    plain = e.submit(_msgs("Name a fruit."), params=params)  # no loop running here
+
+    async def read_async():
+        return [ev async for ev in plain.aevents()]
+
+    async def submit_on_loop_read_in_thread():
+        gen = e.submit(_msgs("Name a fruit."), params=params)
+        return await asyncio.wait_for(asyncio.to_thread(lambda: list(gen.events())), 60)
+
+    async def both():
+        return await asyncio.wait_for(read_async(), 60), await submit_on_loop_read_in_thread()
+
+    via_loop, via_thread = asyncio.run(both())
+    for events in (via_loop, via_thread):
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason in ("stop", "length")
+        assert [ev.token_id for ev in events if isinstance(ev, TokenEvent) and ev.token_id >= 0] == \
+            events[-1].token_ids
+    assert via_loop[-1].token_ids == via_thread[-1].token_ids
+    assert plain.finish is via_loop[-1]
+
+
+def test_a_generation_whose_async_reader_and_loop_are_gone_is_cancelled(make_engine):
+    e = make_engine(max_concurrent=1)
+    gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=400))
+
+    async def read_one():
+        async for ev in gen.aevents():
+            return ev
+
+    asyncio.run(read_one())  # the loop closes with the generation still running
+    _wait_idle(e)
+    assert not e.stats().streams
+    assert gen.result().reason == "cancelled"
 
 
 def test_stop_finishes_every_generation_and_refuses_new_ones(loaded_model):
     e = Engine(loaded_model, EngineConfig(ctx_size=512)).start()
     gen = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=200))
-    next(iter(gen))
+    next(gen.events())
     e.stop()
     assert gen.result().reason == "cancelled"
     with pytest.raises(RuntimeError, match="stopped"):
@@ -233,4 +296,4 @@ def test_an_internal_error_fails_its_requests_and_the_engine_lives_on(make_engin
     assert fin.reason == "error" and "simulated kernel failure" in fin.error
     assert e.submit(_msgs("Name a fruit."), params=SamplingParams(max_tokens=4)).result().reason in ("stop", "length")
     _wait_idle(e)
-    assert e.stats()["kv_in_use"] == 0
+    assert e.stats().kv_in_use == 0

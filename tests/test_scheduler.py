@@ -5,7 +5,7 @@ import pytest
 from panechat.engine.kv_slots import SlotPool
 from panechat.engine.request import Request, RequestState
 from panechat.engine.sampling import SamplingParams
-from panechat.engine.scheduler import QueueFull, Scheduler
+from panechat.engine.scheduler import KVCopy, QueueFull, Scheduler
 
 
 def req(rid, prompt, conversation=None, max_tokens=4):
@@ -62,6 +62,43 @@ def test_finished_request_frees_its_slot_for_the_waiting_one():
     assert s.schedule().requests == [b]
 
 
+def test_a_shared_prefix_is_a_copy_in_the_plan_of_the_step_that_admits():
+    pool = SlotPool(2)
+    s = Scheduler(pool, max_concurrent=2, max_queue=2, prefill_chunk=64)
+    a = req("a", [1, 2, 3, 4, 5], max_tokens=1)
+    s.add(a)
+    plan = s.schedule()
+    assert plan.kv_copies == []  # nothing cached yet
+    fake_step(s, plan)  # a finished: slot 0 keeps [1, 2, 3, 4, 5]
+    b = req("b", [1, 2, 3, 8])
+    s.add(b)
+    plan = s.schedule()
+    assert plan.kv_copies == [KVCopy(src=a.slot, dst=b.slot, n_tokens=3)] and b.slot != a.slot
+    assert [(r.id, n) for r, n in zip(plan.requests, plan.n_tokens)] == [("b", 1)]  # only what was not copied
+    fake_step(s, plan)
+    assert s.schedule().kv_copies == []  # a copy is planned once
+
+
+def test_max_seqs_per_step_limits_the_rows_but_not_admission_or_copies():
+    pool = SlotPool(3)
+    s = Scheduler(pool, max_concurrent=3, max_queue=3, prefill_chunk=64, max_seqs_per_step=1)
+    first = req("first", [1, 2, 3, 4], max_tokens=1)
+    s.add(first)
+    fake_step(s, s.schedule())  # leaves [1, 2, 3, 4] cached in its slot
+    a, b = req("a", [5, 6]), req("b", [1, 2, 3, 9])
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.requests == [a] and plan.n_tokens == [2]
+    assert b.state == RequestState.PREFILLING and pool.in_use == 2  # admitted, waits for its turn
+    assert plan.kv_copies == [KVCopy(first.slot, b.slot, 3)]  # its copy is due now all the same
+    fake_step(s, plan)
+    plan = s.schedule()
+    assert plan.requests == [a] and plan.kv_copies == []  # one sequence per step, in running order
+    s.max_seqs_per_step = None
+    assert [r.id for r in s.schedule().requests] == ["a", "b"]
+
+
 def test_slot_keeps_history_and_next_turn_continues_in_it():
     pool = SlotPool(2)
     g = pool.acquire("c1", [1, 2, 3, 4])
@@ -82,11 +119,16 @@ def test_shared_prefix_is_copied_not_stolen():
 
 def test_lru_idle_slot_is_evicted_and_at_least_one_token_is_left_to_compute():
     pool = SlotPool(2)
-    for conv, toks in (("a", [1, 2]), ("b", [3, 4])):
+    slot_of = {}
+    for conv, toks in (("a", [1, 2]), ("b", [3, 4]), ("a", [1, 2, 7])):  # a used last
         g = pool.acquire(conv, toks)
+        slot_of[conv] = g.slot.index
         pool.release(g.slot, toks)
+    assert slot_of["a"] != slot_of["b"]
     g = pool.acquire("c", [5, 6])
+    assert g.slot.index == slot_of["b"], "the least recently used slot (b's) is the one evicted"
     assert g.slot.conversation == "c" and pool.evictions == 1
+    assert pool.slots[slot_of["a"]].tokens == [1, 2, 7]  # the recent conversation is intact
     pool.release(g.slot, [5, 6])
     same = pool.acquire("c", [5, 6])  # identical prompt: reuse all but the last token
     assert same.reuse == 1

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from ...engine.stats import EngineStats
+
 
 class BackendError(Exception):
     """The backend cannot be reached or refused us (one line, shown to the user)."""
@@ -144,9 +146,10 @@ class ChatBackend(ABC):
         system message; `system` is separate). Errors arrive as Finished(reason='error')."""
 
     @abstractmethod
-    def stats(self) -> dict | None:
-        """The latest engine snapshot (see Engine.stats), or None before the first one.
-        Cheap: the dashboard calls it a few times a second."""
+    def stats(self) -> EngineStats | None:
+        """The latest engine snapshot (see Engine.stats; fields this backend cannot know
+        are None), or None before the first one. Cheap: the dashboard calls it a few
+        times a second."""
 
 
 class StreamMeter:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
-from ...engine.engine import Engine, Generation, PromptTooLong, QueueFull
+from ...engine.engine import Engine, Generation
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from ...engine.sampling import SamplingParams
+from ...engine.stats import EngineStats
+from ..engine_errors import QUEUE_FULL, classify
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued
 
 
@@ -24,7 +26,7 @@ class LocalStream(ChatStream):
             yield Finished("error", "", error=self.error)
             return
         yield Queued()
-        async for ev in self.gen:
+        async for ev in self.gen.aevents():
             if isinstance(ev, TokenEvent):
                 yield Delta(ev.text, 0 if ev.token_id < 0 else 1)
             elif isinstance(ev, PrefillEvent):
@@ -72,15 +74,16 @@ class LocalBackend(ChatBackend):
                             min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens)
         try:
             return LocalStream(self.engine.submit(msgs, params=sp, conversation=conversation))
-        except QueueFull:
-            return LocalStream(None, "the engine queue is full; try again when a reply finishes")
-        except (PromptTooLong, ValueError) as e:
+        except Exception as e:
+            refusal = classify(e)  # app/engine_errors.py
+            if refusal is None:
+                raise
+            if refusal is QUEUE_FULL:
+                return LocalStream(None, "the engine queue is full; try again when a reply finishes")
             return LocalStream(None, str(e))
 
-    def stats(self) -> dict | None:
+    def stats(self) -> EngineStats | None:
         if self.engine is None:
             return None
-        snap = self.engine.stats()
-        snap["terminals"] = self.terminals()
-        return snap
+        return self.engine.stats().with_terminals(self.terminals())
 

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ...engine.stats import EngineStats, StreamState, StreamStats
 from .base import (BackendError, BackendInfo, ChatBackend, Delta, Finished, GenParams, QueueStream, Queued,
                    StreamMeter)
 
@@ -123,13 +124,13 @@ class OpenAIBackend(ChatBackend):
         timings = {"ttft_ms": meter.ttft_ms, "decode_tok_s": meter.tok_s(meter.t_last) or None, "total_ms": total_ms}
         s.put(Finished(reason, "".join(text), usage, timings, error))
 
-    def stats(self) -> dict | None:
+    def stats(self) -> EngineStats | None:
+        """Only this terminal's own streams are known; the batch, queue and KV fields stay None."""
         now = time.perf_counter()
-        streams = [{"id": sid, "conversation": conv, "state": "decoding" if m.t_first else "waiting",
-                    "tokens": m.tokens, "tok_s": m.tok_s(now), "ttft_ms": m.ttft_ms}
-                   for sid, (m, conv) in self._active.items()]
-        return {"batch_now": None, "batch_max": None, "queue_depth": None, "kv_in_use": None, "kv_total": None,
-                "terminals": None, "tok_s": sum(s["tok_s"] for s in streams), "streams": streams}
+        streams = tuple(StreamStats(sid, conv, StreamState.DECODING if m.t_first else StreamState.WAITING,
+                                    tokens=m.tokens, tok_s=m.tok_s(now), ttft_ms=m.ttft_ms)
+                        for sid, (m, conv) in self._active.items())
+        return EngineStats(tok_s=sum(s.tok_s for s in streams), streams=streams)
 
 
 def _error_message(body: bytes, status: int) -> str:

@@ -2,7 +2,8 @@
 
 One connection carries every pane: frames are tagged with a client-chosen request id and
 a reader task routes them to per-request queues. The stats subscription keeps the latest
-snapshot of the server's shared batch for the dashboard, other terminals' streams included.
+snapshot of the server's shared batch (an EngineStats rebuilt from the frame) for the
+dashboard, other terminals' streams included.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from ...engine.stats import EngineStats
 from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill,
                    QueueStream, Queued)
 
@@ -40,7 +42,7 @@ class RemoteBackend(ChatBackend):
         self._opening: dict[str, asyncio.Future] = {}
         self._opened: set[str] = set()
         self._ids = itertools.count(1)
-        self._stats: dict | None = None
+        self._stats: EngineStats | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.last_error: str | None = None
@@ -129,7 +131,10 @@ class RemoteBackend(ChatBackend):
     def _dispatch(self, f: dict) -> None:
         kind = f.get("type")
         if kind == "stats":
-            self._stats = f
+            try:
+                self._stats = EngineStats.from_dict(f)
+            except (TypeError, ValueError, KeyError, AttributeError):
+                pass  # a malformed frame: keep the last good snapshot
             return
         if kind == "opened":
             fut = self._opening.pop(f.get("conversation", ""), None)
@@ -227,6 +232,6 @@ class RemoteBackend(ChatBackend):
         except (BackendError, websockets.exceptions.WebSocketException):
             pass
 
-    def stats(self) -> dict | None:
+    def stats(self) -> EngineStats | None:
         return self._stats if self._ws is not None else None
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.engine import PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, TokenEvent
 from ...engine.sampling import SamplingParams
 from . import errors
-from .app import ServerState, parse_json, set_log_detail, state_of
 from .errors import APIError, bad_request
-from .request_fields import FieldError, opt_int, opt_num, sampling_params, stop_strings
+from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .request_log import set_log_detail
+from .state import ServerState, state_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -185,19 +185,18 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat_request(data, st)
     try:
         gen = await st.submit(req.messages, req.params, req.stop)
-    except PromptTooLong as e:
-        raise bad_request(str(e), param="messages", code="context_length_exceeded") from None
-    except QueueFull as e:
-        raise errors.queue_full(str(e)) from None
-    except ValueError as e:
-        raise bad_request(str(e), param="messages") from None
+    except Exception as e:
+        err = errors.refused(e)
+        if err is None:
+            raise
+        raise err from None
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
         return SSEResponse(request, gen, req, cid, created)
     watcher = asyncio.create_task(_watch_disconnect(request, gen))
     try:
-        async for _ev in gen:
+        async for _ev in gen.aevents():
             pass
     finally:
         watcher.cancel()
@@ -257,7 +256,7 @@ class SSEResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await emit(self._chunk({"role": "assistant", "content": ""}))
-            async for ev in gen:
+            async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent) and ev.text:
                     await emit(self._chunk({"content": ev.text}))
             fin = gen.finish

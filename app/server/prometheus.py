@@ -1,4 +1,5 @@
-"""`GET /metrics`: Prometheus text format, derived from `engine.stats()` at scrape time.
+"""`GET /metrics`: Prometheus text format, derived from `engine.stats()` (an `EngineStats`)
+at scrape time.
 
 A custom collector reads one engine snapshot per scrape, so serving costs nothing per
 token. Each app gets its own registry (several servers may live in one process).
@@ -17,14 +18,16 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ...engine.stats import StreamState
+
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class EngineCollector(Collector):
-    """Turns one `engine.stats()` snapshot into metric families."""
+    """Turns one `EngineStats` snapshot into metric families."""
 
     def __init__(self, state: "ServerState"):
         self.state = state
@@ -43,7 +46,7 @@ class EngineCollector(Collector):
         s = engine.stats()
         info = InfoMetricFamily("panechat_model", "The model being served")
         info.add_metric([], {"model": engine.lm.name, "backend": engine.lm.model.backend.describe(),
-                             "batching": str(bool(s.get("batching"))).lower()})
+                             "batching": str(bool(s.batching)).lower()})
         yield info
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -56,38 +59,36 @@ class EngineCollector(Collector):
             c.add_metric([], float(value))
             return c
 
-        streams = s.get("streams", [])
-        running = sum(1 for x in streams if x.get("state") != "queued")
+        running = sum(1 for x in s.streams if x.state != StreamState.QUEUED)
         yield gauge("panechat_requests_running", "Generations admitted (prefilling or decoding)", running)
-        yield gauge("panechat_requests_waiting", "Generations waiting in the queue", s.get("queue_depth", 0))
+        yield gauge("panechat_requests_waiting", "Generations waiting in the queue", s.queue_depth or 0)
         yield gauge("panechat_max_concurrent", "Generations computed at once (--max-concurrent)",
-                    s.get("batch_max", 0))
-        yield gauge("panechat_kv_slots_in_use", "KV slots held by a running generation", s.get("kv_in_use", 0))
+                    s.batch_max or 0)
+        yield gauge("panechat_kv_slots_in_use", "KV slots held by a running generation", s.kv_in_use or 0)
         yield gauge("panechat_kv_slots_resident", "KV slots holding a cached conversation prefix",
-                    s.get("kv_resident", 0))
-        yield gauge("panechat_kv_slots_total", "KV slots (--kv-sessions)", s.get("kv_total", 0))
-        yield gauge("panechat_batch_size", "Sequences in the latest forward step", s.get("batch_now", 0))
-        yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second",
-                    s.get("tok_s", 0.0))
-        yield gauge("panechat_context_tokens", "Context per conversation (tokens)", s.get("ctx", 0))
-        yield counter("panechat_prompt_tokens", "Prompt tokens of admitted requests", s.get("prompt_tokens", 0))
-        yield counter("panechat_generated_tokens", "Tokens generated", s.get("generated_tokens", 0))
+                    s.kv_resident or 0)
+        yield gauge("panechat_kv_slots_total", "KV slots (--kv-sessions)", s.kv_total or 0)
+        yield gauge("panechat_batch_size", "Sequences in the latest forward step", s.batch_now or 0)
+        yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", s.tok_s)
+        yield gauge("panechat_context_tokens", "Context per conversation (tokens)", s.ctx or 0)
+        yield counter("panechat_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens)
+        yield counter("panechat_generated_tokens", "Tokens generated", s.generated_tokens)
         yield counter("panechat_reused_prefix_tokens",
                       "Prompt tokens whose KV was reused from a resident slot (not recomputed)",
-                      s.get("reused_tokens", 0))
-        yield counter("panechat_steps", "Forward steps run", s.get("steps", 0))
-        yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", s.get("evictions", 0))
+                      s.reused_tokens)
+        yield counter("panechat_steps", "Forward steps run", s.steps)
+        yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", s.evictions)
         yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
-                      s.get("refused", 0))
-        yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", s.get("requests_total", 0))
+                      s.refused)
+        yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", s.requests_total)
         fin = CounterMetricFamily("panechat_requests_finished", "Finished generations by finish reason",
                                   labels=["reason"])
-        for reason, n in sorted(s.get("requests_finished", {}).items()):
+        for reason, n in sorted(s.requests_finished.items()):
             fin.add_metric([reason], float(n))
         yield fin
 
         # steps by number of sequences: step_hist[n] = steps that computed n sequences
-        hist = s.get("step_hist", [])
+        hist = s.step_hist
         if hist:
             buckets, acc, total = [], 0, 0.0
             for n, count in enumerate(hist):
@@ -101,17 +102,17 @@ class EngineCollector(Collector):
             h.add_metric([], buckets, sum_value=total)
             yield h
 
-        th = s.get("ttft_hist")
-        if th:
+        th = s.ttft_hist
+        if th.le:
             buckets, acc = [], 0
-            for le, count in zip(th["le"], th["counts"]):
+            for le, count in zip(th.le, th.counts):
                 acc += count
                 buckets.append((str(float(le)), float(acc)))
-            acc += th["counts"][-1] if len(th["counts"]) > len(th["le"]) else 0
+            acc += th.counts[-1] if len(th.counts) > len(th.le) else 0
             buckets.append(("+Inf", float(acc)))
             h = HistogramMetricFamily("panechat_time_to_first_token_seconds",
                                       "Time from submission to the first generated token")
-            h.add_metric([], buckets, sum_value=float(th.get("sum", 0.0)))
+            h.add_metric([], buckets, sum_value=float(th.sum))
             yield h
 
 

@@ -26,7 +26,11 @@ import time
 
 import uvicorn
 
-from .app import MAX_BODY, ServerState, create_app
+from ...backends.errors import one_line
+from ...engine.default_model import resolve_model_path
+from ..engine_factory import build_engine, engine_config
+from .app import MAX_BODY, create_app
+from .state import ServerState
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
 
@@ -163,9 +167,6 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
 def serve(args: argparse.Namespace) -> int:
     """`panechat serve`: listen at once (/health answers 503 while the model loads), load
     the model in the background, then serve until Ctrl-C."""
-    from ...engine.default_model import resolve_model_path
-    from ..engine_factory import build_engine, engine_config
-
     engine_config(args)  # flag errors before anything else
     resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
     logger = logging.getLogger("panechat.server")
@@ -191,8 +192,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             engine = build_engine(args, quiet=True)
         except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
-            text = str(e).strip().splitlines()
-            msg = text[0] if text else type(e).__name__
+            msg = one_line(e)
             state.fail(msg)
             print(f"panechat: error: {msg}", file=sys.stderr, flush=True)
             result["rc"] = 2

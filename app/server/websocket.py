@@ -14,11 +14,11 @@ from urllib.parse import urlsplit
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ...engine.engine import PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
-from .app import SERVER_NAME, ServerState, parse_json
+from ..engine_errors import classify
 from .conversations import Conversation
-from .request_fields import FieldError, is_num, opt_int, opt_num, sampling_params, stop_strings
+from .request_fields import FieldError, is_num, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .state import SERVER_NAME, ServerState
 
 PROTOCOL = 1
 MAX_ID = 256  # characters in a conversation or request id
@@ -257,13 +257,10 @@ class Connection:
             gen = await self.st.submit(messages, params, stop, conversation=cid)
         except Exception as e:
             conv.busy = None
-            if isinstance(e, PromptTooLong):
-                raise FrameError("prompt_too_long", str(e), rid) from None
-            if isinstance(e, QueueFull):
-                raise FrameError("queue_full", str(e), rid) from None
-            if isinstance(e, ValueError):
-                raise FrameError("bad_params", str(e), rid) from None
-            raise
+            refusal = classify(e)  # app/engine_errors.py
+            if refusal is None:
+                raise
+            raise FrameError(refusal.ws_code, str(e), rid) from None
         if system is not None:
             conv.set_system(system)
         conv.append("user", content)
@@ -275,7 +272,7 @@ class Connection:
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
         try:
-            async for ev in gen:
+            async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent):
                     await self.send({"type": "delta", "request": rid, "text": ev.text, "token_id": ev.token_id})
                 elif isinstance(ev, PrefillEvent):
@@ -325,8 +322,8 @@ class Connection:
         model, backend = engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
-            frame = {"type": "stats", **engine.stats(), "terminals": self.st.terminals,
-                     "model": model, "backend": backend}
+            stats = engine.stats().with_terminals(self.st.terminals)
+            frame = {"type": "stats", **stats.to_dict(), "model": model, "backend": backend}
             await self.send(frame)
             nxt += interval
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))

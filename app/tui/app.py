@@ -10,10 +10,12 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 from textual.theme import Theme
 
+from ...backends.errors import one_line
 from ...themes import DEFAULT_THEME, THEMES
 from ..clients.base import BackendError, ChatBackend
 from ..store import Store
 from .screens.main import MainScreen
+from .widgets.dashboard import Dashboard
 
 ShareHook = Callable[["PanechatApp"], Awaitable[str]]
 
@@ -57,16 +59,15 @@ class PanechatApp(App):
 
     @work(exclusive=True, group="backend")
     async def _start_backend(self) -> None:
-        dash = self.main.query_one("Dashboard")
-        dash.status_line = "loading the model…" if self.backend.info.kind == "local" else "connecting…"
+        dash = self.main.query_one(Dashboard)
+        dash.set_status("loading the model…" if self.backend.info.kind == "local" else "connecting…")
         try:
             await self.backend.start()
         except BackendError as e:
             self._fatal(str(e))
             return
         except Exception as e:  # a model that will not load: one line, exit 2 (as the CLI does)
-            first = str(e).strip().splitlines()
-            self._fatal(first[0] if first else type(e).__name__)
+            self._fatal(one_line(e))
             return
         self.backend_ready.set()
         self.sub_title = f"{self.backend.info.model}"
@@ -76,6 +77,7 @@ class PanechatApp(App):
             except Exception as e:  # noqa: BLE001 - the panes still work without sharing
                 self.notify(f"--share failed: {e}", severity="error", timeout=10)
             else:
+                dash.set_share(self.share_line)
                 self.notify(self.share_line, title="sharing", timeout=10)
 
     def _fatal(self, message: str) -> None:

@@ -8,23 +8,23 @@ import argparse
 import asyncio
 import sys
 
+from ...engine.default_model import resolve_model_path
+from ...engine.gguf_file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend
-from ..store import Store
+from ..engine_factory import build_engine, engine_config
+from ..store import Store, StoreError
+from ..usage import UsageError
+
+STORE_NOTICE_S = 30  # seconds a store notice stays on screen (the app goes on; the user should read it)
 
 
 def make_backend(args: argparse.Namespace):
     """The ChatBackend the flags ask for (validates flags; loads nothing yet)."""
-    from ..cli import UsageError
-
     if args.connect:
         if args.share:
             raise UsageError("--share serves this terminal's own engine; it cannot be combined with --connect")
         return backend_for_url(args.connect, token=args.token, api_key=args.api_key, model=args.model)
-    from ...engine.default_model import resolve_model_path
-    from ...engine.gguf_file import ModelFileError
-    from ..engine_factory import build_engine, engine_config
-
     engine_config(args)  # flag errors before the screen opens
     path = resolve_model_path(args.model)  # a missing default model: one line, exit 2
     if not path.is_file():  # the rest of the checks run while loading, on screen
@@ -39,7 +39,7 @@ class ShareServer:
     engine is attached once it has loaded, so teammates' requests join the panes' batch."""
 
     def __init__(self, backend: LocalBackend, host: str = "127.0.0.1", port: int = 8765, token: str | None = None):
-        from ..server.app import create_app
+        from ..server.app import create_app  # deferred: only --share needs starlette and uvicorn
         from ..server.serve import ServerThread
 
         self.backend, self.host, self.token = backend, host, token
@@ -50,30 +50,50 @@ class ShareServer:
         return self.srv.ws_url
 
     async def attach(self, app) -> str:
-        """Serve the loaded engine; returns the line to show (how teammates connect)."""
+        """Serve the loaded engine; returns the line to show (how teammates connect; the
+        app puts it on the dashboard)."""
         self.srv.state.attach(self.backend.engine)
         self.backend.terminals = lambda: self.srv.state.terminals + 1  # the others, and this one
-        line = f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
-        app.main.query_one("Dashboard").share_line = line
-        return line
+        return f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
 
     async def close(self) -> None:
         await asyncio.to_thread(self.srv.stop)
 
 
+def build_app(backend, store: Store, **kwargs):
+    """The PanechatApp over `store`, with the store's lines (damage found at open, writing
+    stopped later) shown as notifications; `kwargs` go to PanechatApp."""
+    from .app import PanechatApp  # deferred: textual loads only when the TUI opens
+
+    app = PanechatApp(backend, store, **kwargs)
+
+    def show(line: str) -> None:
+        app.notify(line, severity="warning", timeout=STORE_NOTICE_S, markup=False)
+
+    for line in store.notices:
+        show(line)
+    store.report = show
+    return app
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run the TUI until the user quits; returns the exit code."""
-    from .app import PanechatApp
-
     backend = make_backend(args)
-    sharing = ShareServer(backend, args.host, args.port, args.token) if args.share else None
-    store = Store.open()
     try:
-        app = PanechatApp(backend, store, share=sharing.attach if sharing else None,
-                          close_share=sharing.close if sharing else None)
+        store = Store.open()  # a damaged file is moved aside, said in one line on stderr
+    except StoreError as e:
+        print(f"panechat: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        sharing = ShareServer(backend, args.host, args.port, args.token) if args.share else None
+        app = build_app(backend, store, share=sharing.attach if sharing else None,
+                        close_share=sharing.close if sharing else None)
+        shown = len(store.notices)
         app.run()
     finally:
         store.close()
+    for line in store.notices[shown:]:  # said on screen during the session; kept on stderr too
+        print(f"panechat: {line}", file=sys.stderr)
     if app.fatal_error:
         print(f"panechat: error: {app.fatal_error}", file=sys.stderr)
         return 2

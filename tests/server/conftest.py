@@ -12,6 +12,7 @@ import pytest
 
 from panechat.app.server import ServerThread, create_app
 from panechat.engine.engine import Engine, EngineConfig
+from panechat.engine.stats import EngineStats
 
 
 @dataclass
@@ -31,16 +32,16 @@ class Live:
     def model(self) -> str:
         return self.engine.lm.name
 
-    def wait_idle(self, timeout: float = 30.0) -> dict:
+    def wait_idle(self, timeout: float = 30.0) -> EngineStats:
         """Wait until nothing runs or waits and no KV slot is held; returns the stats."""
         return wait_idle(self.engine, timeout)
 
 
-def wait_idle(engine: Engine, timeout: float = 30.0) -> dict:
+def wait_idle(engine: Engine, timeout: float = 30.0) -> EngineStats:
     t0 = time.monotonic()
     while True:
         s = engine.stats()
-        if s["kv_in_use"] == 0 and s["queue_depth"] == 0 and not s["streams"]:
+        if s.kv_in_use == 0 and s.queue_depth == 0 and not s.streams:
             return s
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"engine not idle after {timeout}s: {s}")

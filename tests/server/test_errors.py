@@ -142,7 +142,7 @@ def test_429_with_retry_after_when_the_queue_is_full(busy_server):
         t.join(60)
     assert got["status"] == 200
     s = wait_idle(engine)  # the abandoned stream was cancelled and its slot freed
-    assert s["refused"] == 1 and s["requests_finished"]["cancelled"] == 1
+    assert s.refused == 1 and s.requests_finished["cancelled"] == 1
     with httpx.Client(base_url=srv.url, timeout=60) as c:  # and the server takes work again
         assert c.post("/v1/chat/completions", json=OK).status_code == 200
 
@@ -163,4 +163,4 @@ def test_server_still_healthy_after_errors(http, live):
     assert http.get("/health").json()["status"] == "ok"
     assert http.post("/v1/chat/completions", json=OK).status_code == 200
     s = live.wait_idle()
-    assert s["kv_in_use"] == 0 and time.monotonic() - t0 < 60
+    assert s.kv_in_use == 0 and time.monotonic() - t0 < 60

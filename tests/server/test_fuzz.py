@@ -161,7 +161,7 @@ def test_fuzz_websocket_frames(live):
 
 def test_healthy_after_fuzzing(http, live):
     s = live.wait_idle()
-    assert s["kv_in_use"] == 0 and s["queue_depth"] == 0 and s["requests_finished"]["error"] == 0
+    assert s.kv_in_use == 0 and s.queue_depth == 0 and s.requests_finished["error"] == 0
     assert http.get("/health").json()["status"] == "ok"
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert r.status_code == 200

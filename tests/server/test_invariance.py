@@ -35,7 +35,7 @@ def test_four_concurrent_conversations_match_solo(live, params):
     assert live.engine.batching, f"the engine refused to batch: {live.engine.invariance_problem}"
     live.wait_idle()
     solo = [converse(live.url, turns, params) for turns in CLIENTS]
-    before = live.engine.stats()["step_hist"]
+    before = live.engine.stats().step_hist
     together: list = [None] * len(CLIENTS)
 
     def run(i):
@@ -47,5 +47,5 @@ def test_four_concurrent_conversations_match_solo(live, params):
     for t in threads:
         t.join()
     assert together == solo
-    after = live.engine.stats()["step_hist"]
+    after = live.engine.stats().step_hist
     assert sum(after[2:]) > sum(before[2:])  # the concurrent run really shared forward steps

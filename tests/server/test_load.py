@@ -44,16 +44,16 @@ def test_bounded_load_24_clients(live):
     assert len(results) == 48 and set(results) <= {200, 429}
     assert results.count(200) >= 12  # capacity is 4 running + 8 waiting
     s = live.wait_idle(timeout=10)
-    assert s["kv_in_use"] == 0 and s["queue_depth"] == 0
-    assert s["refused"] - before["refused"] == results.count(429)
-    assert s["requests_finished"]["error"] == 0
+    assert s.kv_in_use == 0 and s.queue_depth == 0
+    assert s.refused - before.refused == results.count(429)
+    assert s.requests_finished["error"] == 0
     with httpx.Client(base_url=live.url, timeout=30) as c:
         assert c.get("/health").json()["status"] == "ok"
 
 
 def test_streaming_client_disconnect_frees_the_slot(live):
     live.wait_idle()
-    before = live.engine.stats()["requests_finished"]["cancelled"]
+    before = live.engine.stats().requests_finished["cancelled"]
     body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
             "max_tokens": 800, "stream": True}
     with httpx.Client(base_url=live.url, timeout=60) as c:
@@ -66,25 +66,25 @@ def test_streaming_client_disconnect_frees_the_slot(live):
                     break  # leave mid-stream: the connection closes
     t0 = time.monotonic()
     s = live.wait_idle(timeout=15)
-    assert s["requests_finished"]["cancelled"] == before + 1
+    assert s.requests_finished["cancelled"] == before + 1
     assert time.monotonic() - t0 < 15
 
 
 def test_non_streaming_client_disconnect_frees_the_slot(live):
     live.wait_idle()
-    before = live.engine.stats()["requests_finished"]["cancelled"]
+    before = live.engine.stats().requests_finished["cancelled"]
     body = b'{"messages": [{"role": "user", "content": "Write a very long poem."}], "max_tokens": 800}'
     sock = socket.create_connection(("127.0.0.1", live.srv.port))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     t0 = time.monotonic()
-    while not live.engine.stats()["streams"]:
+    while not live.engine.stats().streams:
         assert time.monotonic() - t0 < 30
         time.sleep(0.02)
     time.sleep(0.3)  # let it decode a little
     sock.close()
     s = live.wait_idle(timeout=15)
-    assert s["requests_finished"]["cancelled"] == before + 1
+    assert s.requests_finished["cancelled"] == before + 1
 
 
 def test_disconnect_while_queued_frees_everything(live):
@@ -101,16 +101,16 @@ def test_disconnect_while_queued_frees_everything(live):
                         pass
             tasks = [asyncio.create_task(one()) for _ in range(8)]  # 4 run, 4 wait
             t0 = time.monotonic()
-            while live.engine.stats()["queue_depth"] < 4 and time.monotonic() - t0 < 30:
+            while live.engine.stats().queue_depth < 4 and time.monotonic() - t0 < 30:
                 await asyncio.sleep(0.05)
-            assert live.engine.stats()["queue_depth"] >= 1
+            assert live.engine.stats().queue_depth >= 1
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
     s = live.wait_idle(timeout=20)
-    assert s["kv_in_use"] == 0 and s["queue_depth"] == 0
+    assert s.kv_in_use == 0 and s.queue_depth == 0
 
 
 async def test_ws_disconnect_with_several_generations(live):
@@ -128,7 +128,7 @@ async def test_ws_disconnect_with_several_generations(live):
     t0 = time.monotonic()
     while True:
         s = live.engine.stats()
-        if s["kv_in_use"] == 0 and not s["streams"]:
+        if s.kv_in_use == 0 and not s.streams:
             break
         assert time.monotonic() - t0 < 20, s
         await asyncio.sleep(0.05)

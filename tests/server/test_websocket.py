@@ -9,6 +9,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from panechat.engine.stats import EngineStats, StreamState
+
 HELLO = {"type": "hello", "protocol": 1, "client": "pytest/0"}
 
 
@@ -171,14 +173,16 @@ async def test_stats_subscription(live):
         cid = (await ask_skipping_stats(ws, {"type": "open"}))["conversation"]
         await ws.send(json.dumps({"type": "send", "conversation": cid, "request": "s-1",
                                   "content": "Tell me about clouds.", "params": {"max_tokens": 16}}))
-        seen = False
+        states = set()
         while True:
             f = await recv(ws)
-            if f["type"] == "stats" and any(x["conversation"] == cid for x in f["streams"]):
-                seen = True
+            if f["type"] == "stats":
+                mine = [x for x in EngineStats.from_dict(f).streams if x.conversation == cid]
+                states |= {x.state for x in mine}
+                assert all(x.prefill_total > 0 and 0 <= x.prefill_done <= x.prefill_total for x in mine), mine
             if f["type"] == "finished":
                 break
-        assert seen
+        assert states and states <= {StreamState.QUEUED, StreamState.PREFILLING, StreamState.DECODING}
         await ws.send(json.dumps({"type": "unsubscribe"}))
         await asyncio.sleep(0.3)  # drain what was already on its way
         while True:
@@ -288,7 +292,7 @@ async def ask_for(ws, frame: dict, kind: str) -> dict:
 
 async def test_closing_the_socket_cancels_its_generations(live):
     live.wait_idle()
-    before = live.engine.stats()["requests_finished"]["cancelled"]
+    before = live.engine.stats().requests_finished["cancelled"]
     async with connect(live.ws_url) as ws:
         await hello(ws)
         cid = (await ask(ws, {"type": "open"}))["conversation"]
@@ -297,7 +301,7 @@ async def test_closing_the_socket_cancels_its_generations(live):
         while (await recv(ws))["type"] != "delta":
             pass
     s = live.wait_idle(timeout=20)
-    assert s["requests_finished"]["cancelled"] == before + 1
+    assert s.requests_finished["cancelled"] == before + 1
     async with connect(live.ws_url) as ws:  # the partial reply was kept
         await hello(ws)
         history = (await ask(ws, {"type": "open", "conversation": cid}))["messages"]

@@ -74,10 +74,10 @@ def wait_engine_idle(engine, timeout: float = 30.0) -> None:
     t0 = time.monotonic()
     while True:
         s = engine.stats()
-        if not s["streams"] and s["tok_s"] == 0 and s["batch_now"] == 0:
+        if not s.streams and s.tok_s == 0 and s.batch_now == 0:
             return
         if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"engine still busy: {s['streams']}")
+            raise AssertionError(f"engine still busy: {s.streams}")
         time.sleep(0.05)
 
 

@@ -275,7 +275,7 @@ async def test_closing_a_busy_pane_cancels_its_reply(tui_engine, store):
         await pilot.press("ctrl+w")
         await pilot.pause()
         assert len(app.main.panes) == 1
-        await wait_for(pilot, lambda: not any(s["conversation"] == conv_id for s in tui_engine.stats()["streams"]),
+        await wait_for(pilot, lambda: not any(s.conversation == conv_id for s in tui_engine.stats().streams),
                        timeout=30, what="the engine to drop the stream")
         assert store.layout("local") == [app.main.panes[0].conversation.id]
         assert store.get_conversation(conv_id) is not None  # closed, not deleted: F4 reopens it

@@ -12,9 +12,11 @@ from textual import events
 
 from panechat.app.clients.openai_http import OpenAIBackend
 from panechat.app.clients.remote_ws import RemoteBackend
+from panechat.app.server import start_in_background
 from panechat.app.store import Store
 from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
+from panechat.engine.stats import EngineStats
 
 from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_for
 
@@ -23,16 +25,14 @@ SIZE = (160, 45)
 
 @pytest.fixture(scope="module")
 def server(tui_engine):
-    serve = pytest.importorskip("panechat.app.server.serve")
-    srv = serve.start_in_background(tui_engine, "127.0.0.1", 0)
+    srv = start_in_background(tui_engine, "127.0.0.1", 0)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def token_server(tui_engine):
-    serve = pytest.importorskip("panechat.app.server.serve")
-    srv = serve.start_in_background(tui_engine, "127.0.0.1", 0, token="s3cret")
+    srv = start_in_background(tui_engine, "127.0.0.1", 0, token="s3cret")
     yield srv
     srv.stop()
 
@@ -73,9 +73,9 @@ async def test_ws_panes_join_the_servers_batch(server, store):
         async def sample() -> None:  # what the dashboard got from the stats subscription
             nonlocal seen_other, seen_terminals
             while True:
-                s = dash.last_stats or {}
-                seen_terminals = max(seen_terminals, s.get("terminals") or 0)
-                seen_other |= any(str(x.get("conversation")) == "c-other" for x in s.get("streams", []))
+                s = dash.stats or EngineStats()
+                seen_terminals = max(seen_terminals, s.terminals or 0)
+                seen_other |= any(x.conversation == "c-other" for x in s.streams)
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())
@@ -113,7 +113,6 @@ async def test_ws_panes_join_the_servers_batch(server, store):
 async def test_a_restarted_server_gets_the_history_back_from_the_terminal(server, tui_engine, store):
     """The server keeps conversations in memory only; after a restart the terminal's own
     copy (SQLite) seeds them again, so the next reply still sees the earlier turns."""
-    serve = pytest.importorskip("panechat.app.server.serve")
     app = make_app(RemoteBackend(server.ws_url), store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, app.backend_ready.is_set, what="the connection")
@@ -121,7 +120,7 @@ async def test_a_restarted_server_gets_the_history_back_from_the_terminal(server
         await type_and_send(pilot, pane, "My cat is called Miso")
         await wait_for(pilot, lambda: pane.last_finish is not None, timeout=60, what="the reply")
         conv_id, first = pane.conversation.id, [m.content for m in pane.history]
-    restarted = serve.start_in_background(tui_engine, "127.0.0.1", 0)  # empty conversation store
+    restarted = start_in_background(tui_engine, "127.0.0.1", 0)  # empty conversation store
     try:
         store.save_layout(restarted.ws_url, [conv_id])
         app = make_app(RemoteBackend(restarted.ws_url), store)
@@ -181,7 +180,7 @@ async def test_openai_http_backend(server, store):
         async def sample() -> None:
             nonlocal seen_stream
             while True:
-                seen_stream |= bool((dash.last_stats or {}).get("streams"))
+                seen_stream |= bool(dash.stats and dash.stats.streams)
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())
@@ -216,6 +215,8 @@ async def test_share_hosts_the_server_in_process(tui_engine, store):
         await wait_for(pilot, lambda: app.share_line is not None, timeout=30, what="sharing to start")
         assert f":{sharing.srv.port}" in app.share_line
         dash = app.main.query_one(Dashboard)
+        await wait_for(pilot, lambda: str(dash.query_one("#dash-share").render()) == app.share_line,
+                       timeout=5, what="the dashboard to show the share line")
         pane = app.main.panes[0]
         await type_into(pilot, pane, "Name a bird")
         started, release = asyncio.Event(), asyncio.Event()
@@ -239,9 +240,9 @@ async def test_share_hosts_the_server_in_process(tui_engine, store):
         async def sample() -> None:
             nonlocal seen_terminals, seen_mate
             while True:
-                s = dash.last_stats or {}
-                seen_terminals = max(seen_terminals, s.get("terminals") or 0)
-                seen_mate |= any(x.get("conversation") == "c-mate" for x in s.get("streams", []))
+                s = dash.stats or EngineStats()
+                seen_terminals = max(seen_terminals, s.terminals or 0)
+                seen_mate |= any(x.conversation == "c-mate" for x in s.streams)
                 await asyncio.sleep(0.02)
 
         sampler = asyncio.create_task(sample())

@@ -30,16 +30,16 @@ def engine8(loaded_model):
 
 
 def engine_alone_ms_per_step(engine, prompts: list[str]) -> float:
-    s0, t0 = engine.stats()["steps"], time.perf_counter()
+    s0, t0 = engine.stats().steps, time.perf_counter()
     gens = [engine.submit([{"role": "user", "content": p}], params=SamplingParams(max_tokens=MAX_TOKENS))
             for p in prompts]
     for g in gens:
         g.result()
-    return 1000 * (time.perf_counter() - t0) / (engine.stats()["steps"] - s0)
+    return 1000 * (time.perf_counter() - t0) / (engine.stats().steps - s0)
 
 
 async def test_ui_cost_with_eight_streaming_panes(engine8, store):
-    # sync iteration needs a thread without an event loop; the first run warms the shared prefix
+    # blocking reads (result()) stay off the event loop; the first run warms the shared prefix
     await asyncio.to_thread(engine_alone_ms_per_step, engine8, ["Hi"] * 8)
     alone_ms = await asyncio.to_thread(engine_alone_ms_per_step, engine8, ALONE_PROMPTS)
     store.set_setting("default_max_tokens", str(MAX_TOKENS))
@@ -52,7 +52,7 @@ async def test_ui_cost_with_eight_streaming_panes(engine8, store):
         assert len(panes) == 8
         for pane, prompt in zip(panes, PROMPTS):
             await type_into(pilot, pane, prompt)
-        steps0 = engine8.stats()["steps"]
+        steps0 = engine8.stats().steps
         UI_COST.reset()
         for pane in panes:
             pane.send(pane.query_one("PromptInput").text)
@@ -61,7 +61,7 @@ async def test_ui_cost_with_eight_streaming_panes(engine8, store):
             assert time.monotonic() < t_end, "timed out waiting for eight replies"
             await asyncio.sleep(0.05)
         r = UI_COST.report()
-        steps = engine8.stats()["steps"] - steps0
+        steps = engine8.stats().steps - steps0
         interval = app.main.flush_interval
     tokens = sum(p.last_finish.usage["completion_tokens"] for p in panes)
     step_ms = 1000 * r["wall_s"] / steps

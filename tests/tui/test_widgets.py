@@ -1,13 +1,15 @@
-"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard sparkline."""
+"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard."""
 
 from __future__ import annotations
 
 from textual.app import App
-from textual.widgets import Static
+from textual.widgets import DataTable, Static
 
-from panechat.app.tui.widgets.dashboard import sparkline
+from panechat.app.clients.base import BackendInfo, ChatBackend
+from panechat.app.tui.widgets.dashboard import Dashboard, sparkline, state_words
 from panechat.app.tui.widgets.pane_grid import GRID_SHAPES, PaneGrid
 from panechat.app.tui.widgets.prompt_input import PromptInput
+from panechat.engine.stats import EngineStats, StreamState, StreamStats
 
 
 class InputHost(App):
@@ -84,6 +86,71 @@ def test_sparkline_scales_to_vmax_and_width():
     assert sparkline([0.01], 1, 100) == "▁"  # anything above zero shows
     assert len(sparkline(list(range(240)), 30, 240)) == 30
     assert sparkline([4] * 240, 10, 4) == "█" * 10
+
+
+class StatsBackend(ChatBackend):
+    """A backend whose stats are whatever the test sets (the dashboard samples it 4x a second)."""
+
+    profile = "test"
+
+    def __init__(self):
+        self.info = BackendInfo(kind="remote", url="ws://h:1")
+        self.current: EngineStats | None = None
+
+    async def start(self):
+        return self.info
+
+    def stream(self, conversation, messages, params, system=""):
+        raise NotImplementedError
+
+    def stats(self):
+        return self.current
+
+
+class DashboardHost(App):
+    def __init__(self, backend):
+        super().__init__()
+        self.backend = backend
+
+    def compose(self):
+        yield Dashboard(self.backend)
+
+
+def _text(dash, widget_id: str) -> str:
+    return str(dash.query_one(f"#{widget_id}").render())
+
+
+async def test_dashboard_words_the_typed_stats_it_is_given():
+    backend = StatsBackend()
+    app = DashboardHost(backend)
+    async with app.run_test(size=(60, 30)) as pilot:
+        dash = app.query_one(Dashboard)
+        dash.set_status("connecting…")
+        dash.set_share("sharing: panechat --connect ws://h:2")
+        assert _text(dash, "dash-model") == "connecting…" and "ws://h:2" in _text(dash, "dash-share")
+        assert _text(dash, "dash-batch") == "batch -"  # no stats yet
+        stats = EngineStats(
+            batch_now=2, batch_max=4, queue_depth=1, kv_in_use=3, kv_resident=4, kv_total=8, terminals=2,
+            streams=(StreamStats("r1", "conv-a", StreamState.PREFILLING, prefill_done=42, prefill_total=100),
+                     StreamStats("r2", "conv-bbbbbbbb", StreamState.DECODING, tokens=12, tok_s=15.25),
+                     StreamStats("r3", "conv-a2", StreamState.QUEUED, prefill_total=9)))
+        backend.current = stats
+        dash.set_pane_names({"conv-a": "1 Sea haiku"})
+        dash.show_stats(stats)
+        await pilot.pause()
+        assert _text(dash, "dash-batch") == "batch 2/4  queue 1"
+        assert _text(dash, "dash-kv") == "KV slots 3/8 (1 cached)  terminals 2"
+        table = dash.query_one(DataTable)
+        rows = [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
+        assert rows == [["1 Sea haiku", "prefill 42%", "0", "0.0"], ["other bbbbbb", "decoding", "12", "15.2"],
+                        ["other onv-a2", "queued", "0", "0.0"]]
+        dash.set_pane_names({"conv-a": "1 Sea haiku", "conv-a2": "2 Tree"})  # shown without a new sample
+        assert str(table.get_row_at(2)[0]) == "2 Tree"
+
+
+def test_stream_states_are_worded_by_the_dashboard():
+    words = [state_words(StreamStats("r", "c", state, prefill_done=7, prefill_total=8)) for state in StreamState]
+    assert words == ["waiting", "queued", "prefill 87%", "decoding"]
 
 
 class MarkdownHost(App):

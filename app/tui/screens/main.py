@@ -121,7 +121,7 @@ class MainScreen(Screen):
 
     def refresh_names(self) -> None:
         """Tell the dashboard which conversation ids are our panes (data down)."""
-        self.query_one(Dashboard).pane_names = {p.conversation.id: f"{p.number} {p.title}" for p in self.panes}
+        self.query_one(Dashboard).set_pane_names({p.conversation.id: f"{p.number} {p.title}" for p in self.panes})
 
     def _active(self) -> ChatPane | None:
         """The pane holding the focus (else the last one that did, else the first)."""

@@ -1,7 +1,9 @@
 """The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV slots, streams.
 
-It pulls `backend.stats()` (the engine snapshot, or the server's pushed stats) a few
-times a second and only touches a widget when what it shows has changed.
+It pulls `backend.stats()` (an `EngineStats`: the engine's snapshot, the server's pushed
+stats, or what an OpenAI API lets us measure) a few times a second and shows it with
+`show_stats`; the words for stream states are chosen here. It only touches a widget when
+what it shows has changed.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from collections import deque
 from rich.text import Text
 from textual.containers import Vertical
 from textual.content import Content
+from textual.reactive import var
 from textual.widgets import DataTable, Static
 
+from ....engine.stats import EngineStats, StreamState, StreamStats
 from ...clients.base import ChatBackend
 from ..perf import UI_COST
 
@@ -39,8 +43,22 @@ def sparkline(values: list[float], width: int, vmax: float) -> str:
     return "".join(cols)
 
 
+def state_words(s: StreamStats) -> str:
+    """How the streams table words a stream's state."""
+    if s.state == StreamState.PREFILLING:
+        return f"prefill {100 * s.prefill_done // max(1, s.prefill_total)}%"
+    return s.state.value  # queued, decoding, waiting
+
+
 class Dashboard(Vertical, can_focus=False):
-    """Set `backend` and `pane_names` (conversation id -> label) from above; it does the rest."""
+    """Give it the `backend` at construction; from above, call `set_status`, `set_share`
+    and `set_pane_names` (conversation id -> label). It samples `backend.stats()` itself
+    and shows each sample with `show_stats`."""
+
+    status_line: var[str] = var("starting…", init=False)  # under the backend, until it names its model
+    share_line: var[str] = var("", init=False)  # how teammates connect (--share)
+    pane_names: var[dict[str, str]] = var(dict, init=False)
+    stats: var[EngineStats | None] = var(None, init=False, always_update=True)  # the latest sample
 
     DEFAULT_CSS = """
     Dashboard {
@@ -63,16 +81,31 @@ class Dashboard(Vertical, can_focus=False):
     def __init__(self, backend: ChatBackend, **kwargs):
         super().__init__(**kwargs)
         self.backend = backend
-        self.pane_names: dict[str, str] = {}
         n = WINDOW_S * REFRESH_HZ
         self.occupancy: deque[float] = deque([0.0] * n, maxlen=n)
         self.tok_s: deque[float] = deque([0.0] * n, maxlen=n)
         self.peak_batch = 0
-        self.last_stats: dict | None = None
-        self._step_hist: list[int] | None = None
+        self._step_hist: tuple[int, ...] | None = None
         self._shown: dict[str, object] = {}
-        self.status_line = "starting…"
-        self.share_line = ""
+        self._ready = False  # children composed: watchers may draw
+
+    # -- data down ---------------------------------------------------------------------------
+    def set_status(self, line: str) -> None:
+        """What the backend is doing before it names its model ("loading the model…")."""
+        self.status_line = line
+
+    def set_share(self, line: str) -> None:
+        """The line telling teammates how to connect (--share)."""
+        self.share_line = line
+
+    def set_pane_names(self, names: dict[str, str]) -> None:
+        """Labels for this terminal's conversations; other streams show as "other …"."""
+        self.pane_names = dict(names)
+
+    def show_stats(self, stats: EngineStats | None) -> None:
+        """One sample: numbers, sparklines (one column per sample) and the streams table.
+        None: no stats yet (still loading or connecting)."""
+        self.stats = stats
 
     def compose(self):
         yield Static(id="dash-backend")
@@ -90,11 +123,41 @@ class Dashboard(Vertical, can_focus=False):
         yield table
 
     def on_mount(self) -> None:
+        self._ready = True
         self.border_title = "batch"
         table = self.query_one(DataTable)
         table.add_columns("stream", "state", "tok", "tok/s")
         self.refresh_stats()
         self.set_interval(1 / REFRESH_HZ, self.refresh_stats)
+
+    def refresh_stats(self) -> None:
+        """The periodic sample: the backend's description and its latest stats."""
+        self._show_backend()
+        self.show_stats(self.backend.stats())
+
+    def watch_status_line(self) -> None:
+        if self._ready:
+            self._show_backend()
+
+    def watch_share_line(self) -> None:
+        if self._ready:
+            self._show("dash-share", self.share_line)
+
+    def watch_pane_names(self) -> None:
+        if self._ready and self.stats is not None:
+            self._update_streams(self.stats.streams)
+
+    def watch_stats(self, s: EngineStats | None) -> None:
+        if not self._ready:
+            return
+        t0 = time.perf_counter()
+        if s is None:
+            self._show("dash-batch", "batch -")
+            self._show("dash-kv", "")
+        else:
+            self._update_numbers(s, max(10, self.content_size.width))
+            self._update_streams(s.streams)
+        UI_COST.add("dashboard", time.perf_counter() - t0)
 
     def _show(self, widget_id: str, value: str, markup: bool = False) -> None:
         if self._shown.get(widget_id) != value:
@@ -104,7 +167,7 @@ class Dashboard(Vertical, can_focus=False):
             self.query_one(f"#{widget_id}", Static).update(Content.from_markup(value) if markup else Content(value),
                                                            layout=not fixed)
 
-    def refresh_stats(self) -> None:
+    def _show_backend(self) -> None:
         t0 = time.perf_counter()
         info = self.backend.info
         kind = {"local": "local engine", "remote": "panechat server", "openai": "OpenAI API"}.get(info.kind, info.kind)
@@ -115,40 +178,26 @@ class Dashboard(Vertical, can_focus=False):
             self._shown["detail"] = info.detail
             self.query_one("#dash-backend").tooltip = info.detail or None
         self._show("dash-share", self.share_line)
-        s = self.backend.stats()
-        self.last_stats = s
-        width = max(10, self.content_size.width)
-        if s is None:
-            self._show("dash-batch", "batch -")
-            self._show("dash-kv", "")
-        else:
-            self._update_numbers(s, width)
-        if s is not None:
-            self._update_streams(s.get("streams") or [])
         UI_COST.add("dashboard", time.perf_counter() - t0)
 
-    def _update_numbers(self, s: dict, width: int) -> None:
-        now, cap = s.get("batch_now"), s.get("batch_max")
-        tok_s = float(s.get("tok_s") or 0.0)
-        streams = s.get("streams") or []
+    def _update_numbers(self, s: EngineStats, width: int) -> None:
+        now, cap, tok_s = s.batch_now, s.batch_max, s.tok_s
         if now is None:  # an OpenAI API: only our own streams are known
-            now = sum(1 for x in streams if x.get("state") == "decoding")
-        busiest = max(now, self._busiest_step_since_last(s.get("step_hist")))
+            now = sum(1 for x in s.streams if x.state == StreamState.DECODING)
+        busiest = max(now, self._busiest_step_since_last(s.step_hist))
         self.peak_batch = max(self.peak_batch, busiest)
         self.occupancy.append(float(busiest))
         self.tok_s.append(tok_s)
-        queue = s.get("queue_depth")
         cap_text = f"/{cap}" if cap else ""
         parts = [f"batch [b]{now}{cap_text}[/b]"]
-        if queue is not None:
-            parts.append(f"queue {queue}")
+        if s.queue_depth is not None:
+            parts.append(f"queue {s.queue_depth}")
         self._show("dash-batch", "  ".join(parts), markup=True)
-        kv = f"KV slots {s['kv_in_use']}/{s['kv_total']}" if s.get("kv_total") else "KV slots -"
-        cached = (s.get("kv_resident") or 0) - (s.get("kv_in_use") or 0)  # idle conversations kept warm
-        if s.get("kv_total") and cached > 0:
+        kv = f"KV slots {s.kv_in_use}/{s.kv_total}" if s.kv_total else "KV slots -"
+        cached = (s.kv_resident or 0) - (s.kv_in_use or 0)  # idle conversations kept warm
+        if s.kv_total and cached > 0:
             kv += f" ({cached} cached)"
-        terms = s.get("terminals")
-        self._show("dash-kv", f"{kv}  terminals {terms if terms is not None else 1}")
+        self._show("dash-kv", f"{kv}  terminals {s.terminals if s.terminals is not None else 1}")
         occ = list(self.occupancy)
         tps = list(self.tok_s)
         self._show("dash-occ-label", f"occupancy, last {WINDOW_S} s (peak {self.peak_batch})")
@@ -156,23 +205,21 @@ class Dashboard(Vertical, can_focus=False):
         self._show("dash-tps-label", f"tok/s, last {WINDOW_S} s (now {tok_s:.1f})")
         self._show("dash-tps", sparkline(tps, width, max(tps) or 1.0))
 
-    def _busiest_step_since_last(self, hist: list[int] | None) -> int:
+    def _busiest_step_since_last(self, hist: tuple[int, ...]) -> int:
         """The largest batch among the engine steps since the previous refresh (from the
         step histogram), so a short burst between two samples still shows."""
         if not hist:
             return 0
-        prev, self._step_hist = self._step_hist, list(hist)
+        prev, self._step_hist = self._step_hist, hist
         if prev is None or len(prev) != len(hist):
             return 0
         return max((n for n, (a, b) in enumerate(zip(prev, hist)) if b > a), default=0)
 
-    def _update_streams(self, streams: list[dict]) -> None:
+    def _update_streams(self, streams: tuple[StreamStats, ...]) -> None:
         rows: dict[str, tuple[str, ...]] = {}
         for x in streams:
-            conv = str(x.get("conversation", ""))
-            name = self.pane_names.get(conv) or f"other {conv[-6:]}"
-            tok_s = x.get("tok_s") or 0.0
-            rows[str(x.get("id"))] = (name[:14], str(x.get("state", ""))[:11], str(x.get("tokens", 0)), f"{tok_s:.1f}")
+            name = self.pane_names.get(x.conversation) or f"other {x.conversation[-6:]}"
+            rows[x.id] = (name[:14], state_words(x)[:11], str(x.tokens), f"{x.tok_s:.1f}")
         old: dict[str, tuple[str, ...]] = self._shown.get("rows") or {}  # type: ignore[assignment]
         if rows == old:
             return
