@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import one_line
+
 # what panechat can dequantize, named in the message for any other type
 _READABLE = "Q4_0/Q4_1/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K/F16/F32"
 
@@ -55,7 +57,7 @@ class GGUFTensor:
             raise TensorError(f"tensor {self.name} has type {self.qtype}, which panechat cannot "
                               f"dequantize; use a file quantized as {_READABLE}") from None
         except Exception as e:  # a damaged tensor raises many kinds
-            raise TensorError(f"tensor {self.name} is unreadable ({_one_line(e)})") from None
+            raise TensorError(f"tensor {self.name} is unreadable ({one_line(e)})") from None
         return np.ascontiguousarray(data, dtype=np.float32)
 
     @classmethod
@@ -66,7 +68,3 @@ class GGUFTensor:
 
         w = np.ascontiguousarray(w, dtype=np.float32)
         return cls(name, tuple(w.shape), qtype, quants.quantize(w, GGMLQuantizationType[qtype]))
-
-
-def _one_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from .errors import one_line
 from .gguf_tensor import GGUFTensor
 
 if TYPE_CHECKING:
@@ -60,8 +61,7 @@ def check_batch_invariance(be: Backend, plan: CheckPlan, seed: int = 1234) -> st
     try:
         return _check_linear(be, plan, rng) or _check_norm(be, plan, rng) or _check_attention(be, plan, rng)
     except Exception as e:  # a kernel that cannot run is a failed check, not a crash
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"{be.name} self-check raised {type(e).__name__}: {msg}"
+        return f"{be.name} self-check raised {one_line(e, with_type=True)}"
 
 
 def _rows_agree(name: str, run: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
