@@ -5,9 +5,9 @@ quantization with group size 32 (w = scale * q + bias, q unsigned):
   Q4_1  w = d*q + m        -> bits 4, scale d, bias m
   Q4_0  w = d*(q - 8)      -> bits 4, scale d, bias -8d
   Q8_0  w = d*q, q int8    -> bits 8, q + 128, scale d, bias -128d
-built from the GGUF blocks as stored (`GGUFTensor.blocks`), with float32 scales and biases (every
-f16 d and m, and -8d, -128d, is exact in float32), so the weights MLX multiplies are
-bit for bit the dequantized GGUF weights. Other tensor types are dequantized: float32 on
+built from the GGUF blocks as stored (`GGUFTensor.blocks`), with float32 scales and
+biases (every f16 d and m, and -8d, -128d, is exact in float32), so the weights MLX
+multiplies are bit for bit the dequantized GGUF weights. Other tensor types are dequantized: float32 on
 the CPU device (exact; MLX's CPU float16 matmul is no faster there), float16 on the GPU
 (activations are cast to float16 for those matmuls), F32 tensors stay float32.
 

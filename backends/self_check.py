@@ -74,7 +74,7 @@ def _rows_agree(name: str, run: Callable[[np.ndarray], np.ndarray], x: np.ndarra
             got = run(x[start:start + size])
             for j in range(size):
                 if not np.array_equal(got[j], alone[start + j]):
-                    return f"{name}: a row differs alone vs at row {j} of a batch of {size}"
+                    return f"{name}: row {start + j} differs alone vs at row {j} of a batch of {size}"
     return None
 
 
