@@ -190,3 +190,29 @@ async def test_streamed_lists_render_like_a_full_parse():
         assert streamed.source == reply
         assert _blocks_of(streamed) == _blocks_of(whole)
         assert ("MarkdownBullet", " 10. ") in _blocks_of(streamed)
+
+
+async def test_a_growing_list_keeps_the_items_it_shows():
+    """Appending an item leaves the rows already shown mounted (same widgets), until the
+    numbers get wider (9 -> 10), when every row is rebuilt with wider bullets."""
+    from textual.containers import Horizontal
+    from textual.widgets import Markdown
+
+    from panechat.app.tui.widgets.transcript import GrowingOrderedList
+
+    app = MarkdownHost()
+    async with app.run_test(size=(60, 40)) as pilot:
+        streamed = app.query_one("#streamed")
+        stream = Markdown.get_stream(streamed)
+
+        async def write(text: str) -> list:
+            await stream.write(text)
+            await pilot.pause()
+            return list(streamed.query_one(GrowingOrderedList).query_children(Horizontal))
+
+        rows = await write("1. one\n2. two\n")
+        grown = await write("3. three\n4. four\n")
+        assert len(grown) == 4 and grown[0] is rows[0]
+        wider = await write("".join(f"{i}. item\n" for i in range(5, 11)))
+        assert len(wider) == 10 and wider[0] is not rows[0]
+        await stream.stop()
