@@ -213,6 +213,11 @@ async def test_palette_lists_the_pane_commands(tui_engine, store):
         assert {"New pane", "Close pane", "Next pane", "Previous pane", "Maximize / restore pane",
                 "Stop generation", "Broadcast prompt", "Pane settings", "Export conversation to Markdown",
                 "Theme"} <= titles
+        # built from the bindings: each of the screen's own keys has its entry, key named
+        helps = [c.help for c in app.get_system_commands(app.main)]
+        for b in app.main.BINDINGS:
+            if not b.action.startswith("app."):
+                assert any(h.endswith(f"({b.key})") for h in helps), f"{b.key} is not in the palette"
         new = next(c for c in app.get_system_commands(app.main) if c.title == "New pane")
         await new.callback()
         assert len(app.main.panes) == 2

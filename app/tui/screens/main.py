@@ -6,7 +6,9 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Iterator
 
+from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
@@ -14,6 +16,7 @@ from textual.widgets import Footer
 
 from ...clients.base import ChatBackend
 from ...store import Store
+from ..commands import Command, binding_commands
 from ..widgets.dashboard import Dashboard
 from ..widgets.pane import FLUSH_HZ, ChatPane
 from ..widgets.pane_grid import MAX_PANES, PaneGrid
@@ -29,17 +32,24 @@ MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
 class MainScreen(Screen):
     """Owns the panes (their order is the grid order) and saves the layout on every change."""
 
-    BINDINGS = [
-        Binding("ctrl+n", "new_pane", "New", priority=True, tooltip="Open a new conversation pane"),
-        Binding("ctrl+w", "close_pane", "Close", priority=True, tooltip="Close the active pane"),
-        Binding("tab", "next_pane", "Next", tooltip="Focus the next pane"),
-        Binding("shift+tab", "previous_pane", "Prev", tooltip="Focus the previous pane"),
-        Binding("ctrl+o", "toggle_maximize", "Max", priority=True, tooltip="Maximize or restore the active pane"),
-        Binding("ctrl+s", "stop", "Stop", priority=True, tooltip="Stop the active pane's reply"),
-        Binding("ctrl+t", "broadcast", "Broadcast", priority=True, tooltip="Send one prompt to every pane"),
-        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature, max tokens, seed"),
-        Binding("f3", "export", "Export", tooltip="Export the conversation to Markdown"),
-        Binding("f4", "open_conversation", "Open", tooltip="Open a stored conversation in a new pane"),
+    BINDINGS = [  # the Commands are the command palette's entries too (app.get_system_commands)
+        Command("ctrl+n", "new_pane", "New", priority=True, title="New pane",
+                tooltip="Open a new conversation pane"),
+        Command("ctrl+w", "close_pane", "Close", priority=True, title="Close pane", tooltip="Close the active pane"),
+        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane"),
+        Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane"),
+        Command("ctrl+o", "toggle_maximize", "Max", priority=True, title="Maximize / restore pane",
+                tooltip="Show the active pane alone, or the grid again"),
+        Command("ctrl+s", "stop", "Stop", priority=True, title="Stop generation",
+                tooltip="Stop the active pane's reply"),
+        Command("ctrl+t", "broadcast", "Broadcast", priority=True, title="Broadcast prompt",
+                tooltip="Send the same prompt to every pane"),
+        Command("f2", "settings", "Settings", title="Pane settings",
+                tooltip="System prompt, temperature, max tokens, seed"),
+        Command("f3", "export", "Export", title="Export conversation to Markdown",
+                tooltip="Write the active pane's conversation to a .md file"),
+        Command("f4", "open_conversation", "Open", title="Open conversation",
+                tooltip="Open a stored conversation in a new pane"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
     ]
 
@@ -151,6 +161,13 @@ class MainScreen(Screen):
         self.refresh_names()
 
     # -- actions (keys and command palette) ----------------------------------------------
+    def palette_commands(self) -> Iterator[SystemCommand]:
+        """The command palette's entries for this screen: every Command binding, then the
+        one action that has no key."""
+        yield from binding_commands(self)
+        yield SystemCommand("Copy last reply", "Copy the active pane's last reply to the clipboard",
+                            self.action_copy_reply)
+
     async def action_new_pane(self, conversation_id: str | None = None) -> ChatPane | None:
         if len(self.panes) >= MAX_PANES:
             self.notify(f"at most {MAX_PANES} panes; close one first (ctrl+w)", severity="warning")
