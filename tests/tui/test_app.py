@@ -89,7 +89,9 @@ async def test_stop_cancels_one_pane_mid_stream(tui_engine, store):
         assert first.meter.tokens < 400
         assert first.state == "idle (stopped)"
         assert second.last_finish.reason in ("stop", "length")
-        # the partial reply is kept, as the server does
+        # the partial reply is kept, as the server does (the screen stores what the pane posts)
+        await wait_for(pilot, lambda: store.messages(first.conversation.id)[-1].role == "assistant",
+                       timeout=10, what="the partial reply stored")
         assert store.messages(first.conversation.id)[-1].meta["reason"] == "cancelled"
 
 

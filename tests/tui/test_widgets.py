@@ -1,4 +1,5 @@
-"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard."""
+"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard, streamed
+Markdown lists, and a pane on the real engine."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ from textual.app import App
 from textual.widgets import DataTable, Static
 
 from panechat.app.clients.base import BackendInfo, ChatBackend
+from panechat.app.clients.local import LocalBackend
+from panechat.app.store import Conversation
 from panechat.app.tui.widgets.dashboard import Dashboard, sparkline, state_words
+from panechat.app.tui.widgets.pane import ChatPane
 from panechat.app.tui.widgets.pane_grid import GRID_SHAPES, PaneGrid
 from panechat.app.tui.widgets.prompt_input import PromptInput
 from panechat.engine.stats import EngineStats, StreamState, StreamStats
+
+from .conftest import MAX_TOKENS, wait_for
 
 
 class InputHost(App):
@@ -216,3 +222,39 @@ async def test_a_growing_list_keeps_the_items_it_shows():
         wider = await write("".join(f"{i}. item\n" for i in range(5, 11)))
         assert len(wider) == 10 and wider[0] is not rows[0]
         await stream.stop()
+
+
+class PaneHost(App):
+    """One ChatPane and no store: the host records what the pane posts up."""
+
+    def __init__(self, pane: ChatPane):
+        super().__init__()
+        self.pane = pane
+        self.posted: list[tuple] = []
+
+    def compose(self):
+        yield self.pane
+
+    def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
+        self.posted.append(("renamed", event.pane.conversation.title))
+
+    def on_chat_pane_message_added(self, event: ChatPane.MessageAdded) -> None:
+        self.posted.append(("added", event.message.role, event.message.content))
+
+    def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
+        self.posted.append(("finished", event.finished.reason))
+
+
+async def test_a_pane_reports_its_turns_as_messages(tui_engine):
+    """A pane keeps no store: the rename, the prompt and the reply go up as messages, in order."""
+    pane = ChatPane(Conversation("c-pane", "New chat", max_tokens=MAX_TOKENS), [], LocalBackend(tui_engine))
+    app = PaneHost(pane)
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert pane.send("Hello there\nsecond line")
+        await wait_for(pilot, lambda: app.posted and app.posted[-1][0] == "finished", what="the reply")
+        reply = pane.last_finish.text
+        assert reply
+        assert app.posted == [("renamed", "Hello there"), ("added", "user", "Hello there\nsecond line"),
+                              ("added", "assistant", reply), ("finished", pane.last_finish.reason)]
+        assert [(m.role, m.content) for m in pane.history] == [("user", "Hello there\nsecond line"),
+                                                               ("assistant", reply)]

@@ -30,7 +30,8 @@ MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
 
 
 class MainScreen(Screen):
-    """Owns the panes (their order is the grid order) and saves the layout on every change."""
+    """Owns the panes (their order is the grid order) and the store: saves the layout on
+    every change, and what the panes report (their turns, titles, a server's history)."""
 
     BINDINGS = [  # the Commands are the command palette's entries too (app.get_system_commands)
         Command("ctrl+n", "new_pane", "New", priority=True, title="New pane",
@@ -114,7 +115,7 @@ class MainScreen(Screen):
             max_tokens=int(st("default_max_tokens", "512") or 512))
 
     def _make_pane(self, conv) -> ChatPane:
-        return ChatPane(conv, self.store.messages(conv.id), self.backend, self.store,
+        return ChatPane(conv, self.store.messages(conv.id), self.backend,
                         ready=getattr(self.app, "backend_ready", None), ticker=False)
 
     def _relayout(self) -> None:
@@ -153,9 +154,19 @@ class MainScreen(Screen):
                 p.set_class(p is pane, "-zoomed")
         pane.focus_input()
 
-    # -- messages from panes ---------------------------------------------------------------
+    # -- messages from panes (the panes never touch the store) -----------------------------
     def on_chat_pane_activated(self, event: ChatPane.Activated) -> None:
         self.active = event.pane
+
+    def on_chat_pane_message_added(self, event: ChatPane.MessageAdded) -> None:
+        m = event.message
+        self.store.add_message(event.pane.conversation.id, m.role, m.content, m.meta)
+
+    def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
+        self.store.save_conversation(event.pane.conversation)
+
+    def on_chat_pane_history_replaced(self, event: ChatPane.HistoryReplaced) -> None:
+        self.store.replace_messages(event.pane.conversation.id, event.messages)
 
     def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
         self.refresh_names()
@@ -247,6 +258,7 @@ class MainScreen(Screen):
         def apply(result: PaneSettings | None) -> None:
             if result is not None:
                 pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed)
+                self.store.save_conversation(pane.conversation)
                 self.refresh_names()
 
         self.app.push_screen(PaneSettingsScreen(pane.conversation), apply)
