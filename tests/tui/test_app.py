@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 from textual import events
 
@@ -286,3 +287,28 @@ async def test_closing_a_busy_pane_cancels_its_reply(tui_engine, store):
                        timeout=30, what="the engine to drop the stream")
         assert store.layout("local") == [app.main.panes[0].conversation.id]
         assert store.get_conversation(conv_id) is not None  # closed, not deleted: F4 reopens it
+
+
+async def test_prompts_are_tokenized_off_the_event_loop(tui_engine, store, monkeypatch):
+    """Rendering the chat template and tokenizing a pane's prompt run in a worker thread,
+    never on the thread of the app's event loop (a long history takes milliseconds)."""
+    lm, calls = tui_engine.lm, []
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            calls.append((fn.__name__, threading.get_ident()))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(lm.template, "render", recorded(lm.template.render))
+    monkeypatch.setattr(lm.tokenizer, "encode", recorded(lm.tokenizer.encode))
+    app = make_app(tui_engine, store)
+    async with app.run_test(size=SIZE) as pilot:
+        loop_thread = threading.get_ident()  # the test runs on the app's loop
+        await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Hello")
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, what="the reply")
+        assert pane.last_finish.reason in ("stop", "length")
+    assert {name for name, _ in calls} == {"render", "encode"}
+    assert [name for name, thread in calls if thread == loop_thread] == []
