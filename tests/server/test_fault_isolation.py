@@ -3,7 +3,8 @@
 Issue 11's repro: four greedy requests decoding, then `temperature: 1e-320`; all five used
 to get HTTP 500 "Probabilities contain NaN". And a request that fails mid-generation gets
 its protocol's per-request error (HTTP 500, an SSE error event, a ws `finished` with reason
-`error`) while the others finish as if alone."""
+`error`) while the others finish as if alone. These tests run their own server, so the
+errors they cause do not count on the shared one (test_fuzz checks it saw none)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,23 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from panechat.app.server import ServerThread, create_app
 from panechat.engine import engine as engine_mod
+from panechat.engine.engine import Engine, EngineConfig
 from panechat.engine.sampling import make_sampler
 from panechat.engine.stats import StreamState
 
+from .conftest import Live
 from .test_websocket import generation, hello
 
-INNOCENT = [("Why is the sky blue?", 32), ("Write a haiku about the sea.", 32),
-            ("Tell me a story about a dragon.", 32), ("What do plants need to grow?", 6)]
+INNOCENT = ["Why is the sky blue?", "Write a haiku about the sea.", "Tell me a story about a dragon.",
+            "What do plants need to grow?"]
 HI = [{"role": "user", "content": "hi"}]
 FAILING_SEED = 4242  # the injected sampler fails the request that asks for this seed
 
 
-def _body(q: str, n: int) -> dict:
-    return {"messages": [{"role": "user", "content": q}], "max_tokens": n, "temperature": 0}
+def _body(q: str) -> dict:
+    return {"messages": [{"role": "user", "content": q}], "max_tokens": 32, "temperature": 0}
 
 
 def _post(url: str, body: dict) -> httpx.Response:
@@ -43,48 +47,58 @@ def _reply(r: httpx.Response) -> tuple[str, str, int]:
 
 
 @pytest.fixture(scope="module")
+def live(loaded_model):
+    """A server of its own, five generations at once (as in the issue: the fifth request
+    joins four that are decoding)."""
+    engine = Engine(loaded_model, EngineConfig(max_concurrent=5, kv_sessions=10, ctx_size=1024)).start()
+    assert engine.batching, engine.invariance_problem
+    srv = ServerThread(create_app(engine), "127.0.0.1", 0).start()
+    yield Live(engine, srv)
+    srv.stop()
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
 def solo(live):
     """Each innocent request's reply when it runs alone."""
-    live.wait_idle()
-    return [_reply(_post(live.url, _body(q, n))) for q, n in INNOCENT]
+    return [_reply(_post(live.url, _body(q))) for q in INNOCENT]
 
 
 class Innocents:
     """The innocent requests, running in threads; `done_at` is when each one finished."""
 
-    def __init__(self, live, n: int):
-        self.live, self.n = live, n
-        self.replies: list = [None] * n
-        self.done_at = [0.0] * n
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
+    def __init__(self, live):
+        self.live = live
+        self.replies: list = [None] * len(INNOCENT)
+        self.done_at = [0.0] * len(INNOCENT)
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(len(INNOCENT))]
 
     def _run(self, i: int) -> None:
-        self.replies[i] = _post(self.live.url, _body(*INNOCENT[i]))
+        self.replies[i] = _post(self.live.url, _body(INNOCENT[i]))
         self.done_at[i] = time.monotonic()
 
     def start(self) -> "Innocents":
-        """Start them and wait until they are decoding (all, or one already finished)."""
+        """Start them and wait until all are decoding."""
         for t in self.threads:
             t.start()
         t0 = time.monotonic()
-        while (sum(s.state == StreamState.DECODING for s in self.live.engine.stats().streams) < self.n
-               and not any(self.done_at)):
+        while sum(s.state == StreamState.DECODING for s in self.live.engine.stats().streams) < len(INNOCENT):
             assert time.monotonic() - t0 < 60, self.live.engine.stats()
             time.sleep(0.005)
         return self
 
     def check(self, solo, bad_done_at: float) -> None:
-        """Each got its solo reply, and the bad request ended while the long ones still ran
-        (so it shared their decode steps)."""
+        """Each got its solo reply, and the bad request ended while they still ran (so it
+        shared their decode steps)."""
         for t in self.threads:
             t.join()
-        assert [_reply(r) for r in self.replies] == solo[: self.n]
-        assert all(bad_done_at < self.done_at[i] for i in range(self.n) if INNOCENT[i][1] == 32)
+        assert [_reply(r) for r in self.replies] == solo
+        assert bad_done_at < min(self.done_at)
 
 
 def test_the_repro_tiny_temperature_is_greedy_and_the_batch_is_untouched(live, solo):
     want = _reply(_post(live.url, {"messages": HI, "max_tokens": 8, "temperature": 0}))
-    innocents = Innocents(live, 4).start()
+    innocents = Innocents(live).start()
     bad = _post(live.url, {"messages": HI, "max_tokens": 8, "temperature": 1e-320})
     bad_done_at = time.monotonic()
     assert _reply(bad) == want  # 200, and the greedy reply
@@ -116,7 +130,7 @@ FAILING = {"messages": HI, "max_tokens": 8, "temperature": 0.7, "seed": FAILING_
 
 
 def test_a_row_failure_is_a_500_for_that_request_only(live, solo, failing_sampler):
-    innocents = Innocents(live, 3).start()
+    innocents = Innocents(live).start()
     r = _post(live.url, FAILING)
     bad_done_at = time.monotonic()
     assert r.status_code == 500, r.text
@@ -127,7 +141,7 @@ def test_a_row_failure_is_a_500_for_that_request_only(live, solo, failing_sample
 
 
 def test_a_row_failure_is_an_sse_error_event_for_that_request_only(live, solo, failing_sampler):
-    innocents = Innocents(live, 3).start()
+    innocents = Innocents(live).start()
     with httpx.Client(base_url=live.url, timeout=300) as c:
         with c.stream("POST", "/v1/chat/completions", json={**FAILING, "stream": True}) as r:
             assert r.status_code == 200
@@ -143,7 +157,7 @@ def test_a_row_failure_is_an_sse_error_event_for_that_request_only(live, solo, f
 
 
 async def test_a_row_failure_is_a_ws_error_finish_for_that_request_only(live, solo, failing_sampler):
-    innocents = Innocents(live, 3).start()
+    innocents = Innocents(live).start()
     async with connect(live.ws_url) as ws:
         await hello(ws)
         await ws.send(json.dumps({"type": "open"}))
