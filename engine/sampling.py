@@ -73,6 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when the sampler takes the argmax (temperature below GREEDY_BELOW)."""
         return self.temperature < GREEDY_BELOW
 
 
