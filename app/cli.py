@@ -10,84 +10,130 @@ import argparse
 import sys
 
 from ..backends import BACKENDS
+from ..backends.errors import BackendUnavailable, one_line
+from ..engine.config import EngineConfig
+from ..engine.gguf_file import ModelFileError
 from .models_cmd import add_models_parser, models
+from .usage import UsageError
 
 
-class UsageError(Exception):
-    """A user mistake; printed as one line, exit code 2."""
+_ENGINE = EngineConfig()  # the engine flags' defaults; EngineConfig.validate() holds their limits
+
+#: Defaults of the options the top level and the subcommands share. Such an option works
+#: before or after the subcommand (`panechat --model X run` = `panechat run --model X`), so
+#: only the top level sets its default (see _parent).
+SHARED_DEFAULTS = {
+    "model": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
+    **{name: getattr(_ENGINE, name) for name in
+       ("ctx_size", "max_concurrent", "kv_sessions", "max_queue", "prefill_chunk", "straggler_ms")},
+}
+_D = SHARED_DEFAULTS
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", metavar="PATH|NAME",
                    help="GGUF model file, or a name `panechat models` lists (default: the installed SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto", help="array backend (default: auto)")
+    p.add_argument("--backend", choices=BACKENDS, help=f"array backend (default: {_D['backend']})")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-concurrent", type=int, default=4, metavar="N", help="generations at once (default 4)")
-    p.add_argument("--kv-sessions", type=int, default=None, metavar="N", help="KV cache slots (default 2 x max-concurrent)")
-    p.add_argument("--max-queue", type=int, default=8, metavar="N", help="waiting requests before refusing (default 8)")
-    p.add_argument("--ctx-size", type=int, default=4096, metavar="N", help="context per conversation (default 4096)")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per step (default 512)")
-    p.add_argument("--straggler-ms", type=float, default=2.0, metavar="MS",
-                   help="wait this long after an idle engine wakes so near-simultaneous requests share the first step (default 2)")
+def _context_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ctx-size", type=int, metavar="N", help=f"context per conversation (default {_D['ctx_size']})")
+
+
+def _batching_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-concurrent", type=int, metavar="N", help=f"generations at once (default {_D['max_concurrent']})")
+    p.add_argument("--kv-sessions", type=int, metavar="N", help="KV cache slots (default 2 x max-concurrent)")
+    p.add_argument("--max-queue", type=int, metavar="N", help=f"waiting requests before refusing (default {_D['max_queue']})")
+    p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
+    p.add_argument("--straggler-ms", type=float, metavar="MS",
+                   help="wait this long after an idle engine wakes so near-simultaneous requests share the "
+                        f"first step (default {_D['straggler_ms']:g})")
+
+
+def _listen_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help=f"bind address for serve and --share (default {_D['host']})")
+    p.add_argument("--port", type=int, help=f"port for serve and --share (default {_D['port']})")
+    p.add_argument("--token", help="access token: required by serve and --share, sent by --connect ws://")
+
+
+def _max_tokens_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="tokens per reply at most (run: 256, bench chat: 128)")
+
+
+def _json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", default=False, help="print JSON instead of text")
+
+
+def _parent(*declare, defaults: dict | None = None) -> argparse.ArgumentParser:
+    """A parser to pass as `parents=`, holding the options `declare` adds. Without defaults
+    an option that is not given stays unset: a subcommand must not overwrite what the top
+    level parsed with a default of its own (argparse copies the subcommand's namespace over)."""
+    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for add in declare:
+        add(p)
+    p.set_defaults(**(defaults or {}))
+    return p
+
+
+def _server_limit_args(p: argparse.ArgumentParser) -> None:
+    """Timeouts, caps and the public address of the server (`serve`, `--share`); see
+    docs/protocol.md, "Limits and timeouts". Defaults live in server.limits.Limits."""
+    p.add_argument("--header-timeout", type=float, metavar="S",
+                   help="close a connection whose request headers take longer (default 10)")
+    p.add_argument("--body-timeout", type=float, metavar="S",
+                   help="close a request whose body takes longer after its headers (default 30)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="open connections (HTTP and websocket) before answering 503 (default 512)")
+    p.add_argument("--auth-grace", type=float, metavar="S",
+                   help="close a websocket that has not sent a valid hello by then (default 5)")
+    p.add_argument("--public-url", metavar="URL",
+                   help="the address browsers reach the server at, e.g. https://chat.example.com; web pages "
+                        "from other origins than it and loopback are refused (default: from --host/--port)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="panechat", description="Terminal chat with a batch-invariant multi-session LLM engine.")
-    _model_args(parser)
-    _engine_args(parser)
+    shared = (_model_options, _context_options, _batching_options, _listen_options)
+    model, context, batching, listen = (_parent(add) for add in shared)
+    json_out = _parent(_json_option)
+
+    parser = argparse.ArgumentParser(prog="panechat", description="Terminal chat with a batch-invariant multi-session LLM engine.",
+                                     parents=[_parent(*shared, defaults=SHARED_DEFAULTS)])
     parser.add_argument("--connect", metavar="URL", help="ws://HOST:PORT of a panechat server, or http(s)://HOST/v1 of any OpenAI-compatible server")
-    parser.add_argument("--token", help="access token for --connect ws:// or --share")
     parser.add_argument("--api-key", help="API key for --connect http(s)://")
     parser.add_argument("--share", action="store_true", help="also serve this engine to other terminals")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address for --share")
-    parser.add_argument("--port", type=int, default=8765, help="port for --share")
+    _server_limit_args(parser)  # for --share; `serve` declares them through a parent
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", help="generate one reply and stream it to stdout")
-    _model_args(run)
+    run = sub.add_parser("run", help="generate one reply and stream it to stdout",
+                         parents=[model, context, _parent(_max_tokens_option, defaults={"max_tokens": 256}), json_out])
     run.add_argument("--system", "-s", help="system prompt")
     run.add_argument("--messages", metavar="FILE", help="JSON list of {role, content} messages")
-    run.add_argument("--max-tokens", "-n", type=int, default=256)
     run.add_argument("--temperature", "-t", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--ctx-size", type=int, default=4096)
-    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     run.add_argument("prompt", nargs="?", help="the user message")
 
-    tok = sub.add_parser("tokenize", help="print the token ids of TEXT")
-    _model_args(tok)
-    tok.add_argument("--json", action="store_true")
+    tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server")
-    _model_args(serve)
-    _engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
-    serve.add_argument("--token", help="require this bearer token")
+    sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
+                   parents=[model, context, batching, listen, _parent(_server_limit_args)])
 
-    add_models_parser(sub)
+    add_models_parser(sub, parents=[json_out])
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    sweep = bsub.add_parser("sweep", help="llama-batched-bench style PP/TG sweep")
-    _model_args(sweep)
+    sweep = bsub.add_parser("sweep", help="llama-batched-bench style PP/TG sweep", parents=[model, json_out])
     sweep.add_argument("--npp", type=int, default=512)
     sweep.add_argument("--ntg", type=int, default=128)
     sweep.add_argument("--npl", default="1,2,4,8,16,32")
-    sweep.add_argument("--json", action="store_true")
-    chat = bsub.add_parser("chat", help="multi-turn chat workload against a server")
-    _model_args(chat)
+    chat = bsub.add_parser("chat", help="multi-turn chat workload against a server",
+                           parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}), json_out])
     chat.add_argument("--url", help="OpenAI-compatible base URL (default: start our own server per cell)")
     chat.add_argument("--clients", default="1,2,4")
     chat.add_argument("--turns", type=int, default=6)
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--json", action="store_true")
     return parser
 
 
@@ -106,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    # Each command imports what it runs when it runs: the engine, the server and the TUI
+    # take a second or more to import, which `--help` and `tokenize` need not wait for.
     if args.command == "run":
         from .oneshot import run
 
@@ -131,10 +179,6 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _user_error(e: Exception) -> str | None:
     """The one-line message for a user mistake, or None for a real bug."""
-    from ..backends import BackendUnavailable
-    from ..engine.gguf_file import ModelFileError
-
     if isinstance(e, (UsageError, ModelFileError, BackendUnavailable, ValueError, OSError)):
-        text = str(e).strip().splitlines()
-        return text[0] if text else type(e).__name__
+        return one_line(e)
     return None

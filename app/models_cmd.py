@@ -11,10 +11,11 @@ from typing import Any
 from ..engine.model_catalog import ModelEntry, find_models, search_roots
 
 
-def add_models_parser(sub: Any) -> None:
-    """Add the `models` subcommand to the CLI's subparsers."""
-    p = sub.add_parser("models", help="list the GGUF models on this machine and whether panechat can load each")
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+def add_models_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Add the `models` subcommand to the CLI's subparsers; `parents` hold the options it
+    shares with other subcommands (--json)."""
+    p = sub.add_parser("models", help="list the GGUF models on this machine and whether panechat can load each",
+                       parents=parents)
     p.add_argument("--models-dir", action="append", default=[], metavar="DIR",
                    help="also look in DIR (repeatable; $PANECHAT_MODELS adds more, os.pathsep-separated)")
 

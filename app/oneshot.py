@@ -10,9 +10,10 @@ from pathlib import Path
 from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
 from ..engine.events import FinishEvent, TokenEvent
-from ..engine.loader import load_model
+from ..engine.gguf_file import GGUFFile
+from ..engine.loader import load_model, load_tokenizer
 from ..engine.sampling import SamplingParams
-from .cli import UsageError
+from .usage import UsageError
 
 
 def read_messages(args: argparse.Namespace) -> list[dict]:
@@ -47,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
-    lm = load_model(resolve_model_path(args.model), args.backend, max_positions=args.ctx_size)
-    engine = Engine(lm, EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1,
-                                     ctx_size=args.ctx_size, verify_invariance=False)).start()
+    cfg = EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1, ctx_size=args.ctx_size,
+                       verify_invariance=False)  # validated: a bad --ctx-size fails before loading
+    lm = load_model(resolve_model_path(args.model), args.backend, max_positions=cfg.ctx_size)
+    engine = Engine(lm, cfg).start()
     try:
         gen = engine.submit(messages, params=params)
         for ev in gen.events():
@@ -73,9 +75,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def tokenize(args: argparse.Namespace) -> int:
-    from ..engine.gguf_file import GGUFFile
-    from ..engine.loader import load_tokenizer
-
     tok = load_tokenizer(GGUFFile.open(resolve_model_path(args.model)))
     ids = tok.encode(args.text, add_bos=None, parse_special=True)
     print(json.dumps({"ids": ids}) if args.json else " ".join(map(str, ids)))

@@ -6,12 +6,9 @@ import platform
 import sys
 
 from .base import Backend
+from .errors import BackendUnavailable  # noqa: F401 - callers import it from here
 
 BACKENDS = ("auto", "numpy", "mlx", "cupy")
-
-
-class BackendUnavailable(Exception):
-    """The requested backend cannot run here; the message names the fix."""
 
 
 def get_backend(name: str = "auto") -> Backend:

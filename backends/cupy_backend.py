@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import BackendUnavailable
+from .errors import BackendUnavailable, one_line
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, EmulatedModule, Kernels, build_module
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
@@ -77,17 +77,12 @@ def prepare_weight(w: np.ndarray, qtype: str = "F32", raw: Any = None,
     return CupyWeight("f32", n, k, w)
 
 
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
-
-
 def _import_cupy():
     try:
         import cupy
     except Exception as e:  # ImportError, or a broken install raising on import
         raise BackendUnavailable(
-            f"the CuPy backend needs cupy ({_one_line(e)}); install it with: pip install 'panechat[cuda]'"
+            f"the CuPy backend needs cupy ({one_line(e, with_type=True)}); install it with: pip install 'panechat[cuda]'"
         ) from None
     return cupy
 
@@ -120,7 +115,7 @@ class CupyBackend(ArrayBackend):
             n_dev = cp.cuda.runtime.getDeviceCount()
         except Exception as e:
             raise BackendUnavailable(
-                f"the CuPy backend found no usable CUDA GPU ({_one_line(e)}); check nvidia-smi and that "
+                f"the CuPy backend found no usable CUDA GPU ({one_line(e, with_type=True)}); check nvidia-smi and that "
                 "the cupy wheel matches the driver (cupy-cuda12x for CUDA 12 drivers, cupy-cuda13x for 13)"
             ) from None
         if n_dev < 1:
@@ -134,7 +129,7 @@ class CupyBackend(ArrayBackend):
             self.kernels.compile_all()
         except Exception as e:
             raise BackendUnavailable(
-                f"the CuPy backend cannot build its CUDA kernels ({_one_line(e)}); cupy needs NVRTC from "
+                f"the CuPy backend cannot build its CUDA kernels ({one_line(e, with_type=True)}); cupy needs NVRTC from "
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
         self.emulated = False
@@ -237,7 +232,7 @@ class CupyBackend(ArrayBackend):
             return (self._check_linear(rng, batches) or self._check_rms(rng, batches)
                     or self._check_attention(rng, batches))
         except Exception as e:  # a kernel that cannot run is a failed check, not a crash
-            return f"self-check raised {_one_line(e)}"
+            return f"self-check raised {one_line(e, with_type=True)}"
 
     def _rows_agree(self, name: str, run, k: int, rng, batches) -> str | None:
         """run(x [B, k] host) -> host rows; compare row alone with the row in batches."""

@@ -19,12 +19,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from numbers import Integral
 from typing import AsyncIterator, Iterator
 
 import numpy as np
 
+from .config import EngineConfig
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
 from .kv_slots import SlotPool
@@ -37,7 +37,7 @@ from .scheduler import QueueFull, Scheduler, StepPlan
 from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong"]
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "EngineStopped"]
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,8 @@ class PromptTooLong(ValueError):
     """The prompt does not fit the per-conversation context (never truncated silently)."""
 
 
-@dataclass
-class EngineConfig:
-    """Limits and batching knobs (the CLI flags of the same names)."""
-
-    max_concurrent: int = 4
-    kv_sessions: int | None = None  # default: 2 x max_concurrent
-    max_queue: int = 8
-    ctx_size: int = 4096
-    prefill_chunk: int = 512
-    straggler_ms: float = 2.0
-    verify_invariance: bool = True
+class EngineStopped(RuntimeError):
+    """`submit` after `stop()`: the engine takes no more work."""
 
 
 class Generation:
@@ -139,8 +130,9 @@ class Engine:
         self.cfg = cfg = config or EngineConfig()
         args = lm.model.args
         self.ctx = min(cfg.ctx_size, args.context_length)
-        if self.ctx < 16:
-            raise ValueError("ctx-size must be at least 16")
+        if self.ctx < cfg.MIN_CTX:  # the config is valid, so the model's own context is this short
+            raise ValueError(f"the model's context ({args.context_length} tokens) is shorter than "
+                             f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
         n_slots = cfg.kv_sessions or 2 * cfg.max_concurrent
         be = lm.model.backend
         self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
@@ -210,9 +202,10 @@ class Engine:
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:
-        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull."""
+        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull,
+        EngineStopped."""
         if self._stop:
-            raise RuntimeError("the engine is stopped")
+            raise EngineStopped("the engine is stopped")
         params = params or SamplingParams()
         params.validate()
         if prompt_ids is None:

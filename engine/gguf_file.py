@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.errors import one_line
+
 
 class ModelFileError(Exception):
     """A model file that cannot be used; the message is one line naming problem and fix."""
@@ -44,7 +46,7 @@ class GGUFFile:
             tensors = {t.name: t for t in reader.tensors}
         except Exception as e:  # the reader raises many kinds on damaged files
             raise ModelFileError(
-                f"{path} is a damaged or truncated GGUF file ({type(e).__name__}: {_one_line(e)}); "
+                f"{path} is a damaged or truncated GGUF file ({one_line(e, with_type=True)}); "
                 "download it again"
             ) from None
         return cls(path, metadata, tensors)
@@ -75,7 +77,7 @@ class GGUFFile:
                 "dequantize; use a file quantized as Q4_0/Q4_1/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K/F16/F32"
             ) from None
         except Exception as e:
-            raise ModelFileError(f"{self.path}: tensor {name} is unreadable ({_one_line(e)})") from None
+            raise ModelFileError(f"{self.path}: tensor {name} is unreadable ({one_line(e)})") from None
         return np.ascontiguousarray(data, dtype=np.float32)
 
     def raw(self, name: str) -> tuple[np.ndarray, str]:
@@ -90,7 +92,3 @@ def _field_value(field: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-def _one_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

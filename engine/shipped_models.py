@@ -16,6 +16,7 @@ from pathlib import Path
 
 import platformdirs
 
+from ..backends.errors import one_line
 from .gguf_file import ModelFileError
 
 
@@ -85,7 +86,6 @@ def assemble(model: ShippedModel) -> Path:
         os.replace(partial, target)
     except Exception as e:  # the package's own errors: missing chunks, checksum, disk full
         partial.unlink(missing_ok=True)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFileError(f"could not assemble {model.file} from {model.package} ({first}); "
+        raise ModelFileError(f"could not assemble {model.file} from {model.package} ({one_line(e)}); "
                              f"reinstall it with: {model.install}") from None
     return target

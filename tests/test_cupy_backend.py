@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from panechat.backends import BackendUnavailable
+from panechat.backends.errors import one_line
 from panechat.backends import cupy_kernels as ck
 from panechat.backends.cupy_backend import (
     CupyBackend,
@@ -52,7 +53,7 @@ def _cuda_reason() -> str | None:
         n = cupy.cuda.runtime.getDeviceCount()
         return None if n > 0 else "cupy sees 0 devices"
     except Exception as e:  # ImportError, CUDARuntimeError, ...
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return one_line(e, with_type=True)
 
 
 NO_CUDA = _cuda_reason()

@@ -21,6 +21,8 @@ import time
 
 import httpx
 
+from ...engine.config import EngineConfig
+
 TOPICS = [
     "volcanoes", "honeybees", "the moon", "bread baking", "chess openings", "rainbows", "penguins",
     "the printing press", "black holes", "coral reefs", "bicycles", "jazz music", "origami",
@@ -130,11 +132,11 @@ async def run_cell(base: str, clients: int, turns: int, max_tokens: int, api_key
 
 
 def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
-    from ..engine_factory import build_engine
+    from ..engine_factory import build_engine  # deferred: with --url no engine or server is needed
     from ..server.serve import start_in_background
 
     ns = argparse.Namespace(**vars(args))
-    ns.max_concurrent = min(64, max(getattr(args, "max_concurrent", 4) or 4, clients))
+    ns.max_concurrent = min(EngineConfig.MAX_CONCURRENT, max(getattr(args, "max_concurrent", 4) or 4, clients))
     ns.kv_sessions = max(getattr(args, "kv_sessions", None) or 0, 2 * ns.max_concurrent)
     ns.max_queue = max(getattr(args, "max_queue", 8) or 8, clients)
     engine = build_engine(ns, quiet=True)

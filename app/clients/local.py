@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
-from ...engine.engine import Engine, Generation, PromptTooLong, QueueFull
+from ...engine.engine import Engine, Generation
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from ...engine.sampling import SamplingParams
 from ...engine.stats import EngineStats
+from ..engine_errors import QUEUE_FULL, classify
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued
 
 
@@ -73,9 +74,12 @@ class LocalBackend(ChatBackend):
                             min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens)
         try:
             return LocalStream(self.engine.submit(msgs, params=sp, conversation=conversation))
-        except QueueFull:
-            return LocalStream(None, "the engine queue is full; try again when a reply finishes")
-        except (PromptTooLong, ValueError) as e:
+        except Exception as e:
+            refusal = classify(e)  # app/engine_errors.py
+            if refusal is None:
+                raise
+            if refusal is QUEUE_FULL:
+                return LocalStream(None, "the engine queue is full; try again when a reply finishes")
             return LocalStream(None, str(e))
 
     def stats(self) -> EngineStats | None:

@@ -9,7 +9,8 @@ one port, all feeding one engine (see docs/protocol.md).
 
 from __future__ import annotations
 
-from .app import ServerState, create_app
+from .app import create_app
 from .serve import ServerThread, serve, start_in_background
+from .state import ServerState
 
 __all__ = ["create_app", "ServerState", "ServerThread", "start_in_background", "serve"]

@@ -11,6 +11,8 @@ import json
 
 from starlette.responses import JSONResponse
 
+from ..engine_errors import classify
+
 
 class ErrorJSON(JSONResponse):
     """JSON with non-ASCII escaped: an error message may quote any input."""
@@ -64,9 +66,14 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
 
 
-def queue_full(message: str, retry_after: int = 1) -> APIError:
-    return APIError(429, message, type="rate_limit_error", code="queue_full",
-                    headers={"Retry-After": str(retry_after)})
+def refused(e: Exception) -> APIError | None:
+    """The HTTP error for an exception from `Engine.submit`, classified by
+    app/engine_errors.py; None when it is no refusal (a bug: it becomes a 500)."""
+    r = classify(e)
+    if r is None:
+        return None
+    return APIError(r.http_status, str(e), type=r.http_type, param=r.http_param, code=r.http_code,
+                    headers={"Retry-After": str(r.retry_after)} if r.retry_after else None)
 
 
 def loading() -> APIError:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.engine import PromptTooLong, QueueFull
 from ...engine.events import FinishEvent, TokenEvent
 from ...engine.sampling import SamplingParams
 from . import errors
-from .app import ServerState, parse_json, set_log_detail, state_of
 from .errors import APIError, bad_request
-from .request_fields import FieldError, opt_int, opt_num, sampling_params, stop_strings
+from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .request_log import set_log_detail
+from .state import ServerState, state_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -185,12 +185,11 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat_request(data, st)
     try:
         gen = await st.submit(req.messages, req.params, req.stop)
-    except PromptTooLong as e:
-        raise bad_request(str(e), param="messages", code="context_length_exceeded") from None
-    except QueueFull as e:
-        raise errors.queue_full(str(e)) from None
-    except ValueError as e:
-        raise bad_request(str(e), param="messages") from None
+    except Exception as e:
+        err = errors.refused(e)
+        if err is None:
+            raise
+        raise err from None
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:

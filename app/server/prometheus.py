@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from ...engine.stats import StreamState
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,11 +1,14 @@
-"""Typed reads of the request fields both protocols share (sampling parameters and stop
-strings), for the OpenAI API and the websocket protocol alike.
+"""Reading what both protocols receive, for the OpenAI API and the websocket protocol
+alike: the JSON itself (`parse_json`), then typed reads of the fields they share
+(sampling parameters and stop strings).
 
 A bad field raises `FieldError(key, what, code)`; each protocol words it as its own error
 (`'temperature' must be a number` over HTTP, `params.temperature must be a number` in a
 websocket frame)."""
 
 from __future__ import annotations
+
+import json
 
 from ...engine.sampling import SamplingParams
 
@@ -70,3 +73,28 @@ def sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, ctx: 
                        max_tokens=min(max_tokens, ctx))
     p.validate()
     return p
+
+
+def parse_json(raw: bytes | str):
+    """json.loads without NaN/Infinity and without lone surrogates (`"\\ud800"`, which
+    cannot be encoded or tokenized); ValueError for anything malformed."""
+    def _no_constants(name):
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        obj = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    stack = [obj]
+    while stack:  # iterative: nesting depth is bounded only by json.loads
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate (invalid Unicode)") from None
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return obj

@@ -10,6 +10,7 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 from textual.theme import Theme
 
+from ...backends.errors import one_line
 from ...themes import DEFAULT_THEME, THEMES
 from ..clients.base import BackendError, ChatBackend
 from ..store import Store
@@ -66,8 +67,7 @@ class PanechatApp(App):
             self._fatal(str(e))
             return
         except Exception as e:  # a model that will not load: one line, exit 2 (as the CLI does)
-            first = str(e).strip().splitlines()
-            self._fatal(first[0] if first else type(e).__name__)
+            self._fatal(one_line(e))
             return
         self.backend_ready.set()
         self.sub_title = f"{self.backend.info.model}"

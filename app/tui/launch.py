@@ -8,25 +8,23 @@ import argparse
 import asyncio
 import sys
 
+from ...engine.default_model import resolve_model_path
+from ...engine.gguf_file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend
+from ..engine_factory import build_engine, engine_config
 from ..store import Store, StoreError
+from ..usage import UsageError
 
 STORE_NOTICE_S = 30  # seconds a store notice stays on screen (the app goes on; the user should read it)
 
 
 def make_backend(args: argparse.Namespace):
     """The ChatBackend the flags ask for (validates flags; loads nothing yet)."""
-    from ..cli import UsageError
-
     if args.connect:
         if args.share:
             raise UsageError("--share serves this terminal's own engine; it cannot be combined with --connect")
         return backend_for_url(args.connect, token=args.token, api_key=args.api_key, model=args.model)
-    from ...engine.default_model import resolve_model_path
-    from ...engine.gguf_file import ModelFileError
-    from ..engine_factory import build_engine, engine_config
-
     engine_config(args)  # flag errors before the screen opens
     path = resolve_model_path(args.model)  # a missing default model: one line, exit 2
     if not path.is_file():  # the rest of the checks run while loading, on screen
@@ -40,12 +38,14 @@ class ShareServer:
     The port is bound in the constructor (a busy port fails before the screen opens); the
     engine is attached once it has loaded, so teammates' requests join the panes' batch."""
 
-    def __init__(self, backend: LocalBackend, host: str = "127.0.0.1", port: int = 8765, token: str | None = None):
-        from ..server.app import create_app
+    def __init__(self, backend: LocalBackend, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+                 limits=None, public_url: str | None = None):
+        from ..server.app import create_app  # deferred: only --share needs starlette and uvicorn
         from ..server.serve import ServerThread
 
         self.backend, self.host, self.token = backend, host, token
-        self.srv = ServerThread(create_app(None, token=token), host, port).start()
+        app = create_app(None, token=token, limits=limits, public_url=public_url)
+        self.srv = ServerThread(app, host, port).start()
 
     @property
     def ws_url(self) -> str:
@@ -65,7 +65,7 @@ class ShareServer:
 def build_app(backend, store: Store, **kwargs):
     """The PanechatApp over `store`, with the store's lines (damage found at open, writing
     stopped later) shown as notifications; `kwargs` go to PanechatApp."""
-    from .app import PanechatApp
+    from .app import PanechatApp  # deferred: textual loads only when the TUI opens
 
     app = PanechatApp(backend, store, **kwargs)
 
@@ -87,7 +87,11 @@ def launch(args: argparse.Namespace) -> int:
         print(f"panechat: error: {e}", file=sys.stderr)
         return 2
     try:
-        sharing = ShareServer(backend, args.host, args.port, args.token) if args.share else None
+        sharing = None
+        if args.share:
+            from ..server.limits import Limits
+
+            sharing = ShareServer(backend, args.host, args.port, args.token, Limits.from_args(args), args.public_url)
         app = build_app(backend, store, share=sharing.attach if sharing else None,
                         close_share=sharing.close if sharing else None)
         shown = len(store.notices)

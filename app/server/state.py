@@ -1,0 +1,113 @@
+"""`ServerState`: what every handler of the server shares (`app.state.panechat`): the
+engine (None while loading), the token, the websocket conversations, the terminal count.
+
+Its own module so that the routes (`openai_api`, `websocket`, `prometheus`) and the app
+that assembles them (`app`) all import it, and none of them imports another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from . import errors
+from .conversations import ConversationStore
+from .errors import APIError
+
+if TYPE_CHECKING:
+    from ...engine.engine import Engine, Generation
+    from ...engine.sampling import SamplingParams
+
+__all__ = ["ServerState", "state_of", "SERVER_NAME"]
+
+SERVER_NAME = "panechat/0.1"
+
+
+class ServerState:
+    """What every handler shares: the engine (None while loading), the token, the
+    websocket conversations and the terminal count."""
+
+    def __init__(self, engine: "Engine | None", token: str | None, max_body: int, logger: logging.Logger):
+        self.engine = engine
+        self.token = token or None
+        self.max_body = max_body
+        self.log = logger
+        self.load_error: str | None = None
+        self.conversations = ConversationStore()
+        self.terminals = 0
+        self.terminal_ids = itertools.count(1)
+        self.started = time.time()
+        self.registry = None  # the /metrics CollectorRegistry, made by create_app
+
+    # -- engine life cycle ----------------------------------------------------------
+    def attach(self, engine: "Engine") -> None:
+        """Start serving `engine` (already started); /health turns 200."""
+        self.engine = engine
+
+    def fail(self, message: str) -> None:
+        """Loading failed: /health reports it (503) instead of 'loading'."""
+        self.load_error = message
+
+    def require_engine(self) -> "Engine":
+        if self.engine is None:
+            if self.load_error:
+                raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error",
+                               code="model_load_failed")
+            raise errors.loading()
+        return self.engine
+
+    async def wait_engine(self, timeout: float | None = None) -> "Engine | None":
+        """The engine, waiting for it to load (None on timeout or failed load)."""
+        t0 = time.monotonic()
+        while self.engine is None and self.load_error is None:
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                return None
+            await asyncio.sleep(0.1)
+        return self.engine
+
+    # -- model names ----------------------------------------------------------------
+    def model_id(self) -> str:
+        return self.require_engine().lm.name
+
+    def model_ids(self) -> set[str]:
+        """Names a request may use for the served model: the file name and its stem."""
+        name = self.model_id()
+        return {name, Path(name).stem, "panechat"}
+
+    # -- auth -------------------------------------------------------------------------
+    def token_ok(self, presented: str | None) -> bool:
+        if self.token is None:
+            return True
+        if not isinstance(presented, str):
+            return False
+        return hmac.compare_digest(presented.encode("utf-8", "replace"), self.token.encode("utf-8"))
+
+    def check_bearer(self, request: Request) -> None:
+        """401 unless the request carries `Authorization: Bearer <token>` (when set)."""
+        if self.token is None:
+            return
+        scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not self.token_ok(cred.strip()):
+            raise errors.unauthorized()
+
+    # -- generation -------------------------------------------------------------------
+    async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
+                     conversation: str | None = None) -> "Generation":
+        """Render and tokenize `messages` off the event loop, then queue the generation.
+
+        Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
+        `Engine.submit`."""
+        engine = self.require_engine()
+        prompt_ids = await asyncio.to_thread(engine.lm.prompt_ids, messages)
+        return engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
+
+
+def state_of(request) -> ServerState:
+    return request.app.state.panechat

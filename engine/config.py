@@ -1,0 +1,45 @@
+"""`EngineConfig`: the engine's limits and batching knobs, in a module of their own so the
+CLI can read the defaults and limits without loading the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass
+class EngineConfig:
+    """Limits and batching knobs (the CLI flags of the same names, whose defaults these are).
+
+    Every limit lives in `validate()`, which construction runs: an EngineConfig that exists
+    is a valid one."""
+
+    MAX_CONCURRENT: ClassVar[int] = 64
+    MIN_CTX: ClassVar[int] = 64  # tokens; less leaves no room for a chat template and a reply
+    MAX_STRAGGLER_MS: ClassVar[float] = 1000.0
+
+    max_concurrent: int = 4
+    kv_sessions: int | None = None  # default: 2 x max_concurrent
+    max_queue: int = 8
+    ctx_size: int = 4096
+    prefill_chunk: int = 512
+    straggler_ms: float = 2.0
+    verify_invariance: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError, one line naming the flag and its range, for a value out of range."""
+        if not 1 <= self.max_concurrent <= self.MAX_CONCURRENT:
+            raise ValueError(f"--max-concurrent must be between 1 and {self.MAX_CONCURRENT}")
+        if self.kv_sessions is not None and self.kv_sessions < self.max_concurrent:
+            raise ValueError("--kv-sessions must be at least --max-concurrent")
+        if self.max_queue < 0:
+            raise ValueError("--max-queue must be >= 0")
+        if self.ctx_size < self.MIN_CTX:
+            raise ValueError(f"--ctx-size must be at least {self.MIN_CTX}")
+        if self.prefill_chunk < 1:
+            raise ValueError("--prefill-chunk must be >= 1")
+        if not 0 <= self.straggler_ms <= self.MAX_STRAGGLER_MS:
+            raise ValueError(f"--straggler-ms must be between 0 and {self.MAX_STRAGGLER_MS:g}")

@@ -1,0 +1,120 @@
+"""One classification of engine refusals (app/engine_errors.py), seen through all three
+protocols: the OpenAI HTTP API, the websocket protocol and the embedded-engine client.
+
+A stand-in engine refuses every submission with a chosen exception, so each protocol's
+whole path from request to error runs without a model."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from starlette.testclient import TestClient
+
+from panechat.app.clients.base import Finished, GenParams
+from panechat.app.clients.local import LocalBackend
+from panechat.app.engine_errors import (BAD_INPUT, ENGINE_STOPPED, PROMPT_TOO_LONG, QUEUE_FULL, Refusal,
+                                        classify)
+from panechat.app.server import create_app
+from panechat.app.server.request_fields import FieldError
+from panechat.engine.engine import EngineStopped, PromptTooLong, QueueFull
+
+
+class RefusingEngine:
+    """Just enough of `Engine` for a request to reach `submit`, which raises `error`."""
+
+    ctx = 512
+    batching = True
+    cfg = SimpleNamespace(max_concurrent=1)
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.lm = SimpleNamespace(name="fake.gguf", prompt_ids=lambda messages: [1, 2, 3],
+                                  model=SimpleNamespace(backend=SimpleNamespace(describe=lambda: "fake")))
+
+    def submit(self, *args, **kwargs):
+        raise self.error
+
+
+REFUSALS = [
+    (ValueError("message 0 content is not valid Unicode (lone surrogate)"), BAD_INPUT),
+    (PromptTooLong("prompt is 900 tokens but the context holds 512; shorten the conversation"), PROMPT_TOO_LONG),
+    (QueueFull("the queue is full (--max-queue 8); retry shortly"), QUEUE_FULL),
+    (EngineStopped("the engine is stopped"), ENGINE_STOPPED),
+]
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("error,refusal", REFUSALS + [
+    (FieldError("stop", "must be a string"), BAD_INPUT),  # any ValueError is bad input...
+    (RuntimeError("kernel failed"), None),  # ...and anything else a bug, not a refusal
+    (KeyError("slot"), None),
+])
+def test_classify(error, refusal):
+    assert classify(error) is refusal
+
+
+def test_the_table_is_the_documented_contract():
+    """docs/protocol.md: status, OpenAI type and code, websocket code, Retry-After."""
+    assert [(r.http_status, r.http_type, r.http_code, r.http_param, r.ws_code, r.retry_after)
+            for _, r in REFUSALS] == [
+        (400, "invalid_request_error", None, "messages", "bad_params", None),
+        (400, "invalid_request_error", "context_length_exceeded", "messages", "prompt_too_long", None),
+        (429, "rate_limit_error", "queue_full", None, "queue_full", 1),
+        (503, "server_error", "engine_stopped", None, "unavailable", None),
+    ]
+    assert all(isinstance(r, Refusal) for _, r in REFUSALS)
+
+
+@pytest.mark.parametrize("error,refusal", REFUSALS)
+def test_http(error, refusal):
+    with TestClient(create_app(RefusingEngine(error))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == refusal.http_status
+    assert r.json()["error"] == {"message": str(error), "type": refusal.http_type, "param": refusal.http_param,
+                                 "code": refusal.http_code}
+    assert r.headers.get("retry-after") == (str(refusal.retry_after) if refusal.retry_after else None)
+
+
+def _ws_send(error: Exception) -> dict:
+    """The frame a websocket `send` gets back when the engine refuses it."""
+    with TestClient(create_app(RefusingEngine(error))) as client, client.websocket_connect("/ws") as ws:
+        ws.send_json({"type": "hello", "protocol": 1})
+        assert ws.receive_json()["type"] == "welcome"
+        ws.send_json({"type": "open", "conversation": "c"})
+        assert ws.receive_json()["type"] == "opened"
+        ws.send_json({"type": "send", "request": "r", "conversation": "c", "content": "hi"})
+        return ws.receive_json()
+
+
+@pytest.mark.parametrize("error,refusal", REFUSALS)
+def test_websocket(error, refusal):
+    assert _ws_send(error) == {"type": "error", "code": refusal.ws_code, "message": str(error), "request": "r"}
+
+
+def _local_finish(error: Exception) -> Finished:
+    async def run():
+        events = [ev async for ev in LocalBackend(RefusingEngine(error)).stream("c", USER, GenParams())]
+        assert len(events) == 1
+        return events[0]
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("error,refusal", REFUSALS)
+def test_local_client(error, refusal):
+    fin = _local_finish(error)
+    assert fin.reason == "error"
+    words = "the engine queue is full; try again when a reply finishes" if refusal is QUEUE_FULL else str(error)
+    assert fin.error == words
+
+
+def test_a_bug_is_reported_as_internal_everywhere():
+    bug = RuntimeError("kernel failed")
+    with TestClient(create_app(RefusingEngine(bug)), raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    frame = _ws_send(bug)
+    assert frame["code"] == "internal" and "kernel failed" not in frame["message"]
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        _local_finish(bug)
