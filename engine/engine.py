@@ -199,6 +199,13 @@ class Engine:
             for r in list(self._by_id.values()):
                 self._finish(r, "cancelled")
 
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Check `messages` and render them with the chat template into token ids, as
+        `submit(messages)` does; raises ValueError. A long history takes milliseconds, so
+        code on an event loop calls this in a worker thread, then `submit(prompt_ids=...)`."""
+        _validate_messages(messages)
+        return self.lm.prompt_ids(messages)
+
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:
@@ -209,8 +216,7 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         if prompt_ids is None:
-            _validate_messages(messages)
-            prompt_ids = self.lm.prompt_ids(messages)
+            prompt_ids = self.prompt_ids(messages)
         else:
             prompt_ids = _validated_ids(prompt_ids, self.lm.model.args.vocab_size)
         if not prompt_ids:
