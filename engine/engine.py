@@ -423,17 +423,21 @@ class Engine:
 def _validated_ids(prompt_ids, vocab_size: int) -> list[int]:
     """prompt_ids as a list of ints, or ValueError (one line) unless each is a token id of
     the model (0 <= id < vocab_size): an id outside would index past the embedding table
-    in the shared forward pass, or, negative, silently read another token's row."""
+    in the shared forward pass, or, negative, silently read another token's row. About
+    0.2 ms for 4k ids (submit may run on an event loop)."""
     try:
         ids = list(prompt_ids)
     except TypeError:
         raise ValueError("prompt_ids must be a list of integer token ids") from None
-    if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
-        raise ValueError("prompt_ids must be a list of integer token ids")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    types = set(map(type, ids))
+    if not types <= {int}:
+        if not all(issubclass(t, Integral) and not issubclass(t, bool) for t in types):
+            raise ValueError("prompt_ids must be a list of integer token ids")
+        ids = [int(t) for t in ids]  # numpy integers
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = min(ids) if min(ids) < 0 else max(ids)
         raise ValueError(f"prompt_ids must be token ids in [0, {vocab_size}); got {bad}")
-    return [int(t) for t in ids]
+    return ids
 
 
 def _validate_messages(messages) -> None:
