@@ -75,6 +75,22 @@ def _parent(*declare, defaults: dict | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _server_limit_args(p: argparse.ArgumentParser) -> None:
+    """Timeouts, caps and the public address of the server (`serve`, `--share`); see
+    docs/protocol.md, "Limits and timeouts". Defaults live in server.limits.Limits."""
+    p.add_argument("--header-timeout", type=float, metavar="S",
+                   help="close a connection whose request headers take longer (default 10)")
+    p.add_argument("--body-timeout", type=float, metavar="S",
+                   help="close a request whose body takes longer after its headers (default 30)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="open connections (HTTP and websocket) before answering 503 (default 512)")
+    p.add_argument("--auth-grace", type=float, metavar="S",
+                   help="close a websocket that has not sent a valid hello by then (default 5)")
+    p.add_argument("--public-url", metavar="URL",
+                   help="the address browsers reach the server at, e.g. https://chat.example.com; web pages "
+                        "from other origins than it and loopback are refused (default: from --host/--port)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     shared = (_model_options, _context_options, _batching_options, _listen_options)
     model, context, batching, listen = (_parent(add) for add in shared)
@@ -85,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect", metavar="URL", help="ws://HOST:PORT of a panechat server, or http(s)://HOST/v1 of any OpenAI-compatible server")
     parser.add_argument("--api-key", help="API key for --connect http(s)://")
     parser.add_argument("--share", action="store_true", help="also serve this engine to other terminals")
+    _server_limit_args(parser)  # for --share; `serve` declares them through a parent
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser("run", help="generate one reply and stream it to stdout",
@@ -101,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")
 
-    sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server", parents=[model, context, batching, listen])
+    sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
+                   parents=[model, context, batching, listen, _parent(_server_limit_args)])
 
     add_models_parser(sub, parents=[json_out])
 

@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from . import errors
 from .errors import APIError
+from .limits import Guard, Limits
 from .openai_api import chat_completions, get_model, list_models
 from .prometheus import CONTENT_TYPE, make_registry, render
-from .request_log import RequestLog
+from .request_log import RequestLog, set_log_detail
+from .security import BrowserGuard
 from .state import ServerState, state_of
 from .websocket import websocket_endpoint
 
@@ -82,6 +84,14 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
                         status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
+async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
+    """The client went away while sending its body (or was cut off by the body timeout):
+    nothing to answer, one log line (status 499 as in nginx, or 408)."""
+    timeout = request.scope.get("panechat.body_timeout")
+    set_log_detail(request, f"body not received within {timeout:g} s" if timeout else "client left mid-upload")
+    return Response(status_code=408 if timeout else 499)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return errors.ErrorJSON(errors.error_body(f"internal server error: {type(exc).__name__}", "server_error",
@@ -90,13 +100,16 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 # -- the app ------------------------------------------------------------------------------------
 def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_body: int = MAX_BODY,
-               logger: logging.Logger | None = None) -> Starlette:
+               logger: logging.Logger | None = None, limits: Limits | None = None,
+               public_url: str | None = None) -> Starlette:
     """The ASGI app serving `engine` (or `/health` 503 until `app.state.panechat.attach(engine)`).
 
     token: require `Authorization: Bearer <token>` on /v1/* and /metrics, and `token` in
     the websocket `hello`. max_body: the largest request body or websocket frame in bytes.
     logger: where the per-request lines go (default logging.getLogger("panechat.server"),
-    which prints nothing unless configured)."""
+    which prints nothing unless configured). limits: timeouts and caps (limits.Limits).
+    public_url: the address browsers reach the server at (default: from the bind address);
+    pages from other origins than it and loopback are refused."""
     lg = logger or log
     state = ServerState(engine, token, max_body, lg)
     state.registry = make_registry(state)
@@ -111,8 +124,11 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
         WebSocketRoute("/ws", websocket_endpoint),
     ]
     app = Starlette(routes=routes, exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, Exception: _internal_error,
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_left,
+        Exception: _internal_error,
     })
     app.state.panechat = state
-    app.add_middleware(RequestLog, logger=lg)
+    app.state.guard = Guard(limits, lg, public_url)
+    app.add_middleware(BrowserGuard, guard=app.state.guard)
+    app.add_middleware(RequestLog, logger=lg)  # outermost: refusals get their log line too
     return app

@@ -31,6 +31,8 @@ from ...engine.default_model import resolve_model_path
 from ..engine_factory import build_engine, engine_config
 from .app import MAX_BODY, create_app
 from .state import ServerState
+from .limits import Guard, Limits, Listener, raise_fd_limit, run_server
+from .security import bind_warning
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
 
@@ -41,10 +43,9 @@ WS_IMPL = "websockets-sansio" if "websockets-sansio" in uvicorn.config.WS_PROTOC
 WS_MAX_SIZE = 16 * MAX_BODY
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int) -> Listener:
     """A listening TCP socket (port 0: a free port). OSError names host:port and the fix."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = Listener(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -63,6 +64,14 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _config(app, guard: Guard, graceful_s: float, log_config: dict | None = None) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the guard's protocols (timeouts, caps), no access log."""
+    raise_fd_limit()  # before the guard sizes its accept-time cap from the file limit
+    return uvicorn.Config(app, ws_max_size=WS_MAX_SIZE, lifespan="off", access_log=False,
+                          log_config=log_config, log_level="warning", timeout_graceful_shutdown=graceful_s,
+                          **guard.uvicorn_options(WS_IMPL))
+
+
 class ServerThread:
     """uvicorn serving an ASGI app on a background thread.
 
@@ -76,10 +85,10 @@ class ServerThread:
         self.host = host
         self._sock = _bind(host, port)
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, ws=WS_IMPL, ws_max_size=WS_MAX_SIZE, lifespan="off",
-                                access_log=False, log_config=log_config, log_level="warning",
-                                timeout_graceful_shutdown=graceful_s)
-        self.server = uvicorn.Server(config)
+        self.guard: Guard = app.state.guard
+        self._sock.guard = self.guard
+        self.guard.origins.bound(host, self.port)
+        self.server = uvicorn.Server(_config(app, self.guard, graceful_s, log_config))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -113,7 +122,7 @@ class ServerThread:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self.server.serve(sockets=[self._sock]))
+            asyncio.run(run_server(self.server, [self._sock], self.guard))
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self._error = e
 
@@ -140,12 +149,13 @@ class ServerThread:
 
 
 def start_in_background(engine, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
-                        *, logger: logging.Logger | None = None) -> ServerThread:
+                        *, logger: logging.Logger | None = None, limits: Limits | None = None,
+                        public_url: str | None = None) -> ServerThread:
     """Serve a started `Engine` on host:port from a background thread; returns the
     running ServerThread (`.url`, `.ws_url`, `.port`, `.state.terminals`, `.stop()`).
 
     Raises OSError (one line: host, port, fix) when the port cannot be bound."""
-    app = create_app(engine, token=token, logger=logger)
+    app = create_app(engine, token=token, logger=logger, limits=limits, public_url=public_url)
     return ServerThread(app, host, port).start()
 
 
@@ -158,9 +168,6 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
     ]
     if token:
         lines.append("auth:       token required (HTTP: Authorization: Bearer <token>; websocket: hello.token)")
-    elif host not in ("127.0.0.1", "localhost", "::1"):
-        lines.append("auth:       NONE, and listening beyond this machine: anyone who can reach "
-                     "this port can use it (set --token)")
     return lines
 
 
@@ -177,15 +184,20 @@ def serve(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     token = getattr(args, "token", None)
-    app = create_app(None, token=token, logger=logger)
+    app = create_app(None, token=token, logger=logger, limits=Limits.from_args(args),
+                     public_url=getattr(args, "public_url", None))
     state: ServerState = app.state.panechat
+    guard: Guard = app.state.guard
     sock = _bind(args.host, args.port)
+    sock.guard = guard
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, ws=WS_IMPL, ws_max_size=WS_MAX_SIZE, lifespan="off", access_log=False,
-                            log_level="warning", timeout_graceful_shutdown=3)
-    server = uvicorn.Server(config)
+    guard.origins.bound(args.host, port)
+    server = uvicorn.Server(_config(app, guard, 3))
     print(f"panechat serve: listening on http://{_url_host(args.host)}:{port} (loading the model ...)",
           file=sys.stderr, flush=True)
+    warning = bind_warning(args.host, token)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     result = {"rc": 0, "engine": None}
 
     def load() -> None:
@@ -207,7 +219,7 @@ def serve(args: argparse.Namespace) -> int:
     loader = threading.Thread(target=load, name="panechat-load", daemon=True)
     loader.start()
     try:
-        server.run(sockets=[sock])
+        asyncio.run(run_server(server, [sock], guard))
     finally:
         server.should_exit = True
         loader.join(timeout=60)

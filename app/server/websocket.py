@@ -3,6 +3,11 @@
 One `Connection` per socket: a receive loop that answers frames in order, one pump task
 per generation forwarding engine events as frames, and an optional stats task. Sends go
 through one lock. A bad frame gets an `error` frame; the connection stays usable.
+
+Until its `hello` passes the token check a socket is on probation (limits.py): it is
+closed (4408) after `auth_grace` seconds, and a frame over `preauth_frame` bytes closes it
+(1009) unparsed. The Origin check and the cap on such sockets run before the handshake
+(security.BrowserGuard).
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from urllib.parse import urlsplit
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -88,7 +92,9 @@ class Connection:
     def __init__(self, st: ServerState, ws: WebSocket):
         self.st, self.ws = st, ws
         self.terminal: str | None = None
-        self.authed = False
+        self.authed = False  # welcomed
+        self.token_ok = False  # past the token check (the welcome may still wait for the model)
+        self.guard = ws.app.state.guard
         self.closed = False
         self.lock = asyncio.Lock()
         self.gens: dict[str, object] = {}  # request id -> Generation in flight
@@ -115,6 +121,7 @@ class Connection:
 
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:
+        probation = asyncio.create_task(self.close_unless_hello())
         try:
             while not self.closed:
                 try:
@@ -125,10 +132,43 @@ class Connection:
                     break
                 await self.on_message(msg)
         finally:
+            probation.cancel()
             await self.shutdown()
+
+    async def close_unless_hello(self) -> None:
+        grace = self.guard.limits.auth_grace
+        await asyncio.sleep(grace)
+        if not self.token_ok:
+            self.guard.log.count("ws_auth_grace")
+            await self.error("hello_timeout", f"no valid hello within {grace:g} s")
+            await self.close(4408)
+
+    async def close(self, code: int) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        async with self.lock:
+            try:
+                await self.ws.close(code=code)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def passed_token_check(self) -> None:
+        """Off probation: counted as authenticated, full-size frames allowed."""
+        self.token_ok = True
+        scope = self.ws.scope
+        if "panechat.preauth" in scope:
+            scope["panechat.preauth"].done()
+        if "panechat.lift_frame_limit" in scope:
+            scope["panechat.lift_frame_limit"]()
 
     async def on_message(self, msg: dict) -> None:
         text = msg.get("text")
+        size = len(text) if text is not None else len(msg.get("bytes") or b"")
+        if not self.token_ok and size > self.guard.limits.preauth_frame:  # a fallback: the websocket
+            self.guard.log.count("ws_preauth_frame")  # layer (limits.py) stops these first
+            await self.close(1009)
+            return
         if text is None:
             if msg.get("bytes") is not None:
                 await self.error("bad_frame", "binary frames are not supported; send JSON text frames")
@@ -192,12 +232,9 @@ class Connection:
             raise FrameError("protocol", f"this server speaks protocol {PROTOCOL}; client asked for {proto}")
         if not self.st.token_ok(frame.get("token")):
             await self.error("unauthorized", "missing or wrong token (the one given to panechat serve --token)")
-            self.closed = True
-            try:
-                await self.ws.close(code=4401)
-            except Exception:  # noqa: BLE001
-                pass
+            await self.close(4401)
             return
+        self.passed_token_check()
         engine = await self.st.wait_engine()
         if engine is None:
             raise FrameError("unavailable", f"the model failed to load: {self.st.load_error}")
@@ -340,23 +377,6 @@ HANDLERS = {
 }
 
 
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-def origin_allowed(ws: WebSocket) -> bool:
-    """Browsers send an Origin; only pages served from this host or loopback may connect
-    (a web page elsewhere must not drive a local server). Terminal clients send none."""
-    origin = ws.headers.get("origin")
-    if not origin:
-        return True
-    host = urlsplit(origin).hostname or ""
-    own = urlsplit("//" + ws.headers.get("host", "")).hostname or ""
-    return host in LOCAL_HOSTS or (own != "" and host == own)
-
-
 async def websocket_endpoint(ws: WebSocket) -> None:
-    if not origin_allowed(ws):
-        await ws.close(code=4403)  # before accept: the handshake is refused with HTTP 403
-        return
-    await ws.accept()
+    await ws.accept()  # Origin and the cap on unauthenticated sockets: security.BrowserGuard
     await Connection(ws.app.state.panechat, ws).run()

@@ -38,12 +38,14 @@ class ShareServer:
     The port is bound in the constructor (a busy port fails before the screen opens); the
     engine is attached once it has loaded, so teammates' requests join the panes' batch."""
 
-    def __init__(self, backend: LocalBackend, host: str = "127.0.0.1", port: int = 8765, token: str | None = None):
+    def __init__(self, backend: LocalBackend, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+                 limits=None, public_url: str | None = None):
         from ..server.app import create_app  # deferred: only --share needs starlette and uvicorn
         from ..server.serve import ServerThread
 
         self.backend, self.host, self.token = backend, host, token
-        self.srv = ServerThread(create_app(None, token=token), host, port).start()
+        app = create_app(None, token=token, limits=limits, public_url=public_url)
+        self.srv = ServerThread(app, host, port).start()
 
     @property
     def ws_url(self) -> str:
@@ -85,7 +87,11 @@ def launch(args: argparse.Namespace) -> int:
         print(f"panechat: error: {e}", file=sys.stderr)
         return 2
     try:
-        sharing = ShareServer(backend, args.host, args.port, args.token) if args.share else None
+        sharing = None
+        if args.share:
+            from ..server.limits import Limits
+
+            sharing = ShareServer(backend, args.host, args.port, args.token, Limits.from_args(args), args.public_url)
         app = build_app(backend, store, share=sharing.attach if sharing else None,
                         close_share=sharing.close if sharing else None)
         shown = len(store.notices)

@@ -1,16 +1,21 @@
 """One live server for all server tests: uvicorn on a free loopback port, in a background
 thread, serving a real Engine on the default model (max-concurrent 4, 8 KV slots,
-max-queue 8, 1024-token context)."""
+max-queue 8, 1024-token context). `guarded_server` starts a further one on the same
+engine with limits of its own and a record of everything it logs."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from panechat.app.server import ServerThread, create_app
+from panechat.app.server.limits import Limits
 from panechat.engine.engine import Engine, EngineConfig
 from panechat.engine.stats import EngineStats
 
@@ -76,3 +81,51 @@ def live_token(server_engine):
 def http(live):
     with httpx.Client(base_url=live.url, timeout=120) as c:
         yield c
+
+
+class LogRecorder(logging.Handler):
+    """Keeps every record of the loggers it is attached to."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def lines(self, needle: str = "") -> list[str]:
+        return [m for m in (r.getMessage() for r in self.records) if needle in m]
+
+    def bad(self) -> list[str]:
+        """Records with a traceback or at ERROR and above: a refusal must never log these."""
+        return [r.getMessage() for r in self.records if r.exc_info or r.levelno >= logging.ERROR]
+
+    def wait_for(self, needle: str, timeout: float = 5.0) -> list[str]:
+        t0 = time.monotonic()
+        while not self.lines(needle) and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+        return self.lines(needle)
+
+
+_server_ids = itertools.count()
+
+
+@contextmanager
+def guarded_server(engine: Engine, *, token: str | None = None, public_url: str | None = None, **limits):
+    """A loopback server of its own on `engine` with `Limits(**limits)`; yields (srv, log):
+    `log` records its request and limit lines and whatever uvicorn and asyncio log meanwhile."""
+    rec = LogRecorder()
+    own = logging.getLogger(f"panechat.test.server{next(_server_ids)}")
+    own.setLevel(logging.DEBUG)
+    own.propagate = False
+    watched = [own, logging.getLogger("uvicorn.error"), logging.getLogger("asyncio")]
+    for lg in watched:
+        lg.addHandler(rec)
+    app = create_app(engine, token=token, logger=own, limits=Limits(**limits), public_url=public_url)
+    srv = ServerThread(app, "127.0.0.1", 0).start()
+    try:
+        yield srv, rec
+    finally:
+        srv.stop()
+        for lg in watched:
+            lg.removeHandler(rec)

@@ -14,6 +14,7 @@ from panechat.engine.engine import Engine, EngineConfig
 from .conftest import wait_idle
 
 OK = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+JSON = {"content-type": "application/json"}  # raw bodies say what they are (else 415)
 
 
 def _is_error(r: httpx.Response, status: int) -> dict:
@@ -65,7 +66,7 @@ def test_400_bad_params(http, body, param):
 
 def test_400_infinite_number(http):
     raw = b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": 1e999}'
-    err = _is_error(http.post("/v1/chat/completions", content=raw), 400)
+    err = _is_error(http.post("/v1/chat/completions", content=raw, headers=JSON), 400)
     assert err["param"] == "temperature"
 
 
@@ -94,7 +95,7 @@ def test_413_body_too_large(http):
     def chunks():  # no Content-Length: the limit holds while streaming the body in
         for _ in range(40):
             yield b" " * 65536
-    _is_error(http.post("/v1/chat/completions", content=chunks()), 413)
+    _is_error(http.post("/v1/chat/completions", content=chunks(), headers=JSON), 413)
     assert http.post("/v1/chat/completions", json=OK).status_code == 200
 
 

@@ -98,7 +98,7 @@ def test_fuzz_raw_bytes(http, raw):
     b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}',
 ])
 def test_edge_bodies(http, raw):
-    _check(http.post("/v1/chat/completions", content=raw))
+    _check(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}))
 
 
 PARAMS = st.fixed_dictionaries({}, optional={
