@@ -37,8 +37,8 @@ from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.invariance import check_model_invariance
 from panechat.engine.model import Model
 
-from .model_runs import forward_chunks, run_batched
-from .tiny_gguf import reference_logits
+from ..model_runs import forward_chunks, run_batched
+from ..tiny_gguf import reference_logits
 
 QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
 PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],

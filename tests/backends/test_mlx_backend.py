@@ -15,8 +15,8 @@ from panechat.engine.gguf_file import GGUFFile  # noqa: E402
 from panechat.engine.invariance import check_model_invariance  # noqa: E402
 from panechat.engine.model import Batch, Model  # noqa: E402
 
-from .model_runs import forward_chunks, golden_agreement  # noqa: E402
-from .tiny_gguf import reference_logits  # noqa: E402
+from ..model_runs import forward_chunks, golden_agreement  # noqa: E402
+from ..tiny_gguf import reference_logits  # noqa: E402
 
 ON_GPU = mx.default_device() == mx.gpu
 # Q4_0/Q4_1/Q8_0 become MLX affine weights that dequantize to exactly the GGUF floats, so

@@ -11,7 +11,7 @@ from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
 from panechat.engine.invariance import check_model_invariance
 from panechat.engine.model import Model
 
-from .model_runs import new_kv, run_batched
+from ..model_runs import new_kv, run_batched
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198],
            [504, 2365, 6354], [28120, 198, 6693, 1116, 216, 2899, 5600, 4861, 4966]]

@@ -78,7 +78,7 @@ def test_from_array_round_trips_through_the_stored_type():
 
 
 def test_an_unsupported_type_is_a_one_line_model_file_error(tmp_path):
-    from .tiny_gguf import write_tiny_gguf
+    from ..tiny_gguf import write_tiny_gguf
 
     path = tmp_path / "q8_1.gguf"
     write_tiny_gguf(path, "llama", zero_raw={"blk.0.attn_q.weight": "Q8_1"})
