@@ -23,9 +23,9 @@ def get_backend(name: str = "auto") -> Backend:
             except BackendUnavailable:
                 name = "numpy"  # a device without a usable toolchain: fall back to the CPU
     if name == "numpy":
-        from .numpy_backend import NumpyBackend
+        from .numpy_backend import cpu_backend
 
-        return NumpyBackend()
+        return cpu_backend()
     if name == "mlx":
         try:
             from .mlx_backend import MLXBackend

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .base import Array, Backend
+from .self_check import CheckPlan, check_batch_invariance
 
 
 class ArrayKV:
@@ -27,15 +28,13 @@ class ArrayBackend(Backend):
     """The forward pass's non-matmul operations written once against `self.xp`."""
 
     xp: Any = np
+    check_plan: CheckPlan = CheckPlan()  # what `self_check` probes; subclasses pick theirs
 
     def asarray(self, a: np.ndarray) -> Array:
         return self.xp.ascontiguousarray(self.xp.asarray(a))
 
     def to_numpy(self, a: Array) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)
-
-    def embed(self, table: Array, ids: Array) -> Array:
-        return table[ids]
 
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         xp = self.xp
@@ -64,7 +63,6 @@ class ArrayBackend(Backend):
         return ArrayKV(self.xp, n_slots, n_layer, n_kv, ctx, head_dim)
 
     def write_kv(self, kv: ArrayKV, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
-        """Store this step's K, V [R, n_kv, hd] at each row's (slot, position)."""
         kv.k[layer][slots, :, positions, :] = k
         kv.v[layer][slots, :, positions, :] = v
 
@@ -72,3 +70,6 @@ class ArrayBackend(Backend):
         for layer in range(len(kv.k)):
             kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
             kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
+
+    def self_check(self) -> str | None:
+        return check_batch_invariance(self, self.check_plan)

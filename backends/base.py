@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .gguf_tensor import GGUFTensor
+
 Array = Any  # the backend's array type
 
 
@@ -34,14 +36,11 @@ class Backend(ABC):
     def to_numpy(self, a: Array) -> np.ndarray:
         """Copy a device array to the host."""
 
-    #: True when `linear_weight` wants the GGUF blocks too (`raw=(blocks, qtype)`), so
-    #: quantized weights can stay quantized on the device.
-    wants_raw: bool = False
-
     @abstractmethod
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> Any:
-        """Prepare a float32 [N, K] weight for `linear` (layout, dtype, device). `raw` is
-        `GGUFFile.raw(name)` when the backend sets `wants_raw`, else None."""
+    def linear_weight(self, t: GGUFTensor) -> Any:
+        """Prepare the [N, K] weight `t`, as the file stores it, for `linear` (layout, dtype,
+        device): a type the backend keeps quantized from `t.blocks` (no float32 copy), any
+        other from `t.dequantize()`."""
 
     def nbytes(self, w: Any) -> int:
         """Resident bytes of a prepared weight."""
@@ -52,9 +51,10 @@ class Backend(ABC):
         (the CPU backend adapts its thread count here)."""
 
     # -- the forward pass's operations -------------------------------------------------
-    @abstractmethod
-    def embed(self, table: Array, ids: Array) -> Array:
-        """Rows of `table` [V, D] for token ids [R] -> [R, D]."""
+    def embed(self, table: GGUFTensor, ids: np.ndarray) -> Array:
+        """Rows of the embedding `table` [V, D] (as stored) for host token ids [R] -> float32
+        [R, D] on the device; only those rows are dequantized."""
+        return self.asarray(table.dequantize_rows(ids))
 
     @abstractmethod
     def linear(self, x: Array, w: Any) -> Array:
@@ -78,10 +78,14 @@ class Backend(ABC):
         """Allocate the KV store: per layer, K and V of shape [slots, n_kv, ctx, head_dim]."""
 
     @abstractmethod
+    def write_kv(self, kv: Any, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
+        """Store k, v [R, n_kv, hd] of layer `layer` at each row's (slot, position)."""
+
+    @abstractmethod
     def attend(self, kv: Any, layer: int, q: Array, k: Array, v: Array,
                slots: Array, positions: Array, scale: float) -> Array:
-        """Write k, v [R, n_kv, hd] at (slot, position) per row, then causal attention of
-        q [R, n_head, hd] over keys 0..position of the row's slot -> [R, n_head, hd]."""
+        """`write_kv` k and v, then causal attention of q [R, n_head, hd] over keys
+        0..position of the row's slot -> [R, n_head, hd]."""
 
     @abstractmethod
     def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
@@ -98,6 +102,8 @@ class Backend(ABC):
         return (self.asarray(np.cos(angles).astype(np.float32)),
                 self.asarray(np.sin(angles).astype(np.float32)))
 
+    @abstractmethod
     def self_check(self) -> str | None:
-        """None when rows are batch-invariant on this device, else what differed."""
-        return None
+        """None when rows are batch-invariant on this device, else what differed: every
+        backend runs the one check, `self_check.check_batch_invariance`, with its own
+        `CheckPlan` of the shapes that cross its kernel choices."""

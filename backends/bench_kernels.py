@@ -37,6 +37,7 @@ import numba
 import numpy as np
 
 from . import numpy_kernels as nk
+from .numpy_backend import NumpyBackend
 
 _clock = time.perf_counter  # --cpu-time switches to time.thread_time
 
@@ -143,8 +144,8 @@ def compile_time() -> None:
     """Import + self_check in a fresh process with an empty numba cache."""
     code = (
         "import time; t = time.perf_counter();"
-        "from panechat.backends import numpy_kernels as nk;"
-        "r = nk.self_check(); print(f'{time.perf_counter() - t:.1f}', r)"
+        "from panechat.backends.numpy_backend import NumpyBackend;"
+        "r = NumpyBackend().self_check(); print(f'{time.perf_counter() - t:.1f}', r)"
     )
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, NUMBA_CACHE_DIR=d)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             print("warning: --cpu-time only measures the main thread; set NUMBA_NUM_THREADS=1")
     if args.compile_time:
         compile_time()
-    err = nk.self_check()  # also compiles / loads every kernel
+    err = NumpyBackend().self_check()  # also compiles / loads every kernel
     print(f"self_check: {err or 'ok'}")
     print(
         f"numba threads: {numba.get_num_threads()} ({numba.threading_layer()}), "

@@ -10,7 +10,7 @@ left idle (at least one, at most the start-up count).
 
 Changing the count never changes a result: every output element of every kernel is
 computed by one task in a fixed order, whichever thread runs it
-(tests/test_batch_invariance.py checks the model's logits bit for bit at 1 and at all threads).
+(tests/engine/test_batch_invariance.py checks the model's logits bit for bit at 1 and at all threads).
 """
 
 from __future__ import annotations

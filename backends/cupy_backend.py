@@ -12,32 +12,32 @@ Weights live on the GPU:
   anything else     (BF16, K-quants, Q5_x, ...) dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
-The embedding table is float32 (rows are gathered, not multiplied). Activations, the KV
-cache (`ArrayKV`, float32 [slots, n_kv, ctx, head_dim] per layer) and all arithmetic are
-float32.
+The embedding table stays on the host as stored; a step's rows are dequantized there and
+copied over (`Backend.embed`). Activations, the KV cache (`ArrayKV`, float32 [slots, n_kv,
+ctx, head_dim] per layer) and all arithmetic are float32.
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
-whose per-element arithmetic is fixed by the source; rope, residual adds, bias adds and
-the embedding gather are single elementwise CuPy operations (one IEEE operation per
-element, so nothing to reorder). Logits come back to the host for sampling.
+whose per-element arithmetic is fixed by the source; rope, residual adds and bias adds
+are single elementwise CuPy operations (one IEEE operation per element, so nothing to
+reorder). Logits come back to the host for sampling.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from .errors import BackendUnavailable, one_line
 from .array_backend import ArrayBackend, ArrayKV
-from .cupy_kernels import MAX_HEAD_DIM, EmulatedModule, Kernels, build_module
+from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
+from .gguf_tensor import GGUFTensor
+from .self_check import AttentionCase, CheckPlan
 
-# GGUF types kept quantized on the device: bytes per block of 32 weights
-KEPT_QUANT = BLOCK_BYTES
 F16_MAX = 65504.0
 
 
@@ -62,17 +62,18 @@ class CupyWeight:
         return (self.n, self.k)
 
 
-def prepare_weight(w: np.ndarray, qtype: str = "F32", raw: Any = None,
-                   float_weights: str = "f16") -> CupyWeight:
-    """The host-side form of a weight for the kernels (numpy arrays; see module doc)."""
-    n, k = w.shape
-    if kept_quantized(qtype, raw, k):
-        q, d, m = unpack(raw[0], qtype, n, k)
+def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
+    """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc)."""
+    n, k = t.shape
+    if kept_quantized(t):
+        q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    if qtype == "F32" or float_weights == "f32":
+    if t.qtype == "F16" and float_weights != "f32":
+        return CupyWeight("f16", n, k, np.ascontiguousarray(t.blocks, dtype=np.float16))  # as stored
+    w = t.dequantize()
+    if t.qtype == "F32" or float_weights == "f32":
         return CupyWeight("f32", n, k, w)
-    if qtype == "F16" or not w.size or float(np.abs(w).max()) <= F16_MAX:
+    if not w.size or float(np.abs(w).max()) <= F16_MAX:
         return CupyWeight("f16", n, k, w.astype(np.float16))
     return CupyWeight("f32", n, k, w)
 
@@ -107,7 +108,15 @@ class CupyBackend(ArrayBackend):
     """CuPy arrays on the current CUDA device (CUDA_VISIBLE_DEVICES picks it)."""
 
     name = "cupy"
-    wants_raw = True
+    # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
+    # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
+    # one at 128
+    check_plan = CheckPlan(
+        batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
+        linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
+                ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
+        norm_widths=(300,),
+        attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,))))
 
     def __init__(self, float_weights: str | None = None):
         cp = _import_cupy()
@@ -132,7 +141,6 @@ class CupyBackend(ArrayBackend):
                 f"the CuPy backend cannot build its CUDA kernels ({one_line(e, with_type=True)}); cupy needs NVRTC from "
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
-        self.emulated = False
         self._info = self._device_info(cp)
 
     @classmethod
@@ -141,10 +149,11 @@ class CupyBackend(ArrayBackend):
         emulation of `cupy_kernels` (bit for bit what the GPU must compute). For tests and
         for checking the GPU; slow."""
         self = cls.__new__(cls)
+        # the emulation is slow: fewer batch sizes (the wide weights fewer still)
+        self.check_plan = replace(cls.check_plan, batches=(2, 3, 5, 8, 9, 17, 33), wide_batches=(2, 3, 5, 17))
         self.xp = np
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
-        self.emulated = True
         self._info = "numpy emulation of the CUDA kernels on the CPU"
         return self
 
@@ -175,8 +184,8 @@ class CupyBackend(ArrayBackend):
                 "(no cuBLAS), row-invariant")
 
     # -- weights ---------------------------------------------------------------------
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> CupyWeight:
-        h = prepare_weight(w, qtype, raw, self.float_weights)
+    def linear_weight(self, t: GGUFTensor) -> CupyWeight:
+        h = prepare_weight(t, self.float_weights)
         xp = self.xp
         return CupyWeight(h.kind, h.n, h.k, xp.asarray(h.w),
                           None if h.scales is None else xp.asarray(h.scales),
@@ -206,119 +215,23 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty_like(gate)
         return self.kernels.silu_mul(gate, up, out)
 
+    def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
+        xp = self.xp
+        self.kernels.kv_write(self._f32(k), self._f32(v), kv.k[layer], kv.v[layer],
+                              xp.ascontiguousarray(slots, dtype=xp.int32),
+                              xp.ascontiguousarray(positions, dtype=xp.int32))
+
     def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
                slots: Any, positions: Any, scale: float) -> Any:
         xp = self.xp
-        q, k, v = self._f32(q), self._f32(k), self._f32(v)
+        q = self._f32(q)
         slots = xp.ascontiguousarray(slots, dtype=xp.int32)
         positions = xp.ascontiguousarray(positions, dtype=xp.int32)
         if q.shape[-1] > MAX_HEAD_DIM:
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
-        kc, vc = kv.k[layer], kv.v[layer]
-        self.kernels.kv_write(k, v, kc, vc, slots, positions)
+        self.write_kv(kv, layer, k, v, slots, positions)
         out = xp.empty_like(q)
-        return self.kernels.attention(q, kc, vc, slots, positions, scale, out)
-
-    # -- start-up self check -----------------------------------------------------------
-    def self_check(self) -> str | None:
-        """None when a row computed alone and the same row inside batches of several
-        sizes, at several positions, give the same bits in every kernel; else what
-        differed. Covers every linear kind and kernel variant (row tiles 1..16, 1 and 4
-        columns per warp, the any-K kernel), RMS norm and attention (GQA, a head_dim below
-        and one at 128, rows of other slots and positions around, prefill vs one row)."""
-        rng = np.random.default_rng(1234)
-        batches = (2, 3, 5, 8, 9, 17, 33) if self.emulated else (2, 3, 4, 5, 8, 9, 16, 17, 33, 64)
-        try:
-            return (self._check_linear(rng, batches) or self._check_rms(rng, batches)
-                    or self._check_attention(rng, batches))
-        except Exception as e:  # a kernel that cannot run is a failed check, not a crash
-            return f"self-check raised {one_line(e, with_type=True)}"
-
-    def _rows_agree(self, name: str, run, k: int, rng, batches) -> str | None:
-        """run(x [B, k] host) -> host rows; compare row alone with the row in batches."""
-        row = rng.standard_normal((1, k), dtype=np.float32)
-        alone = run(row)[0]
-        for B in batches:
-            pos = int(rng.integers(B))
-            x = rng.standard_normal((B, k), dtype=np.float32)
-            x[pos] = row[0]
-            if not np.array_equal(run(x)[pos], alone):
-                return f"{name}: row alone != row {pos} of a batch of {B}"
-        return None
-
-    def _check_linear(self, rng, batches) -> str | None:
-        wide = 8200  # > WIDE_N: the 4-columns-per-warp kernels
-        cases = [(70, 96, "F32"), (70, 96, "F16"), (64, 200, "F16"), (37, 44, "F32"),
-                 (70, 96, "Q8_0"), (70, 128, "Q4_1"), (wide, 64, "F16"), (wide, 32, "Q8_0")]
-        for N, K, qtype in cases:
-            w = rng.standard_normal((N, K), dtype=np.float32)
-            raw = None
-            if qtype in KEPT_QUANT:
-                from gguf import quants, GGMLQuantizationType
-
-                qt = getattr(GGMLQuantizationType, qtype)
-                blocks = quants.quantize(w, qt)
-                w = quants.dequantize(blocks, qt).astype(np.float32)
-                raw = (blocks, qtype)
-            pw = self.linear_weight(w, qtype, raw)
-            bs = batches if N < 1000 else batches[:3] + (17,)
-
-            def run(x, pw=pw):
-                return self.to_numpy(self.linear(self.asarray(x), pw))
-
-            err = self._rows_agree(f"linear {pw.kind} N={N} K={K}", run, K, rng, bs)
-            if err:
-                return err
-        return None
-
-    def _check_rms(self, rng, batches) -> str | None:
-        D = 300  # a tail past the 256 threads
-        wt = self.asarray(rng.standard_normal(D, dtype=np.float32))
-
-        def run(x):
-            return self.to_numpy(self.rms_norm(self.asarray(x), wt, 1e-5))
-
-        return self._rows_agree("rms_norm D=300", run, D, rng, batches)
-
-    def _check_attention(self, rng, batches) -> str | None:
-        for S, G, C, D, H in ((4, 2, 80, 40, 6), (3, 1, 300, 128, 2)):
-            kv = self.new_kv(S, 1, G, C, D)
-            kv.k[0][...] = self.asarray(rng.standard_normal((S, G, C, D), dtype=np.float32))
-            kv.v[0][...] = self.asarray(rng.standard_normal((S, G, C, D), dtype=np.float32))
-            slot, p = 1, C - 43
-            q1 = rng.standard_normal((1, H, D), dtype=np.float32)
-            kn = rng.standard_normal((1, G, D), dtype=np.float32)
-            vn = rng.standard_normal((1, G, D), dtype=np.float32)
-
-            def run(q, k, v, slots, poss, kv=kv, D=D):
-                out = self.attend(kv, 0, self.asarray(q), self.asarray(k), self.asarray(v),
-                                  self.asarray(np.asarray(slots, np.int32)),
-                                  self.asarray(np.asarray(poss, np.int32)), D ** -0.5)
-                return self.to_numpy(out)
-
-            alone = run(q1, kn, vn, [slot], [p])[0]
-            for B in batches:
-                pos = int(rng.integers(B))
-                q = rng.standard_normal((B, H, D), dtype=np.float32)
-                k = rng.standard_normal((B, G, D), dtype=np.float32)
-                v = rng.standard_normal((B, G, D), dtype=np.float32)
-                slots = rng.choice([s for s in range(S) if s != slot], B)  # others write elsewhere
-                poss = rng.integers(0, C, B)
-                q[pos], k[pos], v[pos], slots[pos], poss[pos] = q1[0], kn[0], vn[0], slot, p
-                if not np.array_equal(run(q, k, v, slots, poss)[pos], alone):
-                    return f"attention D={D}: row alone != row {pos} of a batch of {B}"
-            # prefill rows (one slot, consecutive positions) vs the same rows one at a time
-            n = 24
-            qp = rng.standard_normal((n, H, D), dtype=np.float32)
-            kp = rng.standard_normal((n, G, D), dtype=np.float32)
-            vp = rng.standard_normal((n, G, D), dtype=np.float32)
-            poss = np.arange(7, 7 + n)
-            full = run(qp, kp, vp, np.zeros(n, np.int32), poss)
-            for i in (0, 11, n - 1):  # the cache already holds every prefill row's K, V
-                one = run(qp[i:i + 1], kp[i:i + 1], vp[i:i + 1], [0], [poss[i]])[0]
-                if not np.array_equal(full[i], one):
-                    return f"attention D={D}: prefill row {i} != the same row computed alone"
-        return None
+        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -347,22 +260,15 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
             n = int((got.view(np.uint32) != want.view(np.uint32)).sum())
             problems.append(f"{name}: {n} of {got.size} values differ, up to {_ulps(got, want)} ulp")
 
-    from gguf import GGMLQuantizationType, quants
-
     linear_cases = [(1, 40, 64), (2, 70, 96), (3, 33, 288), (4, 9000, 64), (8, 70, 4096),
                     (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77)]
     for qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0"):
         for M, N, K in linear_cases:
-            if qtype in KEPT_QUANT and K % 32:
+            if qtype in BLOCK_BYTES and K % 32:
                 continue
-            w = rng.standard_normal((N, K), dtype=np.float32)
-            raw = None
-            if qtype in KEPT_QUANT:
-                qt = getattr(GGMLQuantizationType, qtype)
-                blocks = quants.quantize(w, qt)
-                w, raw = quants.dequantize(blocks, qt).astype(np.float32), (blocks, qtype)
+            t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
             x = rng.standard_normal((M, K), dtype=np.float32)
-            pw, ew = backend.linear_weight(w, qtype, raw), emu.linear_weight(w, qtype, raw)
+            pw, ew = backend.linear_weight(t), emu.linear_weight(t)
             same(f"linear {qtype} M={M} N={N} K={K}", backend.linear(backend.asarray(x), pw),
                  emu.linear(x, ew))
     for R, D in ((5, 300), (3, 4096), (1, 64)):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .gguf_tensor import GGUFTensor
+
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the types kept quantized
 
@@ -32,6 +34,6 @@ def unpack(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, 
     return np.ascontiguousarray(q.reshape(n, k)), d, m
 
 
-def kept_quantized(qtype: str, raw, k: int) -> bool:
-    """True when a weight can stay quantized: a kept type, its raw blocks at hand."""
-    return raw is not None and qtype in BLOCK_BYTES and raw[1] == qtype and k % BLOCK == 0
+def kept_quantized(t: GGUFTensor) -> bool:
+    """True when the weight `t` can stay quantized: a 2-D tensor of a kept type."""
+    return t.qtype in BLOCK_BYTES and len(t.shape) == 2 and t.shape[1] % BLOCK == 0

@@ -5,9 +5,9 @@ quantization with group size 32 (w = scale * q + bias, q unsigned):
   Q4_1  w = d*q + m        -> bits 4, scale d, bias m
   Q4_0  w = d*(q - 8)      -> bits 4, scale d, bias -8d
   Q8_0  w = d*q, q int8    -> bits 8, q + 128, scale d, bias -128d
-built from the raw GGUF blocks (`GGUFFile.raw`), with float32 scales and biases (every
-f16 d and m, and -8d, -128d, is exact in float32), so the weights MLX multiplies are
-bit for bit the dequantized GGUF weights. Other tensor types are dequantized: float32 on
+built from the GGUF blocks as stored (`GGUFTensor.blocks`), with float32 scales and
+biases (every f16 d and m, and -8d, -128d, is exact in float32), so the weights MLX
+multiplies are bit for bit the dequantized GGUF weights. Other tensor types are dequantized: float32 on
 the CPU device (exact; MLX's CPU float16 matmul is no faster there), float16 on the GPU
 (activations are cast to float16 for those matmuls), F32 tensors stay float32.
 
@@ -45,14 +45,15 @@ import mlx.core as mx
 
 from .base import Array, Backend
 from .gguf_blocks import unpack
+from .gguf_tensor import GGUFTensor
+from .self_check import AttentionCase, CheckPlan, check_batch_invariance
 
 GROUP = 32  # GGUF block size == MLX affine group size
 TILE = 32  # "tile" policy: rows padded to a multiple of this
 POLICIES = ("rowwise", "tile", "plain")
 ATTN_BLOCK = 128  # attention key lengths are rounded up to a multiple of this
 
-# (bytes per block, bits) of the GGUF types kept quantized
-_AFFINE = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # bits per weight in MLX
+_AFFINE = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # the GGUF types kept quantized: bits per weight in MLX
 
 
 @dataclass
@@ -103,7 +104,13 @@ class MLXBackend(Backend):
     """MLX arrays on the default MLX device; quantized GGUF weights stay quantized."""
 
     name = "mlx"
-    wants_raw = True
+    # batch sizes across Metal's qmv/qmm and gemv/gemm limits; probes in three attention
+    # buckets, the last at the final position
+    check_plan = CheckPlan(
+        batches=(2, 3, 5, 8, 13, 17, 33, 40),
+        linear=(("Q4_1", 96, 576), ("Q4_0", 64, 128), ("Q8_0", 72, 512), ("F32", 48, 64), ("F16", 40, 256)),
+        norm_widths=(576,),
+        attention=(AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, ATTN_BLOCK + 3, 3 * ATTN_BLOCK + 39)),))
 
     def __init__(self, device: str | None = None, policy: str | None = None,
                  float_dtype: str | None = None):
@@ -140,17 +147,18 @@ class MLXBackend(Backend):
         mx.eval(a, *pending)
         return np.array(a, copy=True)
 
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> MLXWeight:
-        n, k = w.shape
-        if raw is not None and qtype in _AFFINE and k % GROUP == 0:
-            blocks, raw_type = raw
-            if raw_type == qtype:
-                wq, scales, biases, bits = affine_from_gguf(blocks, qtype, n, k)
-                out = MLXWeight(n, k, mx.array(wq), mx.array(scales), mx.array(biases), bits)
-                mx.eval(out.w, out.scales, out.biases)
-                return out
-        dtype = mx.float32 if qtype == "F32" else self.float_dtype
-        out = MLXWeight(n, k, mx.array(np.ascontiguousarray(w, dtype=np.float32)).astype(dtype))
+    def linear_weight(self, t: GGUFTensor) -> MLXWeight:
+        n, k = t.shape
+        if t.qtype in _AFFINE and k % GROUP == 0:
+            wq, scales, biases, bits = affine_from_gguf(t.blocks, t.qtype, n, k)
+            out = MLXWeight(n, k, mx.array(wq), mx.array(scales), mx.array(biases), bits)
+            mx.eval(out.w, out.scales, out.biases)
+            return out
+        dtype = mx.float32 if t.qtype == "F32" else self.float_dtype
+        if t.qtype == "F16" and dtype == mx.float16:
+            out = MLXWeight(n, k, mx.array(np.ascontiguousarray(t.blocks)))  # as stored
+        else:
+            out = MLXWeight(n, k, mx.array(t.dequantize()).astype(dtype))
         mx.eval(out.w)
         return out
 
@@ -158,9 +166,6 @@ class MLXBackend(Backend):
         return int(w.nbytes)
 
     # -- the forward pass's operations -------------------------------------------------
-    def embed(self, table: Array, ids: Array) -> Array:
-        return mx.take(table, ids, axis=0)
-
     def linear(self, x: Array, w: MLXWeight) -> Array:
         R = x.shape[0]
         if self.policy == "plain" or (w.bits and not self.on_gpu):
@@ -213,15 +218,18 @@ class MLXBackend(Backend):
     def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> MLXKV:
         return MLXKV(n_slots, n_layer, n_kv, ctx, head_dim)
 
-    def attend(self, kv: MLXKV, layer, q, k, v, slots, positions, scale):
-        R, n_head, hd = q.shape
-        n_kv = k.shape[1]
-        rep = n_head // n_kv
-        heads = mx.arange(n_kv)[None, :]
+    def write_kv(self, kv: MLXKV, layer, k, v, slots, positions) -> None:
+        heads = mx.arange(k.shape[1])[None, :]
         kv.k[layer][slots[:, None], heads, positions[:, None]] = k
         kv.v[layer][slots[:, None], heads, positions[:, None]] = v
         if not self._dirty or self._dirty[-1] is not kv:
             self._dirty.append(kv)
+
+    def attend(self, kv: MLXKV, layer, q, k, v, slots, positions, scale):
+        R, n_head, hd = q.shape
+        n_kv = k.shape[1]
+        rep = n_head // n_kv
+        self.write_kv(kv, layer, k, v, slots, positions)
         kc, vc = kv.k[layer], kv.v[layer]
         groups = self._groups(slots, positions, kv.ctx)
         outs = []
@@ -263,20 +271,14 @@ class MLXBackend(Backend):
         self._plan = (positions, slots, ctx, groups)  # holds the arrays: `is` stays valid
         return groups
 
+    def self_check(self) -> str | None:
+        return check_batch_invariance(self, self.check_plan)
+
     def copy_slot(self, kv: MLXKV, src: int, dst: int, n_tokens: int) -> None:
         for layer in range(len(kv.k)):
             kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
             kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
         mx.eval(kv.k, kv.v)
-
-    # -- verification ------------------------------------------------------------------
-    def self_check(self) -> str | None:
-        """Rows alone vs in batches of several sizes and positions, bit for bit, for
-        each weight kind and for attention; None when all agree, else the first problem."""
-        try:
-            return _self_check(self)
-        except Exception as e:  # a failing kernel is a failed check, not a crash
-            return f"MLX self-check raised {type(e).__name__}: {e}"
 
 
 def _available(module: str) -> bool:
@@ -288,77 +290,3 @@ def _available(module: str) -> bool:
 
 def _float_out(y: Array) -> Array:
     return y if y.dtype == mx.float32 else y.astype(mx.float32)
-
-
-def _self_check(be: MLXBackend) -> str | None:
-    rng = np.random.default_rng(1234)
-    sizes = (1, 2, 3, 5, 8, 13, 17, 33, 40)  # crosses Metal's qmv/qmm and gemv/gemm limits
-    for qtype, k, n in (("Q4_1", 576, 96), ("Q4_0", 128, 64), ("Q8_0", 512, 72), ("F32", 64, 48),
-                        ("F16", 256, 40)):
-        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
-        raw = None
-        if qtype in _AFFINE:
-            from gguf import GGMLQuantizationType, quants
-
-            t = getattr(GGMLQuantizationType, qtype)
-            blocks = quants.quantize(w, t)
-            w, raw = quants.dequantize(blocks, t).astype(np.float32), (blocks, qtype)
-        wt = be.linear_weight(w, qtype, raw=raw)
-        x = rng.standard_normal((max(sizes), k)).astype(np.float32)
-        alone = [np.array(be.linear(be.asarray(x[i:i + 1]), wt)) for i in range(len(x))]
-        for size in sizes[1:]:
-            for start in {0, len(x) - size, (len(x) - size) // 2}:
-                got = np.array(be.linear(be.asarray(x[start:start + size]), wt))
-                for j in range(size):
-                    if not np.array_equal(got[j], alone[start + j][0]):
-                        return (f"mlx linear ({qtype} {n}x{k}) row differs alone vs at row {j} "
-                                f"of {size}")
-    for size in sizes[1:]:
-        x = rng.standard_normal((size, 576)).astype(np.float32)
-        g = be.asarray(rng.standard_normal(576).astype(np.float32))
-        full = np.array(be.rms_norm(be.asarray(x), g, 1e-5))
-        for j in (0, size - 1):
-            if not np.array_equal(full[j], np.array(be.rms_norm(be.asarray(x[j:j + 1]), g, 1e-5))[0]):
-                return f"mlx rms_norm row differs alone vs at row {j} of {size}"
-    return _check_attention(be, rng)
-
-
-def _check_attention(be: MLXBackend, rng) -> str | None:
-    n_head, n_kv, hd, ctx = 6, 2, 64, 3 * ATTN_BLOCK + 40
-    kv = be.new_kv(4, 1, n_kv, ctx, hd)
-    # fill every slot's cache (positions 0..ctx-1) with random keys and values
-    for slot in range(4):
-        pos = np.arange(ctx, dtype=np.int32)
-        kk = rng.standard_normal((ctx, n_kv, hd)).astype(np.float32)
-        vv = rng.standard_normal((ctx, n_kv, hd)).astype(np.float32)
-        be.attend(kv, 0, be.asarray(np.zeros((ctx, n_head, hd), np.float32)), be.asarray(kk),
-                  be.asarray(vv), be.asarray(np.full(ctx, slot, np.int32)), be.asarray(pos), 0.125)
-    be.to_numpy(mx.zeros(1))
-
-    def run(rows):  # rows: (slot, position, q, k, v)
-        slots = np.array([r[0] for r in rows], np.int32)
-        pos = np.array([r[1] for r in rows], np.int32)
-        q = np.stack([r[2] for r in rows])
-        kk = np.stack([r[3] for r in rows])
-        vv = np.stack([r[4] for r in rows])
-        return be.to_numpy(be.attend(kv, 0, be.asarray(q), be.asarray(kk), be.asarray(vv),
-                                     be.asarray(slots), be.asarray(pos), 0.125))
-
-    def row(slot, position):
-        return (slot, position, rng.standard_normal((n_head, hd)).astype(np.float32),
-                rng.standard_normal((n_kv, hd)).astype(np.float32),
-                rng.standard_normal((n_kv, hd)).astype(np.float32))
-
-    probe = [row(0, 5), row(1, ATTN_BLOCK + 3), row(2, ctx - 1)]
-    alone = [run([r])[0] for r in probe]
-    others = [row(3, p) for p in (0, 7, ATTN_BLOCK - 1, ATTN_BLOCK, 2 * ATTN_BLOCK + 9, ctx - 2)]
-    batches = [probe, probe[::-1], others[:2] + probe + others[2:], others[3:] + [probe[1]] + others[:3],
-               [probe[2]] + others * 3 + [probe[0]]]
-    for batch in batches:
-        got = run(batch)
-        for i, r in enumerate(batch):
-            for p, a in zip(probe, alone):
-                if r is p and not np.array_equal(got[i], a):
-                    return (f"mlx attention at position {p[1]} differs alone vs at row {i} "
-                            f"of {len(batch)}")
-    return None

@@ -11,21 +11,21 @@ per-row reductions use numpy (`ArrayBackend`).
 The kernels run on as many threads as other processes leave cores idle
 (`cpu_threads.ThreadGovernor`); setting NUMBA_NUM_THREADS fixes the count instead.
 
-`PANECHAT_NUMPY_KERNELS=gemv` selects the slower stacked-GEMV reference policy
-(OpenBLAS gemv per row), for comparison in benchmarks.
+`StackedGemvBackend` is the slower reference policy (OpenBLAS gemv per row), for
+comparison in benchmarks; `PANECHAT_NUMPY_KERNELS=gemv` selects it (`cpu_backend`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
 from .cpu_threads import ThreadGovernor
 from .gguf_blocks import kept_quantized, unpack
+from .gguf_tensor import GGUFTensor
 
 
 @dataclass
@@ -46,24 +46,21 @@ class QuantWeight:
 
 
 class NumpyBackend(ArrayBackend):
-    """CPU arrays with numpy; batch-invariant matmul and attention kernels."""
+    """CPU arrays with numpy; batch-invariant matmul and attention kernels (numba)."""
 
     name = "numpy"
 
-    wants_raw = True
+    def __init__(self):
+        from . import numpy_kernels  # needs numba; `cpu_backend()` falls back without it
 
-    def __init__(self, kernels: str | None = None):
-        kernels = kernels or os.environ.get("PANECHAT_NUMPY_KERNELS", "numba")
-        self.kernels = _load_kernels() if kernels != "gemv" else None
+        self.kernels = numpy_kernels
         self.governor: ThreadGovernor | None = None
-        if self.kernels is not None and not os.environ.get("NUMBA_NUM_THREADS"):
+        if not os.environ.get("NUMBA_NUM_THREADS"):
             import numba
 
             self.governor = ThreadGovernor(numba.get_num_threads(), numba.set_num_threads)
 
     def describe(self) -> str:
-        if self.kernels is None:
-            return "numpy on CPU, stacked GEMV (OpenBLAS gemv per row)"
         if self.governor is not None:
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
@@ -74,33 +71,51 @@ class NumpyBackend(ArrayBackend):
         if self.governor is not None:
             self.governor.tick()
 
-    def linear_weight(self, w: np.ndarray, qtype: str = "F32", raw: Any = None) -> np.ndarray | QuantWeight:
-        if self.kernels is not None and kept_quantized(qtype, raw, w.shape[1]):
-            return QuantWeight(*unpack(raw[0], qtype, *w.shape))
-        return np.ascontiguousarray(w, dtype=np.float32)
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight:
+        if kept_quantized(t):
+            return QuantWeight(*unpack(t.blocks, t.qtype, *t.shape))
+        return t.dequantize()
 
     def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
-        if self.kernels is not None:
-            out = np.empty((x.shape[0], w.shape[0]), np.float32)
-            if isinstance(w, QuantWeight):
-                self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
-            else:
-                self.kernels.linear(x, w, out)
-            return out
+        out = np.empty((x.shape[0], w.shape[0]), np.float32)
+        if isinstance(w, QuantWeight):
+            self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
+        else:
+            self.kernels.linear(x, w, out)
+        return out
+
+    def attend(self, kv: ArrayKV, layer, q, k, v, slots, positions, scale):
+        self.write_kv(kv, layer, k, v, slots, positions)
+        out = np.empty_like(q)
+        self.kernels.attention(q, kv.k[layer], kv.v[layer], slots.astype(np.int32),
+                               positions.astype(np.int32), np.float32(scale), out)
+        return out
+
+
+class StackedGemvBackend(ArrayBackend):
+    """The slow reference policy, for comparison in benchmarks and tests: one OpenBLAS
+    gemv per row and attention one row at a time (invariant, since no call sees two rows);
+    every weight float32."""
+
+    name = "numpy"
+
+    def describe(self) -> str:
+        return "numpy on CPU, stacked GEMV (OpenBLAS gemv per row)"
+
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray:
+        return t.dequantize()
+
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         # A stacked GEMV: one BLAS gemv per row, identical to the row computed alone.
-        return np.matmul(w, x[:, :, None])[:, :, 0]
+        return np.matmul(w, np.ascontiguousarray(x)[:, :, None])[:, :, 0]
 
     def attend(self, kv: ArrayKV, layer, q, k, v, slots, positions, scale):
         self.write_kv(kv, layer, k, v, slots, positions)
         kc, vc = kv.k[layer], kv.v[layer]
         out = np.empty_like(q)
-        if self.kernels is not None:
-            self.kernels.attention(q, kc, vc, slots.astype(np.int32), positions.astype(np.int32),
-                                   np.float32(scale), out)
-            return out
         n_rep = q.shape[1] // kc.shape[1]
-        for r in range(q.shape[0]):  # reference path: one row at a time
+        for r in range(q.shape[0]):
             keys = np.repeat(kc[slots[r], :, : positions[r] + 1], n_rep, axis=0)  # (H, L, hd)
             vals = np.repeat(vc[slots[r], :, : positions[r] + 1], n_rep, axis=0)
             s = np.matmul(keys, q[r][:, :, None])[:, :, 0] * np.float32(scale)  # (H, L)
@@ -109,15 +124,13 @@ class NumpyBackend(ArrayBackend):
             out[r] = np.matmul(vals.transpose(0, 2, 1), p[:, :, None])[:, :, 0]
         return out
 
-    def self_check(self) -> str | None:
-        if self.kernels is not None:
-            return self.kernels.self_check()
-        return None
 
-
-def _load_kernels():
-    try:
-        from . import numpy_kernels
-    except ImportError:
-        return None
-    return numpy_kernels
+def cpu_backend(kernels: str | None = None) -> NumpyBackend | StackedGemvBackend:
+    """The CPU backend `kernels` (else PANECHAT_NUMPY_KERNELS) names: "numba" (default) or
+    "gemv"; the stacked GEMV also when numba cannot be imported."""
+    if (kernels or os.environ.get("PANECHAT_NUMPY_KERNELS", "numba")) != "gemv":
+        try:
+            return NumpyBackend()
+        except ImportError:
+            pass
+    return StackedGemvBackend()

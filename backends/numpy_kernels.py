@@ -36,9 +36,9 @@ Kernels (all arrays C-contiguous; the wrappers raise ValueError otherwise):
   linear_q8(x, wq i8[N,K], scales f32[N,K/32], out, mins=None)  int8 blocks
   attention(q f32[R,H,hd], k_cache, v_cache f32[S,G,ctx,hd],
             row_slot i32[R], row_pos i32[R], scale, out f32[R,H,hd])
-  self_check() -> None | str
 
-``self_check()`` verifies the property on this machine at start-up.
+``NumpyBackend.self_check()`` (backends/self_check.py) verifies the property on this
+machine at start-up.
 
 Compilation uses ``cache=True``: the first import on a machine compiles the
 kernels (~15 s for all of them on 2 cores), later processes load them from
@@ -62,7 +62,6 @@ __all__ = [
     "quantize_q8",
     "dequantize_q8",
     "attention",
-    "self_check",
 ]
 
 LANES = 16  # width of the explicit vectors; part of the numerical contract
@@ -799,88 +798,3 @@ def attention(
         raise ValueError("attention: row_slot / row_pos out of range")
     _attention(q, k_cache, v_cache, row_slot, row_pos, np.float32(scale), out)
     return out
-
-
-# ---------------------------------------------------------------------------
-# start-up self check
-# ---------------------------------------------------------------------------
-
-_CHECK_BATCHES = (2, 3, 5, 8, 17, 32)
-
-
-def _check_rows(name, alone, run_batch, rng):
-    """Compare alone(row) with the same row inside batches at random positions."""
-    for B in _CHECK_BATCHES:
-        pos = int(rng.integers(B))
-        got = run_batch(B, pos)
-        if not np.array_equal(got, alone):
-            return f"{name}: row alone != row {pos} of a batch of {B}"
-    return None
-
-
-def _self_check_linear(rng):
-    for N, K in ((70, 96), (64, 200)):  # leftover columns; a K tail (f32 only)
-        w = rng.standard_normal((N, K), dtype=np.float32)
-        kq = K // QBLOCK * QBLOCK
-        wq, d = quantize_q8(w[:, :kq])
-        mins = rng.standard_normal(d.shape, dtype=np.float32)
-
-        def out(x):
-            return np.empty((len(x), N), np.float32)
-
-        kernels = (
-            ("linear", K, lambda x: linear(x, w, out(x))),
-            ("linear_q8", kq, lambda x: linear_q8(x, wq, d, out(x))),
-            ("linear_q8+mins", kq, lambda x: linear_q8(x, wq, d, out(x), mins)),
-        )
-        for name, k, f in kernels:
-            row = rng.standard_normal((1, k), dtype=np.float32)
-
-            def batch(B, pos, f=f, k=k, row=row):
-                x = rng.standard_normal((B, k), dtype=np.float32)
-                x[pos] = row[0]
-                return f(x)[pos]
-
-            err = _check_rows(f"{name} N={N} K={k}", f(row)[0], batch, rng)
-            if err:
-                return err
-    return None
-
-
-def _self_check_attention(rng):
-    S, G, C, D, H = 4, 2, 80, 40, 6  # D=40 exercises the head-dim tail
-    kc = rng.standard_normal((S, G, C, D), dtype=np.float32)
-    vc = rng.standard_normal((S, G, C, D), dtype=np.float32)
-    q1 = rng.standard_normal((1, H, D), dtype=np.float32)
-    slot, p = 1, 37
-
-    def run(q, slots, poss):
-        out = np.empty_like(q)
-        return attention(q, kc, vc, np.int32(slots), np.int32(poss), 0.125, out)
-
-    alone = run(q1, [slot], [p])[0]
-
-    def batch(B, pos):
-        q = rng.standard_normal((B, H, D), dtype=np.float32)
-        q[pos] = q1[0]
-        slots = rng.integers(0, S, B)
-        poss = rng.integers(0, C, B)
-        slots[pos], poss[pos] = slot, p
-        return run(q, slots, poss)[pos]
-
-    err = _check_rows("attention", alone, batch, rng)
-    if err:
-        return err
-    qp = rng.standard_normal((32, H, D), dtype=np.float32)  # prefill vs one at a time
-    poss = np.arange(40, 72)
-    full = run(qp, np.full(32, 2), poss)
-    for i in (0, 13, 31):
-        if not np.array_equal(full[i], run(qp[i : i + 1].copy(), [2], [poss[i]])[0]):
-            return f"attention: prefill row {i} != the same row computed alone"
-    return None
-
-
-def self_check() -> str | None:
-    """None when every kernel is batch-invariant on this machine, else what differed."""
-    rng = np.random.default_rng(1234)
-    return _self_check_linear(rng) or _self_check_attention(rng)

@@ -1,4 +1,4 @@
-"""Reading GGUF model files: metadata and dequantized tensors.
+"""Reading GGUF model files: metadata, and tensors as stored (dequantized on demand).
 
 Follows the GGUF spec (ggml docs/gguf.md) through the `gguf` package's memory-mapped
 reader; every tensor type that `gguf.quants` can dequantize is supported.
@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.errors import one_line
+from ..backends.gguf_tensor import GGUFTensor
 
 
 class ModelFileError(Exception):
@@ -25,7 +26,7 @@ class GGUFFile:
 
     path: Path
     metadata: dict[str, Any]
-    _tensors: dict[str, Any]
+    _tensors: dict[str, GGUFTensor]
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
@@ -43,7 +44,7 @@ class GGUFFile:
         try:
             reader = gguf.GGUFReader(path, "r")
             metadata = {k: _field_value(f) for k, f in reader.fields.items()}
-            tensors = {t.name: t for t in reader.tensors}
+            tensors = {t.name: _lazy(t) for t in reader.tensors}
         except Exception as e:  # the reader raises many kinds on damaged files
             raise ModelFileError(
                 f"{path} is a damaged or truncated GGUF file ({one_line(e, with_type=True)}); "
@@ -51,40 +52,20 @@ class GGUFFile:
             ) from None
         return cls(path, metadata, tensors)
 
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", "unknown"))
-
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def tensor_names(self) -> list[str]:
-        return list(self._tensors)
+    def tensor(self, name: str) -> GGUFTensor:
+        """The tensor as stored, a view of the memory map; nothing is read or converted
+        until a backend asks (`GGUFTensor.dequantize`, or its blocks)."""
+        return self._tensors[name]
 
-    def tensor_type(self, name: str) -> str:
-        return self._tensors[name].tensor_type.name
 
-    def tensor(self, name: str) -> np.ndarray:
-        """The tensor as float32 in row-major (rows = output features) order."""
-        from gguf import quants
-
-        t = self._tensors[name]
-        try:
-            data = quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelFileError(
-                f"{self.path}: tensor {name} has type {t.tensor_type.name}, which panechat cannot "
-                "dequantize; use a file quantized as Q4_0/Q4_1/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K/F16/F32"
-            ) from None
-        except Exception as e:
-            raise ModelFileError(f"{self.path}: tensor {name} is unreadable ({one_line(e)})") from None
-        return np.ascontiguousarray(data, dtype=np.float32)
-
-    def raw(self, name: str) -> tuple[np.ndarray, str]:
-        """The tensor as stored, not dequantized: quantized types as uint8 blocks
-        [rows, bytes per row] (GGML block layout), plus the type name."""
-        t = self._tensors[name]
-        return np.asarray(t.data), t.tensor_type.name
+def _lazy(t: Any) -> GGUFTensor:
+    """A gguf ReaderTensor as a GGUFTensor: shape in row-major order (GGUF lists the
+    dimensions innermost first), the data as a plain view of the memory map."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    return GGUFTensor(t.name, shape, t.tensor_type.name, t.data.view(np.ndarray))
 
 
 def _field_value(field: Any) -> Any:

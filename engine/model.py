@@ -9,12 +9,13 @@ rows of different sequences (prefill chunks and decode tokens alike) share one p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..backends.base import Backend
+from ..backends.gguf_tensor import GGUFTensor, TensorError
 from .gguf_file import GGUFFile, ModelFileError
 from .model_args import ModelArgs
 
@@ -54,46 +55,48 @@ class Model:
 
     args: ModelArgs
     backend: Backend
-    token_embd: Any
+    token_embd: GGUFTensor  # as stored; `Backend.embed` dequantizes the rows a step needs
     output_norm: Any
     output: Any
     layers: list[Layer]
     rope: tuple = ()  # (cos, sin) tables on the backend
     load_seconds: float = 0.0
     weight_bytes: int = 0
-    qtypes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None = None) -> "Model":
-        """Dequantize every tensor of `gf` onto `backend`; timed in `load_seconds`."""
+        """Hand every tensor of `gf` to `backend` as stored (`GGUFTensor`); the backend
+        keeps or dequantizes it. Timed in `load_seconds`; raises ModelFileError."""
+        try:
+            return cls._load(gf, backend, max_positions)
+        except TensorError as e:  # a tensor the backend could not dequantize
+            raise ModelFileError(f"{gf.path}: {e}") from None
+
+    @classmethod
+    def _load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None) -> "Model":
         t0 = time.perf_counter()
         args = ModelArgs.from_metadata(gf.metadata)
-        qtypes: dict[str, int] = {}
         nbytes = 0
 
-        def tensor(name: str, required: bool = True) -> np.ndarray | None:
+        def tensor(name: str, required: bool = True) -> GGUFTensor | None:
             if not gf.has(name):
                 if required:
                     raise ModelFileError(f"{gf.path}: tensor {name} is missing; the file is incomplete")
                 return None
-            qtypes[gf.tensor_type(name)] = qtypes.get(gf.tensor_type(name), 0) + 1
             return gf.tensor(name)
 
         def vec(name: str, required: bool = True):
-            a = tensor(name, required)
-            return None if a is None else backend.asarray(a.reshape(-1))
+            t = tensor(name, required)
+            return None if t is None else backend.asarray(t.dequantize().reshape(-1))
 
-        def lin(name: str, w: np.ndarray | None = None):
+        def lin(name: str):
             nonlocal nbytes
-            w = tensor(name) if w is None else w
-            kw = {"raw": gf.raw(name)} if backend.wants_raw else {}
-            w = backend.linear_weight(w, gf.tensor_type(name), **kw)
+            w = backend.linear_weight(tensor(name))
             nbytes += backend.nbytes(w)
             return w
 
-        embd = tensor("token_embd.weight")
+        embd = tensor("token_embd.weight")  # rows are dequantized per step (Backend.embed)
         _check_shape("token_embd.weight", embd, (args.vocab_size, args.n_embd), gf)
-        out_w = tensor("output.weight", required=False)
         layers = []
         for i in range(args.n_layer):
             p = f"blk.{i}."
@@ -111,24 +114,23 @@ class Model:
                 attn_k_bias=vec(p + "attn_k.bias", required=False),
                 attn_v_bias=vec(p + "attn_v.bias", required=False),
             ))
-        output = lin("output.weight", out_w) if out_w is not None else lin("token_embd.weight", embd)
+        output = lin("output.weight" if gf.has("output.weight") else "token_embd.weight")  # tied
         nbytes += embd.nbytes
-        freq_factors = tensor("rope_freqs.weight", required=False)
+        freqs = tensor("rope_freqs.weight", required=False)
         rope = backend.rope_tables(args.rope_dim, args.rope_base, max_positions or args.context_length,
-                                   freq_factors)
-        return cls(args, backend, backend.asarray(embd), vec("output_norm.weight"), output, layers,
-                   rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, qtypes=qtypes)
+                                   None if freqs is None else freqs.dequantize())
+        return cls(args, backend, embd, vec("output_norm.weight"), output, layers,
+                   rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
         """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
         a, be = self.args, self.backend
         be.begin_step()
-        tokens = be.asarray(batch.tokens)
         slots = be.asarray(batch.slots)
         positions = be.asarray(batch.positions)
         R = len(batch.tokens)
         scale = 1.0 / float(np.sqrt(a.head_dim))
-        x = be.embed(self.token_embd, tokens)  # (R, D)
+        x = be.embed(self.token_embd, batch.tokens)  # (R, D)
         for i, L in enumerate(self.layers):
             h = be.rms_norm(x, L.attn_norm, a.rms_eps)
             q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
@@ -149,6 +151,6 @@ def _biased(y, bias):
     return y if bias is None else y + bias
 
 
-def _check_shape(name: str, a: np.ndarray, want: tuple[int, ...], gf: GGUFFile) -> None:
+def _check_shape(name: str, a: GGUFTensor, want: tuple[int, ...], gf: GGUFFile) -> None:
     if tuple(a.shape) != want:
         raise ModelFileError(f"{gf.path}: tensor {name} has shape {a.shape}, metadata says {want}")

@@ -30,12 +30,6 @@ class ModelArgs:
     rope_base: float
     rope_dim: int
     rope_style: str
-    name: str = ""
-
-    @property
-    def n_rep(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_head // self.n_kv_head
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "ModelArgs":
@@ -71,5 +65,4 @@ class ModelArgs:
             rope_base=float(get("rope.freq_base", 10000.0)),
             rope_dim=int(get("rope.dimension_count", head_dim)),
             rope_style=ROPE_STYLE[arch],
-            name=str(meta.get("general.name", "")),
         )

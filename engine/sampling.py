@@ -2,21 +2,45 @@
 
 Small factories returning callables, as mlx-lm's `sample_utils.py`. A sampler sees one
 sequence's logits only, so its choice never depends on the rest of the batch.
+
+The arithmetic is finite for every parameter `validate` accepts: a temperature below
+`GREEDY_BELOW` is greedy (llama.cpp's sampler is greedy for `temp <= 0`; dividing by a
+subnormal temperature would overflow), and the scaled logits are shifted so the best token
+has probability exactly 1 before the filters, which therefore always keep it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Callable
 
 import numpy as np
 
 Sampler = Callable[[np.ndarray], int]
 
+GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) mean greedy
+MAX_TEMPERATURE = 10.0
+
+
+class SamplingError(ValueError):
+    """This sequence's logits cannot be sampled (NaN or +inf from the model); the engine
+    fails that request alone."""
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of the sampler; temperature 0 means greedy."""
+    """What a request asks of the sampler; a temperature below GREEDY_BELOW (0 included)
+    means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -26,45 +50,74 @@ class SamplingParams:
     max_tokens: int = 256
 
     def validate(self) -> None:
-        """Raise ValueError (one line) for out-of-range parameters."""
-        if not (0.0 <= self.temperature <= 10.0):
-            raise ValueError("temperature must be between 0 and 10")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 disables it)")
+        """Raise ValueError (one line) for out-of-range parameters: floats must be finite
+        and in range, integers must be integers (any size; max_tokens is further capped by
+        the context)."""
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number")
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be between 0 and {MAX_TEMPERATURE:g} "
+                             f"(below {GREEDY_BELOW:g} means greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 disables it)")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
         if not (0.0 <= self.min_p < 1.0):
             raise ValueError("min_p must be in [0, 1)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ValueError("seed must be a non-negative integer")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError("max_tokens must be an integer >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sampler takes the argmax (temperature below GREEDY_BELOW)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def make_sampler(params: SamplingParams) -> Sampler:
-    """A callable logits[V] -> token id; greedy when temperature is 0."""
-    if params.temperature == 0.0:
-        return lambda logits: int(np.argmax(logits))
+    """A callable logits[V] -> token id (greedy for a tiny temperature); it raises
+    SamplingError when the logits hold NaN or +inf."""
+    if params.greedy:
+        return _greedy
     rng = np.random.default_rng(params.seed)
     return lambda logits: _sample(logits, params, rng)
 
 
+def _greedy(logits: np.ndarray) -> int:
+    tok = int(np.argmax(logits))
+    if not math.isfinite(logits[tok]):  # argmax lands on a NaN or +inf when there is one
+        raise _bad_logits()
+    return tok
+
+
+def _bad_logits() -> SamplingError:
+    return SamplingError("the model produced non-finite logits (NaN or inf) for this request")
+
+
 def _sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+    # float64 and temperature >= GREEDY_BELOW: |x| <= 3.4e38 / 1e-5, so no overflow
     x = logits.astype(np.float64) / p.temperature
-    probs = np.exp(x - x.max())
-    if p.min_p > 0.0:  # keep tokens at least min_p times as likely as the best one
+    top = x.max()  # NaN when any logit is NaN
+    if not math.isfinite(top):
+        raise _bad_logits()
+    probs = np.exp(x - top)  # relative to the best token, whose entry is exactly 1.0
+    if p.min_p > 0.0:  # keep tokens at least min_p times as likely as the best (1.0 > min_p: kept)
         probs[probs < p.min_p] = 0.0
     if 0 < p.top_k < probs.size:
         cut = np.partition(probs, probs.size - p.top_k)[probs.size - p.top_k]
         probs[probs < cut] = 0.0
-    probs /= probs.sum()
+    probs /= probs.sum()  # the sum is >= 1: the best token's 1.0 survives every filter
     if p.top_p < 1.0:
         probs = _nucleus(probs, p.top_p)
     return int(rng.choice(probs.size, p=probs))
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Zero all but the smallest most-likely set whose mass reaches top_p (exact).
+    """Zero all but the smallest most-likely set whose mass reaches top_p (exact; always
+    at least the best token, so a tiny top_p means "the best token only").
 
     Sorting the whole vocabulary per token is slow, so look at the 256 most likely first;
     only when their mass falls short of top_p is the full sort needed."""

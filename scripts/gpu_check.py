@@ -10,7 +10,7 @@ numpy backend used for comparisons falls back to its GEMV path without it).
 What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
   1. versions: GPU, driver, CUDA driver API and runtime, NVRTC, cupy, numpy, gguf;
   2. every CUDA kernel variant against the numpy emulation of its documented arithmetic,
-     bit for bit (backends/cupy_kernels.py);
+     bit for bit (backends/cupy_kernels/);
   3. the backend's start-up self_check() (rows alone vs in batches, bit for bit);
   4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, and
      head_dim 128): GPU logits == emulated backend bit for bit; vs the numpy backend and
@@ -352,13 +352,13 @@ def self_check(rep: Report, be) -> None:
 
 def tiny_models(rep: Report, be, tmp: Path) -> list:
     from panechat.backends.cupy_backend import CupyBackend
-    from panechat.backends.numpy_backend import NumpyBackend
+    from panechat.backends.numpy_backend import cpu_backend
     from panechat.engine.gguf_file import GGUFFile
     from panechat.engine.model import Model
     from tests.tiny_gguf import reference_logits, write_tiny_gguf
 
     rep.section(f"tiny models: GPU == emulation bit for bit; vs numpy and float64 < {REL_TOL:g}; greedy tokens")
-    nb = NumpyBackend()
+    nb = cpu_backend()
     cases = [(a, q, t, {}) for a in ("llama", "qwen2")
              for q, t in (("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True))]
     cases.append(("llama", "Q8_0", True, dict(n_embd=256, n_head=2, n_kv=1, n_ff=160)))  # head_dim 128
@@ -416,7 +416,7 @@ MID = [("qwen2 1536/12/2/8960 x2 Q8_0", "qwen2", "Q8_0", dict(n_layer=2, n_embd=
 
 
 def real_width(rep: Report, be, tmp: Path, cases=MID) -> list:
-    from panechat.backends.numpy_backend import NumpyBackend
+    from panechat.backends.numpy_backend import cpu_backend
     from panechat.engine.gguf_file import GGUFFile
     from panechat.engine.model import Model
     from tests.tiny_gguf import reference_logits, write_tiny_gguf
@@ -433,7 +433,7 @@ def real_width(rep: Report, be, tmp: Path, cases=MID) -> list:
             weights = write_tiny_gguf(path, arch, qtype=qtype, tied=True, seed=5, **shape)
             gf = GGUFFile.open(path)
             gm = Model.load(gf, be, max_positions=64)
-            nm = Model.load(gf, NumpyBackend(), max_positions=64)
+            nm = Model.load(gf, cpu_backend(), max_positions=64)
             tokens = np.random.default_rng(2).integers(0, gm.args.vocab_size, 12).tolist()
             ref = reference_logits(weights, arch, tokens)
             del weights

@@ -1,4 +1,5 @@
-"""The embedded engine as a ChatBackend: panes submit straight into its batch."""
+"""The embedded engine as a ChatBackend: panes submit straight into its batch (the prompt
+is rendered and tokenized in a worker thread first, as the server does)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,37 @@ from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenPara
 
 
 class LocalStream(ChatStream):
-    """Engine events translated to StreamEvents; submit errors become Finished('error')."""
+    """Engine events translated to StreamEvents. The prompt is rendered and tokenized in a
+    worker thread once iteration starts (never on the UI's event loop), then submitted;
+    submit errors become Finished('error')."""
 
-    def __init__(self, gen: Generation | None, error: str | None = None):
+    def __init__(self, engine: Engine | None, messages: list[dict] | None = None,
+                 params: SamplingParams | None = None, conversation: str = "", *, error: str | None = None):
         super().__init__()
-        self.gen, self.error = gen, error
-        self.id = gen.id if gen else ""
+        self.engine, self.messages, self.params, self.conversation = engine, messages or [], params, conversation
+        self.error = error
+        self.gen: Generation | None = None
+        self._cancelled = False
+
+    async def _submit(self) -> None:
+        """Tokenize off the loop, then queue; sets `gen`, or `error` with the reason."""
+        try:
+            ids = await asyncio.to_thread(self.engine.prompt_ids, self.messages)
+            gen = self.engine.submit(prompt_ids=ids, params=self.params, conversation=self.conversation)
+        except Exception as e:  # refusals (app/engine_errors.py), incl. the engine stopping meanwhile
+            refusal = classify(e)
+            if refusal is None:
+                raise
+            self.error = ("the engine queue is full; try again when a reply finishes" if refusal is QUEUE_FULL
+                          else str(e))
+            return
+        self.gen, self.id = gen, gen.id
+        if self._cancelled:  # stopped while tokenizing: the engine still sends the Finished
+            self.gen.cancel()
 
     async def __aiter__(self) -> AsyncIterator:
+        if self.engine is not None:
+            await self._submit()
         if self.gen is None:
             yield Finished("error", "", error=self.error)
             return
@@ -35,6 +59,7 @@ class LocalStream(ChatStream):
                 yield Finished(ev.reason, ev.text, ev.usage, ev.timings, ev.error)
 
     def cancel(self) -> None:
+        self._cancelled = True
         if self.gen is not None:
             self.gen.cancel()
 
@@ -68,19 +93,11 @@ class LocalBackend(ChatBackend):
 
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
         if self.engine is None:
-            return LocalStream(None, "the model is still loading")
+            return LocalStream(None, error="the model is still loading")
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens)
-        try:
-            return LocalStream(self.engine.submit(msgs, params=sp, conversation=conversation))
-        except Exception as e:
-            refusal = classify(e)  # app/engine_errors.py
-            if refusal is None:
-                raise
-            if refusal is QUEUE_FULL:
-                return LocalStream(None, "the engine queue is full; try again when a reply finishes")
-            return LocalStream(None, str(e))
+        return LocalStream(self.engine, msgs, sp, conversation)
 
     def stats(self) -> EngineStats | None:
         if self.engine is None:

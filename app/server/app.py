@@ -23,7 +23,7 @@ from .errors import APIError
 from .limits import Guard, Limits
 from .openai_api import chat_completions, get_model, list_models
 from .prometheus import CONTENT_TYPE, make_registry, render
-from .request_log import RequestLog
+from .request_log import RequestLog, set_log_detail
 from .security import BrowserGuard
 from .state import ServerState, state_of
 from .websocket import websocket_endpoint

@@ -98,19 +98,4 @@ class PanechatApp(App):
         yield from super().get_system_commands(screen)
         if not isinstance(screen, MainScreen):
             return
-        s = screen
-        yield SystemCommand("New pane", "Open a new conversation pane (ctrl+n)", s.action_new_pane)
-        yield SystemCommand("Close pane", "Close the active pane (ctrl+w)", s.action_close_pane)
-        yield SystemCommand("Next pane", "Focus the next pane (tab)", s.action_next_pane)
-        yield SystemCommand("Previous pane", "Focus the previous pane (shift+tab)", s.action_previous_pane)
-        yield SystemCommand("Maximize / restore pane", "Show the active pane alone, or the grid again (ctrl+o)",
-                            s.action_toggle_maximize)
-        yield SystemCommand("Stop generation", "Stop the active pane's reply (ctrl+s)", s.action_stop)
-        yield SystemCommand("Broadcast prompt", "Send the same prompt to every pane (ctrl+t)", s.action_broadcast)
-        yield SystemCommand("Pane settings", "System prompt, temperature, max tokens, seed (f2)", s.action_settings)
-        yield SystemCommand("Export conversation to Markdown", "Write the active pane's conversation to a .md file (f3)",
-                            s.action_export)
-        yield SystemCommand("Open conversation", "Open a stored conversation in a new pane (f4)",
-                            s.action_open_conversation)
-        yield SystemCommand("Copy last reply", "Copy the active pane's last reply to the clipboard",
-                            s.action_copy_reply)
+        yield from screen.palette_commands()

@@ -1,7 +1,7 @@
 """What the UI itself costs: time spent in the pane and dashboard update code.
 
-The panes and the dashboard wrap their hot paths (per-event handling, throttled
-Markdown flushes, dashboard refresh) in `UiCost.measure`, so a run with 8 streaming
+The panes and the dashboard add the time of their hot paths (per-event handling,
+throttled Markdown flushes, dashboard refresh) with `UiCost.add`, so a run with 8 streaming
 panes can report UI milliseconds per second next to the engine's step time
 (docs/benchmarks.md). `main_thread_cpu_s` adds everything else on the UI thread
 (Textual layout, Markdown parsing, rendering) via `time.thread_time`.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 
 class UiCost:
@@ -25,15 +24,6 @@ class UiCost:
 
     def reset(self) -> None:
         self.__init__()
-
-    @contextmanager
-    def measure(self, category: str):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[category] += time.perf_counter() - t
-            self.calls[category] += 1
 
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds

@@ -26,14 +26,14 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     {},  # a fetch() with a Blob body sends no Content-Type at all
 ])
 def test_415_for_non_json_posts(live, http, headers):
-    before = live.engine.stats()["requests_finished"]
+    before = live.engine.stats().requests_finished
     r = http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "Hi"}]}',
                   headers=headers)
     assert r.status_code == 415, r.text
     err = r.json()["error"]
     assert err["code"] == "unsupported_media_type" and err["type"] == "invalid_request_error"
     assert "application/json" in err["message"]
-    assert live.engine.stats()["requests_finished"] == before  # nothing was generated
+    assert live.engine.stats().requests_finished == before  # nothing was generated
     ok = http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "Hi"}], '
                    b'"max_tokens": 2}', headers={"content-type": "Application/JSON; charset=utf-8"})
     assert ok.status_code == 200

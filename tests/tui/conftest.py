@@ -18,7 +18,7 @@ MAX_TOKENS = 16  # replies stay short so the suite runs in a few minutes on 2 co
 @contextmanager
 def running_engine(loaded_model, **config):
     """A started Engine on the default model (4 at once, 8 KV slots unless `config` says
-    otherwise; no start-up self-check, tests/test_batch_invariance.py covers it)."""
+    otherwise; no start-up self-check, tests/engine/test_batch_invariance.py covers it)."""
     settings = {"max_concurrent": 4, "kv_sessions": 8, "max_queue": 16, "ctx_size": 1024,
                 "verify_invariance": False, **config}
     engine = Engine(loaded_model, EngineConfig(**settings)).start()

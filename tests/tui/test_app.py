@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 from textual import events
 
@@ -89,7 +90,9 @@ async def test_stop_cancels_one_pane_mid_stream(tui_engine, store):
         assert first.meter.tokens < 400
         assert first.state == "idle (stopped)"
         assert second.last_finish.reason in ("stop", "length")
-        # the partial reply is kept, as the server does
+        # the partial reply is kept, as the server does (the screen stores what the pane posts)
+        await wait_for(pilot, lambda: store.messages(first.conversation.id)[-1].role == "assistant",
+                       timeout=10, what="the partial reply stored")
         assert store.messages(first.conversation.id)[-1].meta["reason"] == "cancelled"
 
 
@@ -213,6 +216,11 @@ async def test_palette_lists_the_pane_commands(tui_engine, store):
         assert {"New pane", "Close pane", "Next pane", "Previous pane", "Maximize / restore pane",
                 "Stop generation", "Broadcast prompt", "Pane settings", "Export conversation to Markdown",
                 "Theme"} <= titles
+        # built from the bindings: each of the screen's own keys has its entry, key named
+        helps = [c.help for c in app.get_system_commands(app.main)]
+        for b in app.main.BINDINGS:
+            if not b.action.startswith("app."):
+                assert any(h.endswith(f"({b.key})") for h in helps), f"{b.key} is not in the palette"
         new = next(c for c in app.get_system_commands(app.main) if c.title == "New pane")
         await new.callback()
         assert len(app.main.panes) == 2
@@ -279,3 +287,28 @@ async def test_closing_a_busy_pane_cancels_its_reply(tui_engine, store):
                        timeout=30, what="the engine to drop the stream")
         assert store.layout("local") == [app.main.panes[0].conversation.id]
         assert store.get_conversation(conv_id) is not None  # closed, not deleted: F4 reopens it
+
+
+async def test_prompts_are_tokenized_off_the_event_loop(tui_engine, store, monkeypatch):
+    """Rendering the chat template and tokenizing a pane's prompt run in a worker thread,
+    never on the thread of the app's event loop (a long history takes milliseconds)."""
+    lm, calls = tui_engine.lm, []
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            calls.append((fn.__name__, threading.get_ident()))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(lm.template, "render", recorded(lm.template.render))
+    monkeypatch.setattr(lm.tokenizer, "encode", recorded(lm.tokenizer.encode))
+    app = make_app(tui_engine, store)
+    async with app.run_test(size=SIZE) as pilot:
+        loop_thread = threading.get_ident()  # the test runs on the app's loop
+        await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Hello")
+        await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, what="the reply")
+        assert pane.last_finish.reason in ("stop", "length")
+    assert {name for name, _ in calls} == {"render", "encode"}
+    assert [name for name, thread in calls if thread == loop_thread] == []

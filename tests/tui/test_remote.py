@@ -107,6 +107,8 @@ async def test_ws_panes_join_the_servers_batch(server, store):
         pane = app2.main.panes[0]
         await wait_for(pilot, lambda: len(pane.history) == 2, timeout=30, what="the server's copy")
         assert [m.content for m in pane.history] == ["Name a fruit", reply]
+        await wait_for(pilot, lambda: len(other_store.messages(conv_id)) == 2, what="the copy stored")
+        assert [m.content for m in other_store.messages(conv_id)] == ["Name a fruit", reply]
     other_store.close()
 
 

@@ -1,4 +1,5 @@
-"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard."""
+"""Widgets in tiny host apps: the prompt input, the pane grid, the dashboard, streamed
+Markdown lists, and a pane on the real engine."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ from textual.app import App
 from textual.widgets import DataTable, Static
 
 from panechat.app.clients.base import BackendInfo, ChatBackend
+from panechat.app.clients.local import LocalBackend
+from panechat.app.store import Conversation
 from panechat.app.tui.widgets.dashboard import Dashboard, sparkline, state_words
+from panechat.app.tui.widgets.pane import ChatPane
 from panechat.app.tui.widgets.pane_grid import GRID_SHAPES, PaneGrid
 from panechat.app.tui.widgets.prompt_input import PromptInput
 from panechat.engine.stats import EngineStats, StreamState, StreamStats
+
+from .conftest import MAX_TOKENS, wait_for
 
 
 class InputHost(App):
@@ -190,3 +196,65 @@ async def test_streamed_lists_render_like_a_full_parse():
         assert streamed.source == reply
         assert _blocks_of(streamed) == _blocks_of(whole)
         assert ("MarkdownBullet", " 10. ") in _blocks_of(streamed)
+
+
+async def test_a_growing_list_keeps_the_items_it_shows():
+    """Appending an item leaves the rows already shown mounted (same widgets), until the
+    numbers get wider (9 -> 10), when every row is rebuilt with wider bullets."""
+    from textual.containers import Horizontal
+    from textual.widgets import Markdown
+
+    from panechat.app.tui.widgets.transcript import GrowingOrderedList
+
+    app = MarkdownHost()
+    async with app.run_test(size=(60, 40)) as pilot:
+        streamed = app.query_one("#streamed")
+        stream = Markdown.get_stream(streamed)
+
+        async def write(text: str) -> list:
+            await stream.write(text)
+            await pilot.pause()
+            return list(streamed.query_one(GrowingOrderedList).query_children(Horizontal))
+
+        rows = await write("1. one\n2. two\n")
+        grown = await write("3. three\n4. four\n")
+        assert len(grown) == 4 and grown[0] is rows[0]
+        wider = await write("".join(f"{i}. item\n" for i in range(5, 11)))
+        assert len(wider) == 10 and wider[0] is not rows[0]
+        await stream.stop()
+
+
+class PaneHost(App):
+    """One ChatPane and no store: the host records what the pane posts up."""
+
+    def __init__(self, pane: ChatPane):
+        super().__init__()
+        self.pane = pane
+        self.posted: list[tuple] = []
+
+    def compose(self):
+        yield self.pane
+
+    def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
+        self.posted.append(("renamed", event.pane.conversation.title))
+
+    def on_chat_pane_message_added(self, event: ChatPane.MessageAdded) -> None:
+        self.posted.append(("added", event.message.role, event.message.content))
+
+    def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
+        self.posted.append(("finished", event.finished.reason))
+
+
+async def test_a_pane_reports_its_turns_as_messages(tui_engine):
+    """A pane keeps no store: the rename, the prompt and the reply go up as messages, in order."""
+    pane = ChatPane(Conversation("c-pane", "New chat", max_tokens=MAX_TOKENS), [], LocalBackend(tui_engine))
+    app = PaneHost(pane)
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert pane.send("Hello there\nsecond line")
+        await wait_for(pilot, lambda: app.posted and app.posted[-1][0] == "finished", what="the reply")
+        reply = pane.last_finish.text
+        assert reply
+        assert app.posted == [("renamed", "Hello there"), ("added", "user", "Hello there\nsecond line"),
+                              ("added", "assistant", reply), ("finished", pane.last_finish.reason)]
+        assert [(m.role, m.content) for m in pane.history] == [("user", "Hello there\nsecond line"),
+                                                               ("assistant", reply)]

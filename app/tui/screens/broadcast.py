@@ -18,7 +18,7 @@ class BroadcastScreen(ModalScreen[str | None]):
     BroadcastScreen > Vertical {
         width: 80; height: auto; border: round $accent; background: $surface; padding: 1 2;
     }
-    BroadcastScreen Label { color: $text-muted; margin-bottom: 1; }
+    BroadcastScreen Label { width: 1fr; color: $text-muted; margin-bottom: 1; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -28,7 +28,8 @@ class BroadcastScreen(ModalScreen[str | None]):
 
     def compose(self):
         with Vertical():
-            yield Label(f"Send the same prompt to all {self.n_panes} panes (Enter sends, ctrl+j newline, escape cancels)")
+            yield Label(f"Send the same prompt to all {self.n_panes} panes\n"
+                        "(Enter sends, ctrl+j newline, escape cancels)")
             yield PromptInput(placeholder="Prompt for every pane")
 
     def on_mount(self) -> None:

@@ -6,7 +6,9 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Iterator
 
+from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
@@ -14,6 +16,7 @@ from textual.widgets import Footer
 
 from ...clients.base import ChatBackend
 from ...store import Store
+from ..commands import Command, binding_commands
 from ..widgets.dashboard import Dashboard
 from ..widgets.pane import FLUSH_HZ, ChatPane
 from ..widgets.pane_grid import MAX_PANES, PaneGrid
@@ -27,19 +30,27 @@ MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
 
 
 class MainScreen(Screen):
-    """Owns the panes (their order is the grid order) and saves the layout on every change."""
+    """Owns the panes (their order is the grid order) and the store: saves the layout on
+    every change, and what the panes report (their turns, titles, a server's history)."""
 
-    BINDINGS = [
-        Binding("ctrl+n", "new_pane", "New", priority=True, tooltip="Open a new conversation pane"),
-        Binding("ctrl+w", "close_pane", "Close", priority=True, tooltip="Close the active pane"),
-        Binding("tab", "next_pane", "Next", tooltip="Focus the next pane"),
-        Binding("shift+tab", "previous_pane", "Prev", tooltip="Focus the previous pane"),
-        Binding("ctrl+o", "toggle_maximize", "Max", priority=True, tooltip="Maximize or restore the active pane"),
-        Binding("ctrl+s", "stop", "Stop", priority=True, tooltip="Stop the active pane's reply"),
-        Binding("ctrl+t", "broadcast", "Broadcast", priority=True, tooltip="Send one prompt to every pane"),
-        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature, max tokens, seed"),
-        Binding("f3", "export", "Export", tooltip="Export the conversation to Markdown"),
-        Binding("f4", "open_conversation", "Open", tooltip="Open a stored conversation in a new pane"),
+    BINDINGS = [  # the Commands are the command palette's entries too (app.get_system_commands)
+        Command("ctrl+n", "new_pane", "New", priority=True, title="New pane",
+                tooltip="Open a new conversation pane"),
+        Command("ctrl+w", "close_pane", "Close", priority=True, title="Close pane", tooltip="Close the active pane"),
+        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane"),
+        Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane"),
+        Command("ctrl+o", "toggle_maximize", "Max", priority=True, title="Maximize / restore pane",
+                tooltip="Show the active pane alone, or the grid again"),
+        Command("ctrl+s", "stop", "Stop", priority=True, title="Stop generation",
+                tooltip="Stop the active pane's reply"),
+        Command("ctrl+t", "broadcast", "Broadcast", priority=True, title="Broadcast prompt",
+                tooltip="Send the same prompt to every pane"),
+        Command("f2", "settings", "Settings", title="Pane settings",
+                tooltip="System prompt, temperature, max tokens, seed"),
+        Command("f3", "export", "Export", title="Export conversation to Markdown",
+                tooltip="Write the active pane's conversation to a .md file"),
+        Command("f4", "open_conversation", "Open", title="Open conversation",
+                tooltip="Open a stored conversation in a new pane"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
     ]
 
@@ -104,7 +115,7 @@ class MainScreen(Screen):
             max_tokens=int(st("default_max_tokens", "512") or 512))
 
     def _make_pane(self, conv) -> ChatPane:
-        return ChatPane(conv, self.store.messages(conv.id), self.backend, self.store,
+        return ChatPane(conv, self.store.messages(conv.id), self.backend,
                         ready=getattr(self.app, "backend_ready", None), ticker=False)
 
     def _relayout(self) -> None:
@@ -143,14 +154,31 @@ class MainScreen(Screen):
                 p.set_class(p is pane, "-zoomed")
         pane.focus_input()
 
-    # -- messages from panes ---------------------------------------------------------------
+    # -- messages from panes (the panes never touch the store) -----------------------------
     def on_chat_pane_activated(self, event: ChatPane.Activated) -> None:
         self.active = event.pane
+
+    def on_chat_pane_message_added(self, event: ChatPane.MessageAdded) -> None:
+        m = event.message
+        self.store.add_message(event.pane.conversation.id, m.role, m.content, m.meta)
+
+    def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
+        self.store.save_conversation(event.pane.conversation)
+
+    def on_chat_pane_history_replaced(self, event: ChatPane.HistoryReplaced) -> None:
+        self.store.replace_messages(event.pane.conversation.id, event.messages)
 
     def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
         self.refresh_names()
 
     # -- actions (keys and command palette) ----------------------------------------------
+    def palette_commands(self) -> Iterator[SystemCommand]:
+        """The command palette's entries for this screen: every Command binding, then the
+        one action that has no key."""
+        yield from binding_commands(self)
+        yield SystemCommand("Copy last reply", "Copy the active pane's last reply to the clipboard",
+                            self.action_copy_reply)
+
     async def action_new_pane(self, conversation_id: str | None = None) -> ChatPane | None:
         if len(self.panes) >= MAX_PANES:
             self.notify(f"at most {MAX_PANES} panes; close one first (ctrl+w)", severity="warning")
@@ -230,6 +258,7 @@ class MainScreen(Screen):
         def apply(result: PaneSettings | None) -> None:
             if result is not None:
                 pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed)
+                self.store.save_conversation(pane.conversation)
                 self.refresh_names()
 
         self.app.push_screen(PaneSettingsScreen(pane.conversation), apply)

@@ -29,14 +29,14 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
     DEFAULT_CSS = """
     PaneSettingsScreen { align: center middle; }
     PaneSettingsScreen > Vertical {
-        width: 72; height: auto; max-height: 90%;
+        width: 72; height: auto; max-height: 100%;
         border: round $primary; background: $surface; padding: 1 2;
     }
-    PaneSettingsScreen Grid { grid-size: 2; grid-columns: 16 1fr; grid-rows: auto; height: auto; grid-gutter: 1 1; }
+    PaneSettingsScreen Grid { grid-size: 2; grid-columns: 16 1fr; grid-rows: auto; height: auto; grid-gutter: 0 1; }
     PaneSettingsScreen Label { padding: 1 0 0 0; }
     PaneSettingsScreen TextArea { height: 6; }
     PaneSettingsScreen #error { color: $error; height: auto; padding: 0; }
-    PaneSettingsScreen Horizontal { height: auto; align: right middle; margin-top: 1; }
+    PaneSettingsScreen Horizontal { height: auto; align: right middle; }
     PaneSettingsScreen Button { margin-left: 1; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]

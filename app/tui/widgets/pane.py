@@ -17,7 +17,7 @@ from textual.message import Message
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
-from ...store import Conversation, Message as StoredMessage, Store
+from ...store import Conversation, Message as StoredMessage, conversation_markdown
 from ...clients.base import ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued, StreamMeter
 from ..perf import UI_COST
 from .prompt_input import PromptInput
@@ -27,7 +27,9 @@ FLUSH_HZ = 10
 
 
 class ChatPane(Vertical):
-    """One conversation. Data comes down as constructor arguments; `ReplyFinished` goes up."""
+    """One conversation. Data comes down as constructor arguments and method calls; what
+    changes goes up as messages (the screen keeps the store): `MessageAdded`,
+    `ConversationChanged`, `HistoryReplaced`, then `ReplyFinished` when a reply ends."""
 
     DEFAULT_CSS = """
     ChatPane {
@@ -55,6 +57,30 @@ class ChatPane(Vertical):
             self.pane = pane
             self.finished = finished
 
+    class MessageAdded(Message):
+        """A turn joined the pane's history: the prompt when it is sent, the reply (with its
+        finish reason, usage and timings in `message.meta`) when it ends."""
+
+        def __init__(self, pane: "ChatPane", message: StoredMessage):
+            super().__init__()
+            self.pane = pane
+            self.message = message
+
+    class ConversationChanged(Message):
+        """The pane renamed its conversation (a new chat takes its first prompt's first line)."""
+
+        def __init__(self, pane: "ChatPane"):
+            super().__init__()
+            self.pane = pane
+
+    class HistoryReplaced(Message):
+        """The pane's history is now `messages`, the server's copy of the conversation."""
+
+        def __init__(self, pane: "ChatPane", messages: list[StoredMessage]):
+            super().__init__()
+            self.pane = pane
+            self.messages = messages
+
     class Activated(Message):
         """Focus moved into this pane."""
 
@@ -63,13 +89,11 @@ class ChatPane(Vertical):
             self.pane = pane
 
     def __init__(self, conversation: Conversation, history: list[StoredMessage], backend: ChatBackend,
-                 store: Store, *, ready: asyncio.Event | None = None, number: int = 1, ticker: bool = True,
-                 **kwargs):
+                 *, ready: asyncio.Event | None = None, number: int = 1, ticker: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.conversation = conversation
         self.history = list(history)
         self.backend = backend
-        self.store = store
         self.ready = ready
         self.number = number
         self.ticker = ticker  # False: the screen calls flush() for all panes on one clock
@@ -132,7 +156,7 @@ class ChatPane(Vertical):
             return
         if remote and remote != ours:
             self.history = [StoredMessage(m["role"], m["content"]) for m in remote]
-            self.store.replace_messages(self.conversation.id, self.history)
+            self.post_message(self.HistoryReplaced(self, list(self.history)))
             await self._render_history()
         elif not remote and ours:
             self.notify(f"pane {self.number}: the server has no copy of this conversation; "
@@ -163,9 +187,9 @@ class ChatPane(Vertical):
             return False
         if self.conversation.title == "New chat":
             self.conversation.title = text.splitlines()[0][:40]
-            self.store.save_conversation(self.conversation)
+            self.post_message(self.ConversationChanged(self))
             self.refresh_title()
-        self.history.append(self.store.add_message(self.conversation.id, "user", text))
+        self._add_message(StoredMessage("user", text))
         self._stop_requested = False
         self.stream = _PENDING  # busy from now on, even before the backend answers
         self._generate()
@@ -178,14 +202,12 @@ class ChatPane(Vertical):
             self.stream.cancel()
 
     def apply_settings(self, title: str, system: str, temperature: float, max_tokens: int, seed: int | None) -> None:
+        """Change the conversation's title and settings (the caller stores them)."""
         c = self.conversation
         c.title, c.system, c.temperature, c.max_tokens, c.seed = title or c.title, system, temperature, max_tokens, seed
-        self.store.save_conversation(c)
         self.refresh_title()
 
     def transcript_markdown(self) -> str:
-        from ...store import conversation_markdown
-
         return conversation_markdown(self.conversation, self.history)
 
     # -- events --------------------------------------------------------------------------
@@ -263,7 +285,7 @@ class ChatPane(Vertical):
             reply.update(fin.text)
         meta = {"reason": fin.reason, "usage": fin.usage, "timings": fin.timings}
         if text:
-            self.history.append(self.store.add_message(self.conversation.id, "assistant", text, meta))
+            self._add_message(StoredMessage("assistant", text, meta))
         if fin.reason == "error":
             if not text:
                 reply.add_class("-error")
@@ -281,6 +303,10 @@ class ChatPane(Vertical):
             self._set_state({"cancelled": "idle (stopped)", "shutdown": "idle (server shut down)"}.get(fin.reason, "idle"))
         UI_COST.add("finish", time.perf_counter() - t0)
         self.post_message(self.ReplyFinished(self, fin))
+
+    def _add_message(self, message: StoredMessage) -> None:
+        self.history.append(message)
+        self.post_message(self.MessageAdded(self, message))
 
     def _set_state(self, state: str) -> None:
         self.state = state

@@ -1,11 +1,21 @@
-"""The scrolling list of a conversation's messages."""
+"""The scrolling list of a conversation's messages.
+
+The growing lists hook `MarkdownBlock._update_from_block` and rely on how Textual's list
+blocks compose (one `Horizontal(MarkdownBullet, Vertical)` per item): no public API
+offers that, so pyproject.toml holds Textual to the major version this was tested on, and
+tests/tui/test_widgets.py checks streamed lists against a full parse.
+"""
 
 from __future__ import annotations
 
 from textual.containers import Horizontal, VerticalScroll
 from textual.content import Content
 from textual.widgets import Markdown, Static
-from textual.widgets._markdown import MarkdownBlock, MarkdownBullet, MarkdownBulletList, MarkdownOrderedList
+from textual.widgets.markdown import MarkdownBlock
+
+# Textual's own list blocks, taken from the public block table (their module is private)
+MarkdownBulletList = Markdown.BLOCKS["bullet_list_open"]
+MarkdownOrderedList = Markdown.BLOCKS["ordered_list_open"]
 
 
 class UserMessage(Static):
@@ -56,7 +66,8 @@ class GrowingOrderedList(_GrowingList, MarkdownOrderedList):
 
     def _wider(self, rows: list, n_items: int) -> bool:
         """Would `n_items` numbers need wider bullets than the ones shown (all right-aligned)?"""
-        first = next((c.symbol for c in rows[0].children if isinstance(c, MarkdownBullet)), "")
+        bullet = next(iter(rows[0].query_children("MarkdownBullet")), None)
+        first = bullet.symbol if bullet is not None else ""
         try:
             start = int(first.strip().rstrip("."))
         except ValueError:

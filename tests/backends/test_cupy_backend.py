@@ -31,13 +31,14 @@ from panechat.backends.cupy_backend import (
     compare_kernels_with_emulation,
     prepare_weight,
 )
+from panechat.backends.gguf_tensor import GGUFTensor
 from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.invariance import check_model_invariance
 from panechat.engine.model import Model
 
-from .model_runs import forward_chunks, run_batched
-from .tiny_gguf import reference_logits
+from ..model_runs import forward_chunks, run_batched
+from ..tiny_gguf import reference_logits
 
 QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
 PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],
@@ -129,6 +130,14 @@ def test_nvrtc_compiles_every_kernel_with_ieee_arithmetic_only(arch):
     f32_ops = set(re.findall(r"\b((?:fma|add|sub|mul|div|sqrt|rcp)\.[\w.]*f32)\b", ptx))
     assert f32_ops <= {"fma.rn.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32"}, f32_ops
     assert "fma.rn.f32" in f32_ops
+
+
+def test_the_geometry_is_defined_once_and_passed_to_the_source():
+    from panechat.backends.cupy_kernels import constants
+
+    for name, value in constants.CUDA_DEFINES.items():
+        assert value == getattr(constants, name) and f"-D{name}={value}" in ck.OPTIONS
+        assert f"#define {name}" not in ck.SOURCE and name in ck.SOURCE
 
 
 def test_build_module_compiles_with_our_flags_and_caches(tmp_path):
@@ -298,7 +307,7 @@ def test_kernel_variant_choice():
     rng = np.random.default_rng(0)
     for (M, N, K), want in (((3, 70, 64), "linear_f32_4_1"), ((17, 9000, 16), "linear_f32_16_4"),
                             ((2, 5, 77), "linear_f32_s")):
-        w = be.linear_weight(rng.standard_normal((N, K), dtype=np.float32), "F32")
+        w = be.linear_weight(GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32)))
         be.linear(rng.standard_normal((M, K), dtype=np.float32), w)
         assert mod.launches[-1][0] == want
 
@@ -314,7 +323,7 @@ def test_attention_row_chunks_do_not_change_bits(monkeypatch):
     slots = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2], np.int32)
     pos = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2], np.int32) + 5
     whole = be.attend(kv, 0, q, k, v, slots, pos, 0.25)
-    monkeypatch.setattr(ck, "SCRATCH_FLOATS", 2 * H * C)  # two rows per launch pair
+    monkeypatch.setattr(ck.launch, "SCRATCH_FLOATS", 2 * H * C)  # two rows per launch pair
     n0 = len(be.kernels.module.launches)
     chunked = be.attend(kv, 0, q, k, v, slots, pos, 0.25)
     assert sum(1 for name, _ in be.kernels.module.launches[n0:] if name == "attn_scores") == 5
@@ -330,8 +339,9 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
     path, _ = tiny("llama", qtype)
     gf = GGUFFile.open(path)
     for name in ("blk.0.ffn_gate.weight", "token_embd.weight"):
-        w = gf.tensor(name)
-        pw = prepare_weight(w, gf.tensor_type(name), gf.raw(name))
+        t = gf.tensor(name)
+        w = t.dequantize()
+        pw = prepare_weight(t)
         assert pw.kind == "q8" and pw.w.dtype == np.int8 and pw.nbytes < w.nbytes / 3
         assert (pw.mins is not None) == (qtype == "Q4_1")
         deq = ck.dequantize("q8", pw.w, pw.scales, pw.mins)
@@ -342,19 +352,20 @@ def test_float_weight_kinds(tiny):
     path, _ = tiny("llama", "F16", tied=False)
     gf = GGUFFile.open(path)
     name = "blk.0.attn_q.weight"
-    w = gf.tensor(name)
-    pw = prepare_weight(w, "F16", gf.raw(name))
+    t = gf.tensor(name)
+    w = t.dequantize()
+    pw = prepare_weight(t)
     assert pw.kind == "f16" and np.array_equal(ck.dequantize("f16", pw.w), w)
     w32 = np.random.default_rng(0).standard_normal((8, 16), dtype=np.float32)
-    assert prepare_weight(w32, "F32").kind == "f32"
-    assert np.array_equal(prepare_weight(w32, "F32").w, w32)
-    assert prepare_weight(w32, "BF16").kind == "f16"  # other types: float16 ...
-    assert prepare_weight(w32, "Q6_K", float_weights="f32").kind == "f32"  # ... unless asked
+    assert prepare_weight(GGUFTensor.from_array(w32, "F32")).kind == "f32"
+    assert np.array_equal(prepare_weight(GGUFTensor.from_array(w32, "F32")).w, w32)
+    assert prepare_weight(GGUFTensor.from_array(w32, "BF16")).kind == "f16"  # other types: float16 ...
+    q6_k = GGUFTensor("w", (8, 256), "Q6_K", np.zeros((8, 210), np.uint8))  # 210-byte blocks of 256
+    assert prepare_weight(q6_k, float_weights="f32").kind == "f32"  # ... unless asked
     big = w32.copy()
     big[0, 0] = 1e5
-    assert prepare_weight(big, "BF16").kind == "f32"  # ... or out of float16's range
-    assert prepare_weight(w32, "Q8_0").kind == "f16"  # no raw blocks: dequantized
-    assert isinstance(prepare_weight(w32, "F32"), CupyWeight)
+    assert prepare_weight(GGUFTensor.from_array(big, "BF16")).kind == "f32"  # ... or out of float16's range
+    assert isinstance(prepare_weight(GGUFTensor.from_array(w32, "F32")), CupyWeight)
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from panechat.engine import default_model, shipped_models
 from panechat.engine.config import EngineConfig
 from panechat.engine.gguf_file import ModelFileError
 
-from .tiny_gguf import write_tiny_gguf
+from ..tiny_gguf import write_tiny_gguf
 
 PANECHAT = str(Path(sys.executable).parent / "panechat")
 

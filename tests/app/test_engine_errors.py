@@ -33,6 +33,9 @@ class RefusingEngine:
         self.lm = SimpleNamespace(name="fake.gguf", prompt_ids=lambda messages: [1, 2, 3],
                                   model=SimpleNamespace(backend=SimpleNamespace(describe=lambda: "fake")))
 
+    def prompt_ids(self, messages):
+        return [1, 2, 3]
+
     def submit(self, *args, **kwargs):
         raise self.error
 

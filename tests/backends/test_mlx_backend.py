@@ -10,13 +10,13 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'panechat[mlx]')")
 
 from panechat.backends.mlx_backend import ATTN_BLOCK, MLXBackend, MLXWeight  # noqa: E402
-from panechat.backends.numpy_backend import NumpyBackend  # noqa: E402
+from panechat.backends.numpy_backend import StackedGemvBackend  # noqa: E402
 from panechat.engine.gguf_file import GGUFFile  # noqa: E402
 from panechat.engine.invariance import check_model_invariance  # noqa: E402
 from panechat.engine.model import Batch, Model  # noqa: E402
 
-from .model_runs import forward_chunks, golden_agreement  # noqa: E402
-from .tiny_gguf import reference_logits  # noqa: E402
+from ..model_runs import forward_chunks, golden_agreement  # noqa: E402
+from ..tiny_gguf import reference_logits  # noqa: E402
 
 ON_GPU = mx.default_device() == mx.gpu
 # Q4_0/Q4_1/Q8_0 become MLX affine weights that dequantize to exactly the GGUF floats, so
@@ -52,7 +52,7 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype, bits):
     assert be.nbytes(w) < w.n * w.k * 4 / 2  # not float32
     assert isinstance(model.output, MLXWeight) and model.output.bits == bits  # tied output too
     deq = mx.dequantize(w.w, w.scales, w.biases, group_size=32, bits=bits)
-    assert np.array_equal(np.array(deq), gf.tensor("blk.0.ffn_gate.weight"))
+    assert np.array_equal(np.array(deq), gf.tensor("blk.0.ffn_gate.weight").dequantize())
 
 
 def test_float_types_load_as_float(tiny):
@@ -68,7 +68,7 @@ def test_mlx_and_numpy_backends_agree(tiny, arch, qtype, tied):
     path, _ = tiny(arch, qtype, tied)
     gf = GGUFFile.open(path)
     m_mlx = Model.load(gf, MLXBackend(), max_positions=64)
-    m_np = Model.load(gf, NumpyBackend(kernels="gemv"), max_positions=64)  # no numba JIT here
+    m_np = Model.load(gf, StackedGemvBackend(), max_positions=64)  # no numba JIT here
     tokens = np.random.default_rng(2).integers(0, m_mlx.args.vocab_size, 20).tolist()
     a, b = forward_chunks(m_mlx, tokens, 20), forward_chunks(m_np, tokens, 20)
     assert (a.argmax(-1) == b.argmax(-1)).all()

@@ -8,8 +8,8 @@ from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.model import Model
 
-from .model_runs import forward_chunks
-from .tiny_gguf import reference_logits, write_tiny_gguf
+from ..model_runs import forward_chunks
+from ..tiny_gguf import reference_logits, write_tiny_gguf
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -5,7 +5,7 @@ wherever llama.cpp's top-1/top-2 margin is at least 0.5, and at least 93% overal
 
 import numpy as np
 
-from .model_runs import golden_agreement, teacher_forced_logits
+from ..model_runs import golden_agreement, teacher_forced_logits
 
 
 def test_teacher_forced_agreement_with_llamacpp(loaded_model, golden):

@@ -7,18 +7,18 @@ and the inverse test: with a non-invariant kernel (OpenBLAS GEMM) a difference s
 import numpy as np
 import pytest
 
-from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
 from panechat.engine.invariance import check_model_invariance
 from panechat.engine.model import Model
 
-from .model_runs import new_kv, run_batched
+from ..model_runs import new_kv, run_batched
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198],
            [504, 2365, 6354], [28120, 198, 6693, 1116, 216, 2899, 5600, 4861, 4966]]
 EXTRA = [[57, 5248, 2090], [19556, 905, 30, 338, 314, 260, 12619]]
 
 
-class GemmBackend(NumpyBackend):
+class GemmBackend(StackedGemvBackend):
     """Deliberately not invariant: one OpenBLAS sgemm over all rows."""
 
     def linear(self, x, w):
@@ -70,7 +70,7 @@ def test_inverse_gemm_kernel_breaks_invariance(model_path):
     start-up self-check notices: proof that the tests above can fail."""
     from panechat.engine.gguf_file import GGUFFile
 
-    gemm = Model.load(GGUFFile.open(model_path), GemmBackend(kernels="gemv"), max_positions=128)
+    gemm = Model.load(GGUFFile.open(model_path), GemmBackend(), max_positions=128)
     alone = [run_batched(gemm, new_kv(gemm, 1), [p], 4, 0)[0] for p in PROMPTS]
     together = run_batched(gemm, new_kv(gemm, 6), PROMPTS + EXTRA, 4, 3)
     differs = any(not np.array_equal(alone[i][s], together[i][s]) for i in range(4) for s in range(5))

@@ -163,7 +163,9 @@ def test_attention_rejects_out_of_range(rng):
 
 
 def test_self_check_passes():
-    assert nk.self_check() is None
+    from panechat.backends.numpy_backend import NumpyBackend
+
+    assert NumpyBackend().self_check() is None
 
 
 def test_vsum16_equals_sixteen_vsums(rng):
@@ -183,3 +185,14 @@ def test_vsum16_equals_sixteen_vsums(rng):
     a = (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 6, 256)).astype(np.float32)
     packed, single = both(a)
     assert np.array_equal(packed, single)
+
+
+def test_cpu_backend_picks_the_kernel_policy(monkeypatch):
+    from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend, cpu_backend
+
+    monkeypatch.delenv("PANECHAT_NUMPY_KERNELS", raising=False)
+    assert type(cpu_backend()) is NumpyBackend
+    assert type(cpu_backend("gemv")) is StackedGemvBackend
+    monkeypatch.setenv("PANECHAT_NUMPY_KERNELS", "gemv")
+    assert type(cpu_backend()) is StackedGemvBackend
+    assert "stacked GEMV" in cpu_backend().describe()

@@ -1,0 +1,312 @@
+"""The numpy emulation of the CuPy backend's kernels: the arithmetic of the numerical
+contract (package docstring), bit for bit, on the CPU (`emulate_*`), and `EmulatedModule`,
+a stand-in for the compiled module that runs those emulations behind the same launches,
+checking each launch's arguments against the kernel's C signature."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .constants import KSPLIT, NT, OCTET, QBLOCK, WARP, WARPS, cdiv
+from .source import SOURCE, kernel_signatures
+
+_F32 = np.float32
+
+
+def fma_f32(a: Any, b: Any, c: Any) -> np.ndarray:
+    """Correctly rounded float32 fma(a, b, c) (what __fmaf_rn computes), vectorized.
+
+    a*b is exact in float64; the float64 sum s and its exact error t (TwoSum) give the
+    exact a*b + c = s + t; rounding s to float32 is correct except when s is exactly a
+    float32 midpoint and t != 0, where t decides the direction (no double rounding).
+    """
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b64 = np.asarray(b, np.float32).astype(np.float64)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    p = a64 * b64
+    s = p + c64
+    bb = s - p
+    t = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        toward = np.where(s > r64, np.float32(np.inf), np.float32(-np.inf))
+        nb = np.nextafter(r, toward)
+        mid = (r64 + nb.astype(np.float64)) * 0.5
+        tie = (s == mid) & (t != 0) & (s != r64)
+    if np.any(tie):
+        fix = np.where(t > 0, np.maximum(r, nb), np.minimum(r, nb))
+        r = np.where(tie, fix, r)
+    return np.asarray(r, np.float32)
+
+
+_LANE = np.arange(WARP)
+
+
+def tree32(v: np.ndarray) -> np.ndarray:
+    """The warp butterfly over the last axis (32 lanes): v += v[lane ^ h], h = 16..1."""
+    v = np.asarray(v, np.float32)
+    for h in (16, 8, 4, 2, 1):
+        v = v + v[..., _LANE ^ h]
+    return v[..., 0]
+
+
+def block_sum256(v: np.ndarray) -> np.ndarray:
+    """block_sum over the last axis (256 threads)."""
+    w = tree32(np.asarray(v, np.float32).reshape(*v.shape[:-1], WARPS, WARP))
+    w = [w[..., i] for i in range(WARPS)]
+    return ((w[0] + w[1]) + (w[2] + w[3])) + ((w[4] + w[5]) + (w[6] + w[7]))
+
+
+def emulate_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """out = x @ w.T (x [M, K], w float32 [N, K] as dequantized) with the kernel's order."""
+    x = np.asarray(x, np.float32)
+    w = np.asarray(w, np.float32)
+    M, K = x.shape
+    N = w.shape[0]
+    lanes = min(WARP, cdiv(K, OCTET)) if K else 0
+    acc = np.zeros((M, N, WARP), np.float32)
+    if lanes:
+        a = acc[:, :, :lanes]
+        for step in range(cdiv(K, WARP * OCTET)):
+            for j in range(OCTET):
+                k = step * WARP * OCTET + np.arange(lanes) * OCTET + j
+                valid = k < K
+                if not valid.any():
+                    continue
+                kk = np.where(valid, k, 0)
+                new = fma_f32(x[:, None, kk], w[None, :, kk], a)
+                a = np.where(valid, new, a)
+        acc[:, :, :lanes] = a
+    return tree32(acc)
+
+
+def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
+               mins: np.ndarray | None = None) -> np.ndarray:
+    """The float32 weights a linear kernel of `kind` multiplies (exactly)."""
+    if kind == "f32":
+        return np.asarray(w, np.float32)
+    if kind == "f16":
+        return np.asarray(w).view(np.float16).astype(np.float32)
+    N, K = w.shape
+    q = np.asarray(w).view(np.int8).reshape(N, K // QBLOCK, QBLOCK).astype(np.float32)
+    out = q * np.asarray(scales, np.float32)[:, :, None]
+    if mins is not None:
+        out = out + np.asarray(mins, np.float32)[:, :, None]
+    return out.reshape(N, K)
+
+
+def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    R, D = x.shape
+    acc = np.zeros((R, NT), np.float32)
+    for s in range(cdiv(D, NT)):
+        k = s * NT + np.arange(NT)
+        valid = k < D
+        v = x[:, np.where(valid, k, 0)]
+        acc = np.where(valid, fma_f32(v, v, acc), acc)
+    ss = block_sum256(acc)
+    inv = _F32(1.0) / np.sqrt(ss / _F32(D) + _F32(eps))
+    return (x * inv[:, None]) * np.asarray(weight, np.float32)
+
+
+_EXP_LO, _LOG2E = _F32(-87.33654), _F32(1.44269504088896341)
+_LN2_HI, _LN2_LO = _F32(0.693359375), _F32(-2.12194440e-4)
+_P = [_F32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                        4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)]
+
+
+def expf_pc(x: np.ndarray) -> np.ndarray:
+    """The kernels' expf_pc, elementwise in float32."""
+    x = np.maximum(np.asarray(x, np.float32), _EXP_LO)
+    n = np.floor(x * _LOG2E + _F32(0.5))
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = _P[0] * r + _P[1]
+    for c in _P[2:]:
+        p = p * r + c
+    p = (p * (r * r) + r) + _F32(1.0)
+    two_n = ((n.astype(np.int32) + 127) << 23).astype(np.int32).view(np.float32)
+    return (p * two_n).astype(np.float32)
+
+
+def emulate_silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g = np.asarray(g, np.float32)
+    e = expf_pc(np.minimum(-g, _F32(88.0)))
+    return (g / (_F32(1.0) + e)) * np.asarray(u, np.float32)
+
+
+def emulate_scores(q: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
+    """q [..., D] against keys [..., P, D] -> scores [..., P] (attn_scores' order)."""
+    D = q.shape[-1]
+    acc = np.zeros(keys.shape[:-1] + (WARP,), np.float32)
+    for i in range(cdiv(D, WARP)):
+        d = i * WARP + _LANE
+        valid = d < D
+        dd = np.where(valid, d, 0)
+        new = fma_f32(q[..., None, dd], keys[..., dd], acc)
+        acc = np.where(valid, new, acc)
+    return tree32(acc) * _F32(scale)
+
+
+def emulate_softmax_v(scores: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scores [P], vals [P, D] -> (out [D], e [P]) with attn_softmax_v's order."""
+    P = scores.shape[0]
+    D = vals.shape[1]
+    e = expf_pc(scores - scores.max())
+    part = np.zeros(NT, np.float32)
+    for t0 in range(0, P, NT):
+        c = e[t0:t0 + NT]
+        part[:len(c)] = part[:len(c)] + c
+    total = block_sum256(part)
+    S = NT // D
+    parts = np.zeros((S, D), np.float32)
+    for t0 in range(0, P, S):
+        n = min(S, P - t0)
+        parts[:n] = fma_f32(e[t0:t0 + n, None], vals[t0:t0 + n], parts[:n])
+    acc = parts[0]
+    for s in range(1, S):
+        acc = acc + parts[s]
+    return acc * (_F32(1.0) / total), e
+
+
+def emulate_attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, slots: np.ndarray,
+                      pos: np.ndarray, scale: float) -> np.ndarray:
+    R, H, D = q.shape
+    G = kc.shape[1]
+    out = np.empty_like(q)
+    for r in range(R):
+        P, s = int(pos[r]) + 1, int(slots[r])
+        for h in range(H):
+            g = h // (H // G)
+            sc = emulate_scores(q[r, h], kc[s, g, :P], scale)
+            out[r, h] = emulate_softmax_v(sc, vc[s, g, :P])[0]
+    return out
+
+
+_NP_OF_CTYPE = {
+    "float": (np.float32,),
+    "unsigned short": (np.float16, np.uint16),
+    "signed char": (np.int8,),
+    "int": (np.int32,),
+    "long long": (np.int64,),
+}
+
+
+class EmulatedModule:
+    """A stand-in for cupy.RawModule(code=SOURCE) that runs every kernel on numpy arrays
+    through the emulation above, after checking each launch's arguments against the
+    kernel's C signature (count, pointer vs scalar, dtypes, contiguity) and its grid."""
+
+    def __init__(self, source: str = SOURCE):
+        self.signatures = kernel_signatures(source)
+        self.launches: list[tuple[str, tuple]] = []
+
+    def get_function(self, name: str):
+        if name not in self.signatures:
+            raise KeyError(f"no kernel named {name}")
+        sig = self.signatures[name]
+
+        def call(grid, block, args, shared_mem=0):
+            _check_args(name, sig, grid, block, args)
+            self.launches.append((name, tuple(grid)))
+            _EMULATORS["linear" if name.startswith("linear_") else name](name, grid, args)
+
+        return call
+
+
+def _check_args(name, sig, grid, block, args) -> None:
+    if tuple(block) != (NT,):
+        raise ValueError(f"{name}: block {block}, kernels assume ({NT},)")
+    if not 1 <= len(grid) <= 3 or any(int(g) < 1 for g in grid) or any(int(g) > 65535 for g in grid[1:]):
+        raise ValueError(f"{name}: bad grid {grid}")
+    if len(args) != len(sig):
+        raise TypeError(f"{name}: {len(args)} arguments for {len(sig)} parameters")
+    for i, (a, (ctype, is_ptr)) in enumerate(zip(args, sig)):
+        ok_types = _NP_OF_CTYPE[ctype]
+        if is_ptr:
+            if not (isinstance(a, np.ndarray) and a.dtype.type in ok_types and a.flags.c_contiguous):
+                raise TypeError(f"{name}: argument {i} must be a C-contiguous {ctype} array, got "
+                                f"{getattr(a, 'dtype', type(a).__name__)}")
+        elif not (isinstance(a, np.generic) and type(a) in ok_types):
+            raise TypeError(f"{name}: argument {i} must be a numpy {ok_types[0].__name__} scalar, "
+                            f"got {type(a).__name__}")
+
+
+def _emu_linear(name, grid, args):
+    parts = name.split("_")
+    kind = parts[1]
+    tm, nc = (1, 1) if parts[2] == "s" else (int(parts[2]), int(parts[3]))
+    if kind == "q8":
+        x, q, d, m, out, M, N, K, has_m = args
+        w = dequantize("q8", q, d, m if has_m else None)
+    else:
+        x, w0, out, M, N, K = args
+        w = dequantize(kind, w0)
+    M, N, K = int(M), int(N), int(K)
+    if tuple(grid) != (cdiv(M, tm), cdiv(N, WARPS * nc)):
+        raise ValueError(f"{name}: grid {grid} does not cover M={M}, N={N}")
+    out.reshape(M, N)[...] = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+
+
+def _emu_rms(name, grid, args):
+    x, w, y, D, eps = args
+    R = int(grid[0])
+    y.reshape(-1, int(D))[:R] = emulate_rms_norm(x.reshape(-1, int(D))[:R], w, float(eps))
+
+
+def _emu_silu(name, grid, args):
+    g, u, y, n = args
+    y.reshape(-1)[: int(n)] = emulate_silu_mul(g.reshape(-1)[: int(n)], u.reshape(-1)[: int(n)])
+
+
+def _emu_kv_write(name, grid, args):
+    k, v, kc, vc, slot, pos, R, G, C, D = args
+    R, G, C, D = int(R), int(G), int(C), int(D)
+    kcv = kc.reshape(-1, G, C, D)
+    vcv = vc.reshape(-1, G, C, D)
+    kk, vv = k.reshape(R, G, D), v.reshape(R, G, D)
+    for r in range(R):
+        kcv[slot[r], :, pos[r], :] = kk[r]
+        vcv[slot[r], :, pos[r], :] = vv[r]
+
+
+def _emu_scores(name, grid, args):
+    q, kc, slot, pos, sc, H, G, C, D, scale, r0 = args
+    H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
+    if grid[0] % H or grid[1] != KSPLIT:
+        raise ValueError(f"{name}: grid {grid}")
+    qv = q.reshape(-1, H, D)
+    kcv = kc.reshape(-1, G, C, D)
+    scv = sc.reshape(-1, H, C)
+    for rr in range(grid[0] // H):
+        r = r0 + rr
+        P, s = int(pos[r]) + 1, int(slot[r])
+        for h in range(H):
+            scv[rr, h, :P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), :P], float(scale))
+
+
+def _emu_softmax_v(name, grid, args):
+    sc, vc, slot, pos, o, H, G, C, D, r0 = args
+    H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
+    if grid[0] % H:
+        raise ValueError(f"{name}: grid {grid}")
+    scv = sc.reshape(-1, H, C)
+    vcv = vc.reshape(-1, G, C, D)
+    ov = o.reshape(-1, H, D)
+    for rr in range(grid[0] // H):
+        r = r0 + rr
+        P, s = int(pos[r]) + 1, int(slot[r])
+        for h in range(H):
+            ov[r, h], scv[rr, h, :P] = emulate_softmax_v(scv[rr, h, :P], vcv[s, h // (H // G), :P])
+
+
+_EMULATORS = {
+    "linear": _emu_linear,
+    "rms_norm": _emu_rms,
+    "silu_mul": _emu_silu,
+    "kv_write": _emu_kv_write,
+    "attn_scores": _emu_scores,
+    "attn_softmax_v": _emu_softmax_v,
+}

@@ -1,0 +1,127 @@
+"""Launching the CuPy backend's kernels: the tile and variant choice, grids and argument
+lists, for a cupy.RawModule or the numpy emulation alike (`Kernels`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .constants import COL_TILES, KSPLIT, MAX_HEAD_DIM, NT, ROW_TILES, WARPS, WIDE_N, cdiv
+from .source import KERNEL_NAMES, linear_kernel_name
+
+SCRATCH_FLOATS = 1 << 24  # attention score scratch per launch group (64 MiB); rows are chunked
+
+
+def row_tile(m: int) -> int:
+    """TM: the smallest row tile >= m, at most 16."""
+    for tm in ROW_TILES:
+        if m <= tm:
+            return tm
+    return ROW_TILES[-1]
+
+
+def col_tile(n: int) -> int:
+    """NC: 4 columns per warp for wide matrices, else 1 (more blocks for small N)."""
+    return COL_TILES[-1] if n > WIDE_N else COL_TILES[0]
+
+
+def _ptr(a: Any) -> int:
+    data = getattr(a, "data", None)
+    if hasattr(data, "ptr"):  # cupy
+        return int(data.ptr)
+    return int(a.ctypes.data)
+
+
+class Kernels:
+    """Launches the kernels of `module` (a cupy.RawModule, or EmulatedModule) on arrays
+    of `xp` (cupy, or numpy for the emulation). Arrays must be C-contiguous."""
+
+    def __init__(self, module: Any, xp: Any):
+        self.module = module
+        self.xp = xp
+        self._fns: dict[str, Any] = {}
+
+    def fn(self, name: str) -> Any:
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fns[name] = self.module.get_function(name)
+        return f
+
+    def compile_all(self) -> None:
+        """Compile and load every kernel now (errors surface at start-up, not mid-answer)."""
+        for name in KERNEL_NAMES:
+            self.fn(name)
+
+    def launch(self, name: str, grid: tuple, args: tuple) -> None:
+        self.fn(name)(grid, (NT,), args)
+
+    # -- the operations ----------------------------------------------------------------
+    def linear(self, x: Any, w: Any, out: Any) -> Any:
+        """out[M, N] = x[M, K] @ W.T for a prepared weight `w` (kind, n, k, arrays)."""
+        M, K = x.shape
+        N = w.n
+        if K != w.k or out.shape != (M, N):
+            raise ValueError(f"linear: x{tuple(x.shape)} w[{w.n}, {w.k}] out{tuple(out.shape)}")
+        if M == 0 or N == 0:
+            return out
+        if K % 8 == 0 and _ptr(x) % 16 == 0:
+            tm, nc = row_tile(M), col_tile(N)
+            grid = (cdiv(M, tm), cdiv(N, WARPS * nc))
+        elif w.kind == "q8":
+            raise ValueError("linear: q8 weights need K % 32 == 0 and a 16-byte aligned x")
+        else:  # the any-K kernel: same arithmetic, scalar loads, one row per block
+            tm, nc = 0, 0
+            grid = (M, cdiv(N, WARPS))
+        if grid[1] > 65535:
+            raise ValueError(f"linear: N={N} too large for one launch")
+        i32 = np.int32
+        if w.kind == "q8":
+            mins = w.mins if w.mins is not None else w.scales
+            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None))
+        else:
+            args = (x, w.w, out, i32(M), i32(N), i32(K))
+        self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)
+        return out
+
+    def rms_norm(self, x: Any, weight: Any, eps: float, out: Any) -> Any:
+        R, D = x.shape
+        if R:
+            self.launch("rms_norm", (R,), (x, weight, out, np.int32(D), np.float32(eps)))
+        return out
+
+    def silu_mul(self, g: Any, u: Any, out: Any) -> Any:
+        n = int(g.size)
+        if n:
+            self.launch("silu_mul", (min(cdiv(n, NT), 4096),), (g, u, out, np.int64(n)))
+        return out
+
+    def kv_write(self, k: Any, v: Any, kc: Any, vc: Any, slots: Any, pos: Any) -> None:
+        R, G, D = k.shape
+        S, G2, C, D2 = kc.shape
+        if (G2, D2) != (G, D) or v.shape != k.shape or vc.shape != kc.shape:
+            raise ValueError(f"kv_write: k{tuple(k.shape)} cache{tuple(kc.shape)}")
+        n = R * G * D
+        if n:
+            i32 = np.int32
+            self.launch("kv_write", (min(cdiv(n, NT), 4096),),
+                        (k, v, kc, vc, slots, pos, i32(R), i32(G), i32(C), i32(D)))
+
+    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any) -> Any:
+        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] -> out [R, H, D]."""
+        R, H, D = q.shape
+        S, G, C, D2 = kc.shape
+        if D2 != D or H % G or D > MAX_HEAD_DIM or out.shape != q.shape:
+            raise ValueError(f"attention: q{tuple(q.shape)} cache{tuple(kc.shape)} (head_dim <= {MAX_HEAD_DIM})")
+        if R == 0:
+            return out
+        rows = max(1, min(R, SCRATCH_FLOATS // (H * C)))  # rows per launch pair
+        sc = self.xp.empty((rows, H, C), self.xp.float32)
+        i32 = np.int32
+        for r0 in range(0, R, rows):
+            n = min(rows, R - r0)
+            self.launch("attn_scores", (n * H, KSPLIT),
+                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0)))
+            self.launch("attn_softmax_v", (n * H,),
+                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0)))
+        return out

@@ -1,0 +1,379 @@
+"""The CUDA C source of the CuPy backend's kernels, as a string, and what describes it:
+the NVRTC options it is compiled with (the IEEE flags and the -D defines of the geometry
+from constants.py), the kernel names, and their C signatures (which the emulation checks
+every launch against). The numerical contract is in the package docstring.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .constants import COL_TILES, CUDA_DEFINES, LINEAR_KINDS, ROW_TILES
+
+_COMMON = r"""
+// panechat CuPy backend kernels. The numerical contract is documented in cupy_kernels/__init__.py;
+// every reduction below is spelled out with __fmaf_rn / __fadd_rn / __fmul_rn so that no
+// compiler flag can contract or reorder it. NT, WARPS, KSPLIT and MAX_HEAD_DIM come in as
+// -D defines from constants.py; the 8 of an octet is the width of the vector loads.
+static_assert(WARPS == 8 && NT == 32 * WARPS, "block_sum's fixed tree adds 8 warp sums");
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int h = 16; h >= 1; h >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, h));
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int h = 16; h >= 1; h >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, h));
+    return v;
+}
+
+// Sum over the 256 threads of a block: a butterfly per warp, then a fixed tree over warps.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = __fadd_rn(__fadd_rn(__fadd_rn(red[0], red[1]), __fadd_rn(red[2], red[3])),
+                        __fadd_rn(__fadd_rn(red[4], red[5]), __fadd_rn(red[6], red[7])));
+    __syncthreads();
+    return s;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+    v = warp_max(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = fmaxf(fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])),
+                    fmaxf(fmaxf(red[4], red[5]), fmaxf(red[6], red[7])));
+    __syncthreads();
+    return s;
+}
+
+// exp(x) for x <= ~88 (Cephes expf, ~1 ulp) from plain IEEE operations: the same formula
+// as numpy_kernels._expf, so the host can reproduce it bit for bit.
+__device__ __forceinline__ float expf_pc(float x) {
+    x = fmaxf(x, -87.33654f);
+    const float n = floorf(__fadd_rn(__fmul_rn(x, 1.44269504088896341f), 0.5f));
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, 0.693359375f)), __fmul_rn(n, -2.12194440e-4f));
+    float p = __fadd_rn(__fmul_rn(1.9875691500e-4f, r), 1.3981999507e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 8.3334519073e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 4.1665795894e-2f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.6666665459e-1f);
+    p = __fadd_rn(__fmul_rn(p, r), 5.0000001201e-1f);
+    p = __fadd_rn(__fadd_rn(__fmul_rn(p, __fmul_rn(r, r)), r), 1.0f);
+    return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+}
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// ---- weight formats: octet(n, g, o) = w[n, 8g .. 8g+8) as exact floats ----------------
+// octet() uses vector loads (rows 16-byte aligned: K % 8 == 0); at() is the scalar load.
+
+struct WF32 {
+    const float* w;
+    int K;
+    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+        const float4* p = reinterpret_cast<const float4*>(w + (size_t)n * K + 8 * g);
+        const float4 a = __ldg(p), b = __ldg(p + 1);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    }
+    __device__ __forceinline__ float at(int n, int k) const { return __ldg(w + (size_t)n * K + k); }
+};
+
+struct WF16 {
+    const unsigned short* w;
+    int K;
+    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+        o[0] = h2f((unsigned short)(u.x & 0xffffu)); o[1] = h2f((unsigned short)(u.x >> 16));
+        o[2] = h2f((unsigned short)(u.y & 0xffffu)); o[3] = h2f((unsigned short)(u.y >> 16));
+        o[4] = h2f((unsigned short)(u.z & 0xffffu)); o[5] = h2f((unsigned short)(u.z >> 16));
+        o[6] = h2f((unsigned short)(u.w & 0xffffu)); o[7] = h2f((unsigned short)(u.w >> 16));
+    }
+    __device__ __forceinline__ float at(int n, int k) const { return h2f(__ldg(w + (size_t)n * K + k)); }
+};
+
+// int8 q [N, K] with float32 d (and m) [N, K/32]: w = q * d (exact) [+ m, rounded once].
+struct WQ8 {
+    const signed char* q;
+    const float* d;
+    const float* m;
+    int K;
+    int has_m;
+    __device__ __forceinline__ float deq(int qv, float dd, float mm) const {
+        const float w = __fmul_rn((float)qv, dd);
+        return has_m ? __fadd_rn(w, mm) : w;
+    }
+    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+        const uint2 u = __ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g));
+        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        const float dd = __ldg(d + b);
+        const float mm = has_m ? __ldg(m + b) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[j] = deq((int)(signed char)((u.x >> (8 * j)) & 0xffu), dd, mm);
+            o[4 + j] = deq((int)(signed char)((u.y >> (8 * j)) & 0xffu), dd, mm);
+        }
+    }
+    __device__ __forceinline__ float at(int n, int k) const {
+        const size_t b = (size_t)n * (K >> 5) + (k >> 5);
+        return deq((int)__ldg(q + (size_t)n * K + k), __ldg(d + b), has_m ? __ldg(m + b) : 0.0f);
+    }
+};
+
+// ---- linear: out[M, N] = x[M, K] @ w[N, K]^T ------------------------------------------
+// Block: 8 warps; warp w computes columns n0 .. n0+NC-1 (n0 = (blockIdx.y*8 + w) * NC) for
+// rows m0 .. m0+TM-1 (m0 = blockIdx.x * TM). Lane l owns the octets g = l, l+32, ... and
+// runs one fma chain per output element over them in increasing k.
+// VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads.
+template <int TM, int NC, class W>
+__device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W& w,
+                                           float* __restrict__ out, int M, int N, int K) {
+    const int lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
+    const int m0 = blockIdx.x * TM;
+    if (n0 >= N) return;  // whole warp
+    float acc[TM][NC];
+#pragma unroll
+    for (int r = 0; r < TM; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+    const int G = K >> 3;
+    for (int g = lane; g < G; g += 32) {
+        float wv[NC][8];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            if (n0 + c < N) {
+                w.octet(n0 + c, g, wv[c]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) wv[c][j] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < TM; ++r) {
+            if (m0 + r < M) {
+                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + 8 * g);
+                const float4 a = __ldg(xr), b = __ldg(xr + 1);
+                const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int c = 0; c < NC; ++c)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[r][c] = __fmaf_rn(xv[j], wv[c][j], acc[r][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < TM; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const float s = warp_sum(acc[r][c]);
+            if (lane == 0 && m0 + r < M && n0 + c < N) out[(size_t)(m0 + r) * N + n0 + c] = s;
+        }
+}
+
+// Any K (scalar loads), one row and one column per warp: the same order as linear_vec --
+// lane l takes k with (k / 8) % 32 == l in increasing k, the partial octet last.
+template <class W>
+__device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const W& w,
+                                              float* __restrict__ out, int M, int N, int K) {
+    const int lane = threadIdx.x & 31;
+    const int n = blockIdx.y * WARPS + (threadIdx.x >> 5);
+    const int m = blockIdx.x;
+    if (n >= N) return;
+    const float* xr = x + (size_t)m * K;
+    float acc = 0.0f;
+    for (int g = lane; 8 * g < K; g += 32) {
+        const int j1 = min(8, K - 8 * g);
+        for (int j = 0; j < j1; ++j) acc = __fmaf_rn(__ldg(xr + 8 * g + j), w.at(n, 8 * g + j), acc);
+    }
+    const float s = warp_sum(acc);
+    if (lane == 0) out[(size_t)m * N + n] = s;
+}
+
+// ---- RMS norm: one block per row ------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NT) rms_norm(
+        const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+        int D, float eps) {
+    __shared__ float red[WARPS];
+    const float* xr = x + (size_t)blockIdx.x * D;
+    float* yr = y + (size_t)blockIdx.x * D;
+    float acc = 0.0f;
+    for (int k = threadIdx.x; k < D; k += NT) {
+        const float v = xr[k];
+        acc = __fmaf_rn(v, v, acc);
+    }
+    const float ss = block_sum(acc, red);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    for (int k = threadIdx.x; k < D; k += NT) yr[k] = __fmul_rn(__fmul_rn(xr[k], inv), w[k]);
+}
+
+// ---- silu(g) * u, elementwise ---------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NT) silu_mul(
+        const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
+        long long n) {
+    const long long stride = (long long)gridDim.x * NT;
+    for (long long i = (long long)blockIdx.x * NT + threadIdx.x; i < n; i += stride) {
+        const float a = g[i];
+        const float e = expf_pc(fminf(-a, 88.0f));
+        y[i] = __fmul_rn(__fdiv_rn(a, __fadd_rn(1.0f, e)), u[i]);
+    }
+}
+
+// ---- KV store: k, v [R, G, D] -> caches [S, G, C, D] at (slot[r], :, pos[r], :) --------
+extern "C" __global__ void __launch_bounds__(NT) kv_write(
+        const float* __restrict__ k, const float* __restrict__ v,
+        float* __restrict__ kc, float* __restrict__ vc,
+        const int* __restrict__ slot, const int* __restrict__ pos,
+        int R, int G, int C, int D) {
+    const long long total = (long long)R * G * D;
+    const long long stride = (long long)gridDim.x * NT;
+    for (long long i = (long long)blockIdx.x * NT + threadIdx.x; i < total; i += stride) {
+        const int d = (int)(i % D);
+        const long long rg = i / D;
+        const int g = (int)(rg % G);
+        const int r = (int)(rg / G);
+        const size_t dst = (((size_t)slot[r] * G + g) * C + pos[r]) * D + d;
+        kc[dst] = k[i];
+        vc[dst] = v[i];
+    }
+}
+
+// ---- attention, pass 1: scores -------------------------------------------------------
+// grid (rows * H, KSPLIT); warp wg = blockIdx.y * WARPS + warp handles keys t = wg,
+// wg + WARPS * KSPLIT, ...
+// sc[(rr * H + h) * C + t] = dot(q[r, h], k[slot, g, t]) * scale   (r = r0 + rr)
+extern "C" __global__ void __launch_bounds__(NT) attn_scores(
+        const float* __restrict__ q, const float* __restrict__ kc,
+        const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ sc,
+        int H, int G, int C, int D, float scale, int r0) {
+    const int rh = blockIdx.x;
+    const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
+    const int P = pos[r] + 1;
+    const int g = h / (H / G);
+    const int lane = threadIdx.x & 31;
+    const float* qr = q + ((size_t)r * H + h) * D;
+    const float* kb = kc + ((size_t)slot[r] * G + g) * (size_t)C * D;
+    float* out = sc + (size_t)rh * C;
+    float qv[MAX_HEAD_DIM / 32];
+#pragma unroll
+    for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) qv[i] = (lane + 32 * i < D) ? qr[lane + 32 * i] : 0.0f;
+    for (int t = blockIdx.y * WARPS + (threadIdx.x >> 5); t < P; t += WARPS * KSPLIT) {
+        const float* kt = kb + (size_t)t * D;
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_HEAD_DIM / 32; ++i)
+            if (lane + 32 * i < D) acc = __fmaf_rn(qv[i], kt[lane + 32 * i], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) out[t] = __fmul_rn(acc, scale);
+    }
+}
+
+// ---- attention, pass 2: softmax and the weighted V sum; one block per (row, head) -----
+extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
+        float* sc, const float* __restrict__ vc,
+        const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ o,
+        int H, int G, int C, int D, int r0) {
+    __shared__ float red[WARPS];
+    __shared__ float part[NT];
+    const int rh = blockIdx.x;
+    const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
+    const int P = pos[r] + 1;
+    const int g = h / (H / G);
+    const int tid = threadIdx.x;
+    float* e = sc + (size_t)rh * C;
+    float mx = __int_as_float(0xff800000);  // -inf
+    for (int t = tid; t < P; t += NT) mx = fmaxf(mx, e[t]);
+    mx = block_max(mx, red);
+    float sum = 0.0f;
+    for (int t = tid; t < P; t += NT) {
+        const float v = expf_pc(__fsub_rn(e[t], mx));
+        e[t] = v;
+        sum = __fadd_rn(sum, v);
+    }
+    sum = block_sum(sum, red);  // its __syncthreads also publishes e[] to the block
+    const int S = NT / D;       // key subsets (D <= 256)
+    const float* vb = vc + ((size_t)slot[r] * G + g) * (size_t)C * D;
+    if (tid < S * D) {
+        const int s = tid / D, d = tid - s * D;
+        float acc = 0.0f;
+        for (int t = s; t < P; t += S) acc = __fmaf_rn(e[t], vb[(size_t)t * D + d], acc);
+        part[tid] = acc;
+    }
+    __syncthreads();
+    if (tid < D) {
+        float a = part[tid];
+        for (int s = 1; s < S; ++s) a = __fadd_rn(a, part[s * D + tid]);
+        o[((size_t)r * H + h) * D + tid] = __fmul_rn(a, __fdiv_rn(1.0f, sum));
+    }
+}
+"""
+
+_LINEAR_SIGNATURES = {
+    "f32": ("const float* __restrict__ w", "WF32 ww{w, K};"),
+    "f16": ("const unsigned short* __restrict__ w", "WF16 ww{w, K};"),
+    "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
+           "WQ8 ww{q, d, m, K, has_m};"),
+}
+
+
+def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
+    """Vector kernels linear_{kind}_{TM}_{NC}; the any-K scalar kernel is linear_{kind}_s."""
+    return f"linear_{kind}_{tm}_{nc}" if tm else f"linear_{kind}_s"
+
+
+def _linear_wrappers() -> str:
+    out = []
+    for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
+        extra = ", int has_m" if kind == "q8" else ""
+        variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
+        if kind != "q8":  # q8 needs K % 32 == 0: always the vector kernels
+            variants.append((0, 0))
+        for tm, nc in variants:
+            call = f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K);" if tm else "linear_scalar(x, ww, out, M, N, K);"
+            out.append(
+                f'extern "C" __global__ void __launch_bounds__(NT) {linear_kernel_name(kind, tm, nc)}(\n'
+                f"        const float* __restrict__ x, {wparams}, float* __restrict__ out,\n"
+                f"        int M, int N, int K{extra}) {{\n"
+                f"    {make}\n"
+                f"    {call}\n"
+                f"}}\n"
+            )
+    return "\n".join(out)
+
+
+SOURCE = _COMMON + "\n" + _linear_wrappers()
+
+#: NVRTC options: no FMA contraction, no flush-to-zero, IEEE division and square root
+#: (build_module passes exactly these: CuPy's own compile path would add -ftz=true), and
+#: the geometry the source uses, from constants.py.
+OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
+           *(f"-D{name}={value}" for name, value in CUDA_DEFINES.items()))
+
+KERNEL_NAMES = tuple(
+    [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
+    + [linear_kernel_name(k, 0, 0) for k in ("f32", "f16")]
+    + ["rms_norm", "silu_mul", "kv_write", "attn_scores", "attn_softmax_v"]
+)
+
+
+def kernel_signatures(source: str = SOURCE) -> dict[str, list[tuple[str, bool]]]:
+    """{kernel name: [(C type without qualifiers, is_pointer), ...]} of the extern "C"
+    kernels in `source` (used to check every launch's arguments in the emulation)."""
+    sigs = {}
+    pat = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\)\s*)?(\w+)\(([^)]*)\)')
+    for name, params in pat.findall(source):
+        plist = []
+        for p in params.split(","):
+            p = " ".join(p.replace("__restrict__", " ").replace("const ", " ").split())
+            is_ptr = "*" in p
+            ctype = p.replace("*", " ").rsplit(None, 1)[0].strip()  # drop the parameter name
+            plist.append((ctype, is_ptr))
+        sigs[name] = plist
+    return sigs

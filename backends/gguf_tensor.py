@@ -1,0 +1,70 @@
+"""One tensor of a GGUF file as the file stores it: what the model loader hands a backend.
+
+Nothing is converted up front. `blocks` is a view of the file's memory map (ggml block
+layout, GGUF spec docs/gguf.md): a backend that keeps a quantized type in block form reads
+it from there, so no float32 copy of that tensor ever exists; anything else calls
+`dequantize()` (gguf's reference dequantization) when, and only for what, it needs floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import one_line
+
+# what panechat can dequantize, named in the message for any other type
+_READABLE = "Q4_0/Q4_1/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K/F16/F32"
+
+
+class TensorError(ValueError):
+    """A tensor that cannot be read or dequantized; the message is one line."""
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFTensor:
+    """A tensor as stored, dequantized on demand. `shape` is row-major with rows first
+    (a weight is [N out, K in]); `blocks` holds the stored values (float32 / float16
+    arrays of that shape) or bytes (uint8 [rows, bytes per row] of ggml blocks)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: str  # GGML type name: "F32", "F16", "Q8_0", "Q4_K", ...
+    blocks: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes as stored (mapped from the file, not resident memory of its own)."""
+        return int(self.blocks.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """The whole tensor as float32 [shape], exactly the floats ggml dequantizes (an F32
+        tensor is its stored array itself, no copy). Raises TensorError."""
+        return self._dequantize(self.blocks).reshape(self.shape)
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of a 2-D tensor as float32 [len(rows), K]: the same floats as
+        `dequantize()[rows]`, without dequantizing the others (blocks never span rows)."""
+        return self._dequantize(self.blocks[np.asarray(rows)]).reshape(len(rows), self.shape[-1])
+
+    def _dequantize(self, blocks: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType, quants  # deferred: importing gguf costs ~0.3 s
+
+        try:
+            data = quants.dequantize(blocks, GGMLQuantizationType[self.qtype])
+        except (NotImplementedError, KeyError):
+            raise TensorError(f"tensor {self.name} has type {self.qtype}, which panechat cannot "
+                              f"dequantize; use a file quantized as {_READABLE}") from None
+        except Exception as e:  # a damaged tensor raises many kinds
+            raise TensorError(f"tensor {self.name} is unreadable ({one_line(e)})") from None
+        return np.ascontiguousarray(data, dtype=np.float32)
+
+    @classmethod
+    def from_array(cls, w: np.ndarray, qtype: str = "F32", name: str = "") -> "GGUFTensor":
+        """`w` stored as `qtype` the way gguf's writer stores it (quantized for a block
+        type): weights for self-checks and tests without a file."""
+        from gguf import GGMLQuantizationType, quants
+
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        return cls(name, tuple(w.shape), qtype, quants.quantize(w, GGMLQuantizationType[qtype]))

@@ -1,0 +1,1 @@
+"""Tests of app/ (the test tree mirrors the code tree)."""

@@ -1,0 +1,1 @@
+"""Tests of backends/ (the test tree mirrors the code tree)."""

@@ -1,0 +1,1 @@
+"""Tests of engine/ (the test tree mirrors the code tree)."""
