@@ -181,6 +181,7 @@ def serve(args: argparse.Namespace) -> int:
     the model in the background, then serve until SIGTERM or Ctrl-C, which drain the
     generations in flight (--shutdown-grace) and exit 0."""
     engine_config(args)  # flag errors before anything else
+    limits = Limits.from_args(args)
     resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
     logger = logging.getLogger("panechat.server")
     if not logger.handlers:
@@ -190,7 +191,6 @@ def serve(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     token = getattr(args, "token", None)
-    limits = Limits.from_args(args)
     app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None))
     state: ServerState = app.state.panechat
     guard: Guard = app.state.guard
