@@ -75,6 +75,23 @@ def _parent(*declare, defaults: dict | None = None) -> argparse.ArgumentParser:
     return p
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: N, or N with K, M or G (binary units: 256M = 256 MiB; "MiB", "MB" too)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with K, M or G "
+                                         "(e.g. 256M)") from None
+    if not n >= 0 or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size")
+    return int(n * _SIZE_UNITS[unit])
+
+
 def _server_limit_args(p: argparse.ArgumentParser) -> None:
     """Timeouts, caps and the public address of the server (`serve`, `--share`); see
     docs/protocol.md, "Limits and timeouts". Defaults live in server.limits.Limits."""
@@ -86,6 +103,12 @@ def _server_limit_args(p: argparse.ArgumentParser) -> None:
                    help="open connections (HTTP and websocket) before answering 503 (default 512)")
     p.add_argument("--auth-grace", type=float, metavar="S",
                    help="close a websocket that has not sent a valid hello by then (default 5)")
+    p.add_argument("--history-memory", type=byte_size, metavar="SIZE",
+                   help="memory for websocket conversation history, e.g. 64M; past it the least recently "
+                        "used idle conversations are dropped, terminals resend theirs (default 256M)")
+    p.add_argument("--shutdown-grace", type=float, metavar="S",
+                   help="on SIGTERM/Ctrl-C, time running generations get to finish before they are "
+                        "ended with reason 'shutdown' (default 5)")
     p.add_argument("--public-url", metavar="URL",
                    help="the address browsers reach the server at, e.g. https://chat.example.com; web pages "
                         "from other origins than it and loopback are refused (default: from --host/--port)")

@@ -1,6 +1,7 @@
 """How every protocol classifies an exception from `Engine.submit`: one table, read by the
 OpenAI HTTP API (`server/errors.py`: status, type, code), the websocket protocol
 (`server/websocket.py`: its error code) and the embedded-engine client (`clients/local.py`).
+The server's own refusal of new work while it shuts down (`ShuttingDown`) is in it too.
 
 Each protocol words and shapes the error its own way; which kind of error it is, and so
 the status and codes it gets, is decided here (docs/protocol.md lists both protocols').
@@ -8,6 +9,7 @@ the status and codes it gets, is decided here (docs/protocol.md lists both proto
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..engine.engine import EngineStopped, PromptTooLong, QueueFull
@@ -23,7 +25,7 @@ class Refusal:
     http_code: str | None  # OpenAI's error code
     http_param: str | None  # the request field at fault
     ws_code: str  # the websocket `error` frame's code
-    retry_after: int | None = None  # seconds; the request may be sent again as it is
+    retry_after: int | None = None  # seconds; the request may be sent again as it is (default)
 
 
 BAD_INPUT = Refusal("bad_input", 400, "invalid_request_error", None, "messages", "bad_params")
@@ -31,6 +33,17 @@ PROMPT_TOO_LONG = Refusal("prompt_too_long", 400, "invalid_request_error", "cont
                           "prompt_too_long")
 QUEUE_FULL = Refusal("queue_full", 429, "rate_limit_error", "queue_full", None, "queue_full", retry_after=1)
 ENGINE_STOPPED = Refusal("engine_stopped", 503, "server_error", "engine_stopped", None, "unavailable")
+SHUTTING_DOWN = Refusal("shutting_down", 503, "server_error", "shutting_down", None, "shutting_down",
+                        retry_after=1)
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining before it exits: it starts no new generation.
+    `retry_after`: seconds until the drain is over (then a restarted server may answer)."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after))
 
 
 def classify(e: BaseException) -> Refusal | None:
@@ -38,6 +51,8 @@ def classify(e: BaseException) -> Refusal | None:
     or None when it is none: a bug, to be reported as an internal error."""
     if isinstance(e, PromptTooLong):  # before ValueError: it is one
         return PROMPT_TOO_LONG
+    if isinstance(e, ShuttingDown):
+        return SHUTTING_DOWN
     if isinstance(e, QueueFull):
         return QUEUE_FULL
     if isinstance(e, EngineStopped):
@@ -45,3 +60,12 @@ def classify(e: BaseException) -> Refusal | None:
     if isinstance(e, ValueError):
         return BAD_INPUT
     return None
+
+
+def retry_after(e: BaseException, refusal: Refusal) -> int | None:
+    """Seconds to wait before sending the refused request again: what the exception
+    estimated (`QueueFull.retry_after`, from the queue and the recent pace: engine/metrics.py),
+    else the table's default; None when sending it again as it is would not help."""
+    if refusal.retry_after is None:
+        return None
+    return getattr(e, "retry_after", None) or refusal.retry_after

@@ -15,12 +15,13 @@ class EngineConfig:
     is a valid one."""
 
     MAX_CONCURRENT: ClassVar[int] = 64
+    MAX_QUEUE: ClassVar[int] = 4096  # a queued request holds its prompt's token list (a few KiB .. ~150 KiB)
     MIN_CTX: ClassVar[int] = 64  # tokens; less leaves no room for a chat template and a reply
     MAX_STRAGGLER_MS: ClassVar[float] = 1000.0
 
     max_concurrent: int = 4
     kv_sessions: int | None = None  # default: 2 x max_concurrent
-    max_queue: int = 8
+    max_queue: int = 64  # a client past the running ones waits in line (latency) rather than get a 429
     ctx_size: int = 4096
     prefill_chunk: int = 512
     straggler_ms: float = 2.0
@@ -35,8 +36,8 @@ class EngineConfig:
             raise ValueError(f"--max-concurrent must be between 1 and {self.MAX_CONCURRENT}")
         if self.kv_sessions is not None and self.kv_sessions < self.max_concurrent:
             raise ValueError("--kv-sessions must be at least --max-concurrent")
-        if self.max_queue < 0:
-            raise ValueError("--max-queue must be >= 0")
+        if not 0 <= self.max_queue <= self.MAX_QUEUE:
+            raise ValueError(f"--max-queue must be between 0 and {self.MAX_QUEUE}")
         if self.ctx_size < self.MIN_CTX:
             raise ValueError(f"--ctx-size must be at least {self.MIN_CTX}")
         if self.prefill_chunk < 1:

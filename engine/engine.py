@@ -29,7 +29,7 @@ from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
 from .kv_slots import SlotPool
 from .loader import LoadedModel
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, retry_after_estimate
 from .model import Batch
 from .request import Request, RequestState
 from .sampling import SamplingError, SamplingParams, make_sampler
@@ -80,9 +80,9 @@ class Generation:
             except RuntimeError:  # the reader's loop is closed: nobody listens any more
                 self.cancel()
 
-    def cancel(self) -> None:
-        """Stop generating; a FinishEvent with reason 'cancelled' follows."""
-        self.engine.cancel(self.id)
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generating; a FinishEvent with `reason` follows (unless it finished first)."""
+        self.engine.cancel(self.id, reason)
 
     def events(self) -> Iterator[Event]:
         """Block for each event in turn until the FinishEvent (which is yielded, then kept
@@ -187,9 +187,9 @@ class Engine:
             self._checked.wait()
         return self
 
-    def stop(self) -> None:
-        """Cancel everything (each generation gets its FinishEvent) and join the thread.
-        Later submits are refused."""
+    def stop(self, reason: str = "cancelled") -> None:
+        """End everything (each generation gets its FinishEvent with `reason`) and join the
+        thread. Later submits are refused."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -197,7 +197,7 @@ class Engine:
             self._thread = None
         with self._lock:
             for r in list(self._by_id.values()):
-                self._finish(r, "cancelled")
+                self._finish(r, reason)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Check `messages` and render them with the chat template into token ids, as
@@ -235,20 +235,29 @@ class Engine:
         with self._lock:
             try:
                 self.scheduler.add(req)
-            except QueueFull:
+            except QueueFull as e:
                 self.metrics.refused += 1
+                e.retry_after = self.retry_after()
                 raise
             self._by_id[rid] = req
             self._members_changed = True
         self._wake.set()
         return gen
 
-    def cancel(self, request_id: str) -> None:
-        """Ask for a request to end; its FinishEvent (reason 'cancelled') follows."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Ask for a request to end; its FinishEvent follows, with `reason` ('cancelled' by
+        the client, 'shutdown' by a server going away; the first cancel's reason wins)."""
         req = self._by_id.get(request_id)
-        if req is not None:
+        if req is not None and not req.cancelled:
+            req.cancel_reason = reason
             req.cancelled = True
             self._wake.set()
+
+    def retry_after(self) -> int:
+        """Seconds after which a request refused now (QueueFull) should come back: the
+        time the queue ahead of it takes to clear at the recent pace (1..60)."""
+        return retry_after_estimate(len(self.scheduler.waiting), self.cfg.max_concurrent,
+                                    self.metrics.mean_request_s())
 
     def stats(self) -> EngineStats:
         """Snapshot of streams, batch occupancy, queue and KV slots (cheap)."""
@@ -370,7 +379,7 @@ class Engine:
 
     def _reap_cancelled(self) -> None:
         for r in [r for r in self._by_id.values() if r.cancelled]:
-            self._finish(r, "cancelled")
+            self._finish(r, r.cancel_reason)
 
     def _finish(self, r: Request, reason: str, error: str | None = None, keep_cache: bool = True) -> None:
         if r.state == RequestState.FINISHED:
@@ -391,7 +400,7 @@ class Engine:
             "total_ms": 1000 * (r.t_end - r.t_submit),
         }
         self._members_changed = True
-        self.metrics.record_finish(reason, ttft)
+        self.metrics.record_finish(reason, ttft, (r.t_end - r.t_start) if r.t_start else None)
         r.emit(FinishEvent(r.id, reason, r.text, list(r.output_ids), usage, timings, error))
 
     def _publish_state(self, force: bool) -> None:

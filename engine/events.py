@@ -25,7 +25,8 @@ class PrefillEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """The last event of every generation. reason: stop, length, cancelled or error."""
+    """The last event of every generation. reason: stop, length, cancelled, error, or
+    shutdown (ended by its server's shutdown, see `Generation.cancel`)."""
 
     request_id: str
     reason: str

@@ -5,6 +5,7 @@ reads a second."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -13,6 +14,20 @@ from .stats import EngineStats, IdleConversation, StreamStats, TTFTHistogram
 
 #: Upper bounds (seconds) of the cumulative time-to-first-token histogram (Prometheus `le`).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Finished requests whose time in a KV slot makes the recent mean (`mean_request_s`).
+RECENT_REQUESTS = 32
+#: Retry-After bounds (seconds): never "now", never longer than a client will wait.
+RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1, 60
+
+
+def retry_after_estimate(waiting: int, max_concurrent: int, mean_request_s: float | None) -> int:
+    """Seconds until the `waiting` requests ahead have been served, `max_concurrent` at a
+    time, each taking `mean_request_s` in its slot: ceil(waiting / max_concurrent * mean),
+    clamped to 1..60 (1 with no history yet)."""
+    if not mean_request_s or waiting <= 0:
+        return RETRY_AFTER_MIN
+    est = math.ceil(waiting / max(1, max_concurrent) * mean_request_s)
+    return max(RETRY_AFTER_MIN, min(RETRY_AFTER_MAX, est))
 
 
 class EngineMetrics:
@@ -26,7 +41,7 @@ class EngineMetrics:
         self.rows_now = 0
         self.steps = 0
         self.requests_total = 0
-        self.requests_finished = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
+        self.requests_finished = {"stop": 0, "length": 0, "cancelled": 0, "error": 0, "shutdown": 0}
         self.refused = 0
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -34,6 +49,7 @@ class EngineMetrics:
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # per bucket (last: over the top), cumulative
         self.ttft_sum = 0.0
         self._recent: deque[tuple[float, int, int]] = deque()  # (t, sequences, tokens) per step
+        self._request_s: deque[float] = deque(maxlen=RECENT_REQUESTS)  # slot time of recent completions
         self.window_s = window_s
         self.streams: tuple[StreamStats, ...] = ()  # running and queued requests
         self.idle_conversations: tuple[IdleConversation, ...] = ()  # resident in a KV slot between turns
@@ -61,13 +77,22 @@ class EngineMetrics:
             self.kv_in_use, self.kv_resident, self.kv_total = kv_in_use, kv_resident, kv_total
             self.evictions = evictions
 
-    def record_finish(self, reason: str, ttft: float | None) -> None:
+    def record_finish(self, reason: str, ttft: float | None, slot_s: float | None = None) -> None:
+        """One generation ended; `slot_s`: its time from admission to the end (None when it
+        never got a slot). Only completed ones (stop, length) make the recent mean."""
         with self._lock:
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+            if slot_s is not None and reason in ("stop", "length"):
+                self._request_s.append(slot_s)
             if ttft is not None:
                 self.ttft_sum += ttft
                 self.ttft_counts[next((i for i, b in enumerate(TTFT_BUCKETS) if ttft <= b),
                                       len(TTFT_BUCKETS))] += 1
+
+    def mean_request_s(self) -> float | None:
+        """Mean time in a slot of the last RECENT_REQUESTS completed generations (None: none yet)."""
+        with self._lock:
+            return sum(self._request_s) / len(self._request_s) if self._request_s else None
 
     def record_admit(self, prompt_tokens: int, reused: int) -> None:
         with self._lock:

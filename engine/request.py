@@ -44,6 +44,7 @@ class Request:
     text: str = ""
     held: str = ""  # decoded text held back while it may be the start of a stop string
     cancelled: bool = False
+    cancel_reason: str = "cancelled"  # the finish reason a cancelled request ends with
     finish_reason: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0

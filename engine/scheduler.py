@@ -20,7 +20,12 @@ from .request import Request, RequestState
 
 
 class QueueFull(Exception):
-    """The waiting queue is at --max-queue; the server maps this to HTTP 429."""
+    """The waiting queue is at --max-queue; the server maps this to HTTP 429.
+
+    `retry_after`: seconds after which to try again (set by the engine from the queue and
+    the recent pace; None where unknown)."""
+
+    retry_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,11 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
-        """Queue a request; raises QueueFull at once when the queue is full."""
+        """Queue a request; raises QueueFull at once when the queue is full.
+
+        The queue is FIFO: `_admit` takes only from its head, so a queued request is never
+        overtaken. It holds `max_queue` plus the free slots' worth (requests that the next
+        step admits at once)."""
         free = max(0, self.max_concurrent - len(self.running))
         if len(self.waiting) >= self.max_queue + free:
             raise QueueFull(

@@ -41,6 +41,10 @@ class RemoteBackend(ChatBackend):
         self._streams: dict[str, QueueStream] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._opened: set[str] = set()
+        # request id -> the stream's arguments, until the server has queued it: a send to a
+        # conversation the server dropped (for memory, see --history-memory) reopens it with
+        # the history and sends again, once
+        self._unqueued: dict[str, tuple] = {}
         self._ids = itertools.count(1)
         self._stats: EngineStats | None = None
         self._lock = asyncio.Lock()
@@ -123,6 +127,7 @@ class RemoteBackend(ChatBackend):
             for s in list(self._streams.values()):
                 s.put(Finished("error", "", error=reason))
             self._streams.clear()
+            self._unqueued.clear()
             for fut in self._opening.values():
                 if not fut.done():
                     fut.set_exception(BackendError(reason))
@@ -142,6 +147,13 @@ class RemoteBackend(ChatBackend):
                 fut.set_result(f.get("messages", []))
             return
         stream = self._streams.get(f.get("request", ""))
+        if stream is not None and kind != "delta":
+            again = self._unqueued.pop(stream.id, None)
+            if kind == "error" and f.get("code") == "unknown_conversation" and again is not None:
+                self._streams.pop(stream.id, None)
+                self._opened.discard(again[0])
+                self._spawn(self._start_stream(stream, *again, retry=False))
+                return
         if kind == "error":
             msg = f.get("message") or f.get("code") or "error"
             if stream is not None:
@@ -204,13 +216,15 @@ class RemoteBackend(ChatBackend):
         return s
 
     async def _start_stream(self, s: QueueStream, conversation: str, messages: list[dict], params: GenParams,
-                            system: str) -> None:
+                            system: str, retry: bool = True) -> None:
         try:
             if conversation not in self._opened or self._ws is None:
                 await self.attach(conversation, system, messages[:-1])
             if s.done:  # cancelled while the conversation was opening
                 return
             self._streams[s.id] = s
+            if retry:
+                self._unqueued[s.id] = (conversation, messages, params, system)
             frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                                 "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed},
@@ -218,6 +232,7 @@ class RemoteBackend(ChatBackend):
             await self._send(frame)
         except (BackendError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, OSError) as e:
             self._streams.pop(s.id, None)
+            self._unqueued.pop(s.id, None)
             s.put(Finished("error", "", error=str(e) or type(e).__name__))
 
     def _cancel(self, s: QueueStream) -> None:

@@ -41,6 +41,10 @@ log = logging.getLogger("panechat.server")
 # -- plain routes ---------------------------------------------------------------------------
 async def health(request: Request) -> Response:
     st = state_of(request)
+    if st.draining:  # load balancers: take this instance out of rotation
+        body = {"status": "draining", **errors.error_body("the server is shutting down", "server_error", None,
+                                                           "shutting_down")}
+        return errors.ErrorJSON(body, status_code=503, headers={"Retry-After": "1"})
     if st.engine is None:
         status = "error" if st.load_error else "loading"
         msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is loading"
@@ -111,7 +115,8 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
     public_url: the address browsers reach the server at (default: from the bind address);
     pages from other origins than it and loopback are refused."""
     lg = logger or log
-    state = ServerState(engine, token, max_body, lg)
+    limits = limits or Limits()
+    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory)
     state.registry = make_registry(state)
     routes = [
         Route("/health", health, methods=["GET"]),

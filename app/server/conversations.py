@@ -1,31 +1,70 @@
 """In-memory conversations for the websocket protocol: any terminal can resume one.
 
-Everything runs on the server's event loop, so no locking. Bounded: past `max_items`
-the least recently touched idle conversation is dropped.
+Everything runs on the server's event loop, so no locking. Bounded twice: by count
+(`max_items`) and by bytes (`max_bytes`, `--history-memory`). Past either, the least
+recently used idle conversation is dropped, first among those no open socket has opened,
+then any idle one; a conversation with a generation running is never dropped. A terminal
+keeps its own copy of every conversation and sends it back with `open` (docs/protocol.md),
+so a dropped conversation comes back when its terminal reopens it.
+
+Sizes are what Python holds: each string's `sys.getsizeof` (1, 2 or 4 bytes a character,
+as the widest character needs: counting UTF-8 bytes would take a text with one emoji for a
+quarter of its size) plus the message dict.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
+
+#: Bytes a message's dict costs beyond its strings (a two-key dict).
+MESSAGE_OVERHEAD = sys.getsizeof({"role": "", "content": ""})
+#: Bytes a conversation costs with no messages (its object, list, id and the store's entry).
+CONVERSATION_OVERHEAD = 1024
 
 
-@dataclass
+def message_bytes(role: str, content: str) -> int:
+    """What one stored message costs in memory, by the rule above."""
+    return MESSAGE_OVERHEAD + sys.getsizeof(role) + sys.getsizeof(content)
+
+
+class HistoryTooLarge(ValueError):
+    """A conversation would outgrow the whole history budget on its own."""
+
+
+@dataclass(eq=False)
 class Conversation:
     id: str
     messages: list[dict] = field(default_factory=list)  # [{"role", "content"}], system first
     busy: str | None = None  # id of the generation in flight, if any
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    nbytes: int = CONVERSATION_OVERHEAD  # memory held, by message_bytes
+    sockets: int = 0  # open sockets that have opened it
+    resized: Callable[["Conversation", int], None] | None = field(default=None, repr=False)
 
     def set_system(self, text: str) -> None:
         """Replace (or add, or with "" remove) the leading system message."""
+        delta = 0
         if self.messages and self.messages[0]["role"] == "system":
-            self.messages.pop(0)
+            old = self.messages.pop(0)
+            delta -= message_bytes(old["role"], old["content"])
         if text:
             self.messages.insert(0, {"role": "system", "content": text})
-        self.updated = time.time()
+            delta += message_bytes("system", text)
+        self._grew(delta)
+
+    def system_delta(self, text: str | None) -> int:
+        """Bytes `set_system(text)` would add (None: no change)."""
+        if text is None:
+            return 0
+        old = self.messages[0] if self.messages and self.messages[0]["role"] == "system" else None
+        return (message_bytes("system", text) if text else 0) - (
+            message_bytes(old["role"], old["content"]) if old else 0)
 
     @property
     def has_turns(self) -> bool:
@@ -34,11 +73,17 @@ class Conversation:
     def seed(self, turns: list[dict]) -> None:
         """Give a conversation without turns the earlier turns a client kept."""
         self.messages.extend(dict(m) for m in turns)
-        self.updated = time.time()
+        self._grew(sum(message_bytes(m["role"], m["content"]) for m in turns))
 
     def append(self, role: str, content: str) -> None:
         self.messages.append({"role": role, "content": content})
+        self._grew(message_bytes(role, content))
+
+    def _grew(self, delta: int) -> None:
+        self.nbytes += delta
         self.updated = time.time()
+        if self.resized is not None:
+            self.resized(self, delta)
 
     def summary(self) -> dict:
         first = next((m["content"] for m in self.messages if m["role"] == "user"), "")
@@ -50,18 +95,29 @@ class Conversation:
 
 
 class ConversationStore:
-    """Conversations by id; ids the server makes are `c-1`, `c-2`, ..."""
+    """Conversations by id, least recently used first; ids the server makes are `c-1`, ...
 
-    def __init__(self, max_items: int = 10_000):
+    `nbytes` is the memory the stored messages hold (see the module docstring); after each
+    change the store drops idle conversations until it is within `max_bytes` again (a
+    running generation's conversation may hold it over until it ends)."""
+
+    def __init__(self, max_items: int = 10_000, max_bytes: int = 256 << 20):
         self.max_items = max_items
-        self._items: dict[str, Conversation] = {}
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.evictions = 0
+        self._items: OrderedDict[str, Conversation] = OrderedDict()
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._items)
 
     def get(self, cid: str) -> Conversation | None:
-        return self._items.get(cid)
+        """The conversation `cid` (now the most recently used), or None."""
+        conv = self._items.get(cid)
+        if conv is not None:
+            self._items.move_to_end(cid)
+        return conv
 
     def open(self, cid: str | None = None) -> tuple[Conversation, bool]:
         """The conversation `cid` (created when unknown, or a new id when None);
@@ -70,19 +126,57 @@ class ConversationStore:
             cid = f"c-{next(self._ids)}"
             while cid in self._items:
                 cid = f"c-{next(self._ids)}"
-        conv = self._items.get(cid)
+        conv = self.get(cid)
         if conv is not None:
             return conv, False
-        self._evict()
-        conv = self._items[cid] = Conversation(cid)
+        self._evict(count=1)
+        conv = self._items[cid] = Conversation(cid, resized=self._resized)
+        self.nbytes += conv.nbytes
+        self._evict(keep=conv)
         return conv, True
+
+    def check_fits(self, conv: Conversation, more: int) -> None:
+        """HistoryTooLarge unless `conv` grown by `more` bytes fits the budget on its own."""
+        if more > 0 and conv.nbytes + more > self.max_bytes:
+            raise HistoryTooLarge(
+                f"conversation {conv.id!r} would hold {conv.nbytes + more} bytes of history, more than "
+                f"the server keeps for all conversations together (--history-memory {self.max_bytes}); "
+                "start a new conversation or send less")
+
+    def discard(self, conv: Conversation) -> None:
+        """Forget `conv` (one just created whose opening was refused)."""
+        if self._items.get(conv.id) is conv:
+            del self._items[conv.id]
+            self.nbytes -= conv.nbytes
+            conv.resized = None
 
     def list(self) -> list[dict]:
         return [c.summary() for c in sorted(self._items.values(), key=lambda c: -c.updated)]
 
-    def _evict(self) -> None:
-        while len(self._items) >= self.max_items:
-            idle = [c for c in self._items.values() if c.busy is None]
-            if not idle:
+    def _resized(self, conv: Conversation, delta: int) -> None:
+        self.nbytes += delta
+        if conv.id in self._items:
+            self._items.move_to_end(conv.id)
+        if delta > 0:
+            self._evict(keep=conv)
+
+    def _evict(self, keep: Conversation | None = None, count: int = 0) -> None:
+        """Drop least recently used idle conversations (not `keep`) until there is room for
+        `count` more and the bytes are within the budget: those no socket has open first."""
+        def over() -> bool:
+            return len(self._items) + count > self.max_items or self.nbytes > self.max_bytes
+
+        for attached_too in (False, True):
+            if not over():
                 return
-            del self._items[min(idle, key=lambda c: c.updated).id]
+            for conv in [c for c in self._items.values()
+                         if c is not keep and c.busy is None and (attached_too or not c.sockets)]:
+                self._drop(conv)
+                if not over():
+                    return
+
+    def _drop(self, conv: Conversation) -> None:
+        del self._items[conv.id]
+        self.nbytes -= conv.nbytes
+        conv.resized = None
+        self.evictions += 1

@@ -11,7 +11,7 @@ import json
 
 from starlette.responses import JSONResponse
 
-from ..engine_errors import classify
+from ..engine_errors import classify, retry_after
 
 
 class ErrorJSON(JSONResponse):
@@ -72,8 +72,9 @@ def refused(e: Exception) -> APIError | None:
     r = classify(e)
     if r is None:
         return None
+    wait = retry_after(e, r)
     return APIError(r.http_status, str(e), type=r.http_type, param=r.http_param, code=r.http_code,
-                    headers={"Retry-After": str(r.retry_after)} if r.retry_after else None)
+                    headers={"Retry-After": str(wait)} if wait else None)
 
 
 def loading() -> APIError:

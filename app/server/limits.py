@@ -68,6 +68,10 @@ class Limits:
     max_unauthed: int = 64  # websockets open at once that have not completed hello
     preauth_frame: int = 4096  # bytes: the largest frame before hello
     log_interval: float = 10.0  # seconds between two `limits` log lines
+    history_memory: int = 256 << 20  # --history-memory: bytes of websocket conversation history kept
+    shutdown_grace: float = 5.0  # --shutdown-grace: seconds running generations get to finish at shutdown
+
+    MIN_HISTORY_MEMORY = 64 << 10  # less is surely a unit mistake (--history-memory 256 for 256M)
 
     def __post_init__(self):
         for flag, v in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
@@ -79,11 +83,17 @@ class Limits:
                         ("preauth_frame", self.preauth_frame)):
             if n < 1:
                 raise ValueError(f"{flag} must be at least 1 (got {n})")
+        if self.history_memory < self.MIN_HISTORY_MEMORY:
+            raise ValueError(f"--history-memory must be at least {self.MIN_HISTORY_MEMORY >> 10}K "
+                             f"(got {self.history_memory} bytes)")
+        if not 0 <= self.shutdown_grace <= 3600:
+            raise ValueError(f"--shutdown-grace must be between 0 and 3600 seconds (got {self.shutdown_grace})")
 
     @classmethod
     def from_args(cls, args) -> "Limits":
         """From `panechat serve` / `--share` flags (missing ones keep the defaults)."""
-        flags = ("header_timeout", "body_timeout", "max_connections", "auth_grace")
+        flags = ("header_timeout", "body_timeout", "max_connections", "auth_grace", "history_memory",
+                 "shutdown_grace")
         return cls(**{k: getattr(args, k) for k in flags if getattr(args, k, None) is not None})
 
 

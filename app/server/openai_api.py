@@ -163,6 +163,14 @@ def _log_line(fin: FinishEvent, stream: bool) -> str:
             f"{rate or 0:.1f}tok/s {fin.reason}")
 
 
+def shutdown_error(fin: FinishEvent) -> APIError:
+    """The server shut down before the reply was complete (docs/protocol.md, "Shutdown")."""
+    n = fin.usage.get("completion_tokens", 0)
+    return APIError(503, f"the server shut down before the reply was complete ({n} tokens generated); "
+                    "send the request again", type="server_error", code="shutting_down",
+                    headers={"Retry-After": "1"})
+
+
 async def _watch_disconnect(request: Request, gen) -> None:
     """Cancel `gen` when the client goes away (the body is already read, so the next
     ASGI message is the disconnect)."""
@@ -202,11 +210,14 @@ async def chat_completions(request: Request) -> Response:
         watcher.cancel()
         if gen.finish is None:
             gen.cancel()
+        st.done(gen)
     fin = gen.finish
     set_log_detail(request, _log_line(fin, False))
     if fin.reason == "error":
         raise APIError(500, fin.error or "generation failed", type="server_error", code="generation_error")
-    if fin.reason == "cancelled":  # the client left, or the server is shutting down
+    if fin.reason == "shutdown":  # a 503 the client retries, not a cut reply passed off as whole
+        raise shutdown_error(fin)
+    if fin.reason == "cancelled":  # the client left
         raise APIError(503, "the generation was cancelled", type="server_error", code="cancelled")
     return JSONResponse({
         "id": cid, "object": "chat.completion", "created": created, "model": req.model,
@@ -261,8 +272,9 @@ class SSEResponse(Response):
                     await emit(self._chunk({"content": ev.text}))
             fin = gen.finish
             set_log_detail(self.request, _log_line(fin, True))
-            if fin.reason == "error":
-                err = errors.error_body(fin.error or "generation failed", "server_error", None, "generation_error")
+            if fin.reason in ("error", "shutdown"):
+                err = (shutdown_error(fin).body() if fin.reason == "shutdown" else
+                       errors.error_body(fin.error or "generation failed", "server_error", None, "generation_error"))
                 await emit(b"data: " + json.dumps(err).encode() + b"\n\n")
             elif fin.reason != "cancelled":
                 await emit(self._chunk({}, _finish_reason(fin), usage=usage_of(fin), timings=timings_of(fin)))
@@ -277,6 +289,7 @@ class SSEResponse(Response):
             watcher.cancel()
             if gen.finish is None:
                 gen.cancel()
+            state_of(self.request).done(gen)
 
 
 # -- body -----------------------------------------------------------------------------------

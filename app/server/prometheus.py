@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from ...engine.stats import StreamState
 
 if TYPE_CHECKING:
+    from .conversations import ConversationStore
     from .state import ServerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -41,6 +42,7 @@ class EngineCollector(Collector):
         terms = GaugeMetricFamily("panechat_websocket_terminals", "Connected websocket terminals")
         terms.add_metric([], float(st.terminals))
         yield terms
+        yield from _history(st.conversations)
         if engine is None:
             return
         s = engine.stats()
@@ -114,6 +116,22 @@ class EngineCollector(Collector):
                                       "Time from submission to the first generated token")
             h.add_metric([], buckets, sum_value=float(th.sum))
             yield h
+
+
+def _history(store: "ConversationStore"):
+    """The websocket conversations kept in memory, against --history-memory."""
+    for name, doc, value in (
+            ("panechat_history_bytes", "Memory held by websocket conversation history (bytes)", store.nbytes),
+            ("panechat_history_budget_bytes", "The history memory budget (--history-memory, bytes)",
+             store.max_bytes),
+            ("panechat_history_conversations", "Websocket conversations kept in memory", len(store))):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], float(value))
+        yield g
+    c = CounterMetricFamily("panechat_history_evictions",
+                            "Idle conversations dropped to stay within --history-memory or the count cap")
+    c.add_metric([], float(store.evictions))
+    yield c
 
 
 def make_registry(state: "ServerState") -> CollectorRegistry:

@@ -7,7 +7,8 @@ Hosting in-process (what `panechat --share` does)::
     print(srv.url, srv.ws_url)      # http://127.0.0.1:8765  ws://127.0.0.1:8765/ws
     srv.state.terminals             # websocket terminals connected right now
     ...
-    srv.stop()                      # the engine keeps running; stop it yourself
+    srv.stop()                      # remote generations end (reason shutdown); the engine keeps
+                                    # running: stop it yourself
 
 The server runs uvicorn on its own thread and event loop; the engine runs on its own
 thread, so hosting costs the host's event loop nothing. Request log lines go to the
@@ -33,6 +34,7 @@ from .app import MAX_BODY, create_app
 from .state import ServerState
 from .limits import Guard, Limits, Listener, raise_fd_limit, run_server
 from .security import bind_warning
+from .shutdown import DrainingServer
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
 
@@ -77,7 +79,8 @@ class ServerThread:
 
     The port is bound in the constructor (so errors raise in the caller, and port 0 picks
     a free port: read `.port`). `start()` returns once the server accepts connections;
-    `stop()` shuts it down (open websockets are closed, streams get a few seconds)."""
+    `stop()` drains it and shuts it down (shutdown.py: generations this server started
+    get `grace` seconds, then end with reason `shutdown`, each client told)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8765, *,
                  log_config: dict | None = None, graceful_s: float = 3.0):
@@ -88,7 +91,8 @@ class ServerThread:
         self.guard: Guard = app.state.guard
         self._sock.guard = self.guard
         self.guard.origins.bound(host, self.port)
-        self.server = uvicorn.Server(_config(app, self.guard, graceful_s, log_config))
+        self.server = DrainingServer(_config(app, self.guard, graceful_s, log_config), app.state.panechat,
+                                     self.guard.limits.shutdown_grace)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -126,11 +130,12 @@ class ServerThread:
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self._error = e
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop serving (the engine is not stopped)."""
-        self.server.should_exit = True
+    def stop(self, timeout: float = 10.0, grace: float = 0.0) -> None:
+        """Stop serving after a drain with `grace` seconds (0: end what runs at once, each
+        client told); the engine is not stopped."""
+        self.server.request_drain(grace)
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout + grace)
             if self._thread.is_alive():
                 self.server.force_exit = True
                 self._thread.join(timeout)
@@ -173,8 +178,10 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
 
 def serve(args: argparse.Namespace) -> int:
     """`panechat serve`: listen at once (/health answers 503 while the model loads), load
-    the model in the background, then serve until Ctrl-C."""
+    the model in the background, then serve until SIGTERM or Ctrl-C, which drain the
+    generations in flight (--shutdown-grace) and exit 0."""
     engine_config(args)  # flag errors before anything else
+    limits = Limits.from_args(args)
     resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
     logger = logging.getLogger("panechat.server")
     if not logger.handlers:
@@ -184,15 +191,15 @@ def serve(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     token = getattr(args, "token", None)
-    app = create_app(None, token=token, logger=logger, limits=Limits.from_args(args),
-                     public_url=getattr(args, "public_url", None))
+    app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None))
     state: ServerState = app.state.panechat
     guard: Guard = app.state.guard
     sock = _bind(args.host, args.port)
     sock.guard = guard
     port = sock.getsockname()[1]
     guard.origins.bound(args.host, port)
-    server = uvicorn.Server(_config(app, guard, 3))
+    # SIGTERM / Ctrl-C: drain first (shutdown.py), then exit 0
+    server = DrainingServer(_config(app, guard, 3), state, limits.shutdown_grace)
     print(f"panechat serve: listening on http://{_url_host(args.host)}:{port} (loading the model ...)",
           file=sys.stderr, flush=True)
     warning = bind_warning(args.host, token)
@@ -222,7 +229,7 @@ def serve(args: argparse.Namespace) -> int:
         asyncio.run(run_server(server, [sock], guard))
     finally:
         server.should_exit = True
-        loader.join(timeout=60)
+        loader.join(timeout=1)  # still loading: not worth waiting for (a daemon thread)
         if result["engine"] is not None:
             result["engine"].stop()
         sock.close()

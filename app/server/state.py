@@ -1,5 +1,6 @@
 """`ServerState`: what every handler of the server shares (`app.state.panechat`): the
-engine (None while loading), the token, the websocket conversations, the terminal count.
+engine (None while loading), the token, the websocket conversations, the terminal count,
+and what a shutdown drains (the generations in flight, the open sockets).
 
 Its own module so that the routes (`openai_api`, `websocket`, `prometheus`) and the app
 that assembles them (`app`) all import it, and none of them imports another.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from ..engine_errors import ShuttingDown
 from . import errors
 from .conversations import ConversationStore
 from .errors import APIError
@@ -32,19 +34,27 @@ SERVER_NAME = "panechat/0.1"
 
 class ServerState:
     """What every handler shares: the engine (None while loading), the token, the
-    websocket conversations and the terminal count."""
+    websocket conversations and the terminal count.
 
-    def __init__(self, engine: "Engine | None", token: str | None, max_body: int, logger: logging.Logger):
+    Shutdown (shutdown.py): once `draining`, `submit` refuses (ShuttingDown); `inflight`
+    holds each generation submitted here until its handler has sent the client its end
+    (handlers call `done`), and `sockets` the open websocket connections."""
+
+    def __init__(self, engine: "Engine | None", token: str | None, max_body: int, logger: logging.Logger,
+                 history_memory: int = 256 << 20):
         self.engine = engine
         self.token = token or None
         self.max_body = max_body
         self.log = logger
         self.load_error: str | None = None
-        self.conversations = ConversationStore()
+        self.conversations = ConversationStore(max_bytes=history_memory)
         self.terminals = 0
         self.terminal_ids = itertools.count(1)
         self.started = time.time()
         self.registry = None  # the /metrics CollectorRegistry, made by create_app
+        self.drain_until: float | None = None  # time.monotonic() when the drain ends; None: serving
+        self.inflight: set["Generation"] = set()
+        self.sockets: set = set()  # websocket.Connection objects (typed loosely: websocket imports this)
 
     # -- engine life cycle ----------------------------------------------------------
     def attach(self, engine: "Engine") -> None:
@@ -97,16 +107,40 @@ class ServerState:
         if scheme.lower() != "bearer" or not self.token_ok(cred.strip()):
             raise errors.unauthorized()
 
+    # -- shutdown ---------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self.drain_until is not None
+
+    def begin_drain(self, grace: float) -> None:
+        """Refuse new generations from now on; running ones have `grace` seconds."""
+        self.drain_until = time.monotonic() + grace
+
+    def check_admitting(self) -> None:
+        """ShuttingDown (503 `shutting_down`) once the server is draining."""
+        if self.drain_until is not None:
+            raise ShuttingDown("the server is shutting down; retry shortly (on another instance, "
+                               "or this one once restarted)", self.drain_until - time.monotonic() + 1)
+
+    def done(self, gen: "Generation") -> None:
+        """The handler of `gen` has sent its client the end (or the client left)."""
+        self.inflight.discard(gen)
+
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
                      conversation: str | None = None) -> "Generation":
         """Render and tokenize `messages` off the event loop, then queue the generation.
+        The caller owns it until it calls `done(gen)` (in a `finally`).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
-        `Engine.submit`."""
+        `Engine.submit`, and ShuttingDown."""
+        self.check_admitting()
         engine = self.require_engine()
         prompt_ids = await asyncio.to_thread(engine.lm.prompt_ids, messages)
-        return engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
+        self.check_admitting()  # the drain may have begun meanwhile
+        gen = engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
+        self.inflight.add(gen)
+        return gen
 
 
 def state_of(request) -> ServerState:

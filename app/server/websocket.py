@@ -19,8 +19,8 @@ import time
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
-from ..engine_errors import classify
-from .conversations import Conversation
+from ..engine_errors import classify, retry_after
+from .conversations import Conversation, HistoryTooLarge, message_bytes
 from .request_fields import FieldError, is_num, opt_int, opt_num, parse_json, sampling_params, stop_strings
 from .state import SERVER_NAME, ServerState
 
@@ -29,9 +29,11 @@ MAX_ID = 256  # characters in a conversation or request id
 
 
 class FrameError(Exception):
-    def __init__(self, code: str, message: str, request: str | None = None):
+    """Answered with an `error` frame; `extra` fields go into it (e.g. `retry_after`)."""
+
+    def __init__(self, code: str, message: str, request: str | None = None, **extra):
         super().__init__(message)
-        self.code, self.message, self.request = code, message, request
+        self.code, self.message, self.request, self.extra = code, message, request, extra
 
 
 def _id(frame: dict, key: str, required: bool, request: str | None = None) -> str | None:
@@ -98,6 +100,7 @@ class Connection:
         self.closed = False
         self.lock = asyncio.Lock()
         self.gens: dict[str, object] = {}  # request id -> Generation in flight
+        self.opened: set[Conversation] = set()  # conversations this socket has opened (kept from eviction first)
         self.pumps: set[asyncio.Task] = set()
         self.stats_task: asyncio.Task | None = None
         client = ws.client
@@ -113,15 +116,16 @@ class Connection:
             except Exception:  # noqa: BLE001 - any failure means the peer is gone
                 self.closed = True
 
-    async def error(self, code: str, message: str, request: str | None = None) -> None:
+    async def error(self, code: str, message: str, request: str | None = None, **extra) -> None:
         frame = {"type": "error", "code": code, "message": message}
         if request is not None:
             frame["request"] = request
-        await self.send(frame)
+        await self.send({**frame, **extra})
 
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:
         probation = asyncio.create_task(self.close_unless_hello())
+        self.st.sockets.add(self)
         try:
             while not self.closed:
                 try:
@@ -200,12 +204,21 @@ class Connection:
         try:
             await handler(self, frame)
         except FrameError as e:
-            await self.error(e.code, e.message, e.request)
+            await self.error(e.code, e.message, e.request, **e.extra)
         except Exception as e:  # a bug must not take the connection down
             self.st.log.exception("ws %s: internal error on a %r frame", self.peer, kind)
             await self.error("internal", f"internal server error: {type(e).__name__}", rid)
 
+    async def going_away(self) -> None:
+        """The server is shutting down and this socket's generations have ended: close it
+        (1001, going away)."""
+        await self.close(1001)
+
     async def shutdown(self) -> None:
+        self.st.sockets.discard(self)
+        for conv in self.opened:
+            conv.sockets -= 1
+        self.opened.clear()
         self.closed = True
         if self.stats_task is not None:
             self.stats_task.cancel()
@@ -235,6 +248,10 @@ class Connection:
             await self.close(4401)
             return
         self.passed_token_check()
+        if self.st.draining:
+            await self.error("shutting_down", "the server is shutting down; connect again shortly")
+            await self.close(1001)
+            return
         engine = await self.st.wait_engine()
         if engine is None:
             raise FrameError("unavailable", f"the model failed to load: {self.st.load_error}")
@@ -255,11 +272,24 @@ class Connection:
         cid = _id(frame, "conversation", required=False)
         system = _opt_str(frame, "system")
         seed = _seed_messages(frame)
-        conv, created = self.st.conversations.open(cid)
-        if seed and conv.busy is None and not conv.has_turns:
-            conv.seed(seed)  # the server lost it (a restart) and the client kept a copy
+        store = self.st.conversations
+        conv, created = store.open(cid)
+        if not (seed and conv.busy is None and not conv.has_turns):
+            seed = None
+        try:
+            store.check_fits(conv, conv.system_delta(system)
+                             + sum(message_bytes(m["role"], m["content"]) for m in seed or ()))
+        except HistoryTooLarge as e:
+            if created:
+                store.discard(conv)
+            raise FrameError("history_too_large", str(e)) from None
+        if seed:
+            conv.seed(seed)  # the server lost it (a restart, or dropped it for memory) and the client kept a copy
         if system is not None:
             conv.set_system(system)
+        if conv not in self.opened:
+            self.opened.add(conv)
+            conv.sockets += 1
         await self.send({"type": "opened", "conversation": conv.id, "created": created,
                          "messages": conv.snapshot()})
 
@@ -276,12 +306,18 @@ class Connection:
         params, stop = parse_params(frame.get("params"), self.st.engine.ctx, rid)
         if rid in self.gens:
             raise FrameError("duplicate_request", f"request {rid!r} is already running on this connection", rid)
-        conv = self.st.conversations.get(cid)
+        store = self.st.conversations
+        conv = store.get(cid)
         if conv is None:
-            raise FrameError("unknown_conversation", f"no conversation {cid!r}; send open first", rid)
+            raise FrameError("unknown_conversation", f"no conversation {cid!r}; send open first "
+                             "(with the turns you kept: the server may have dropped it for memory)", rid)
         if conv.busy is not None:
             raise FrameError("conversation_busy", f"conversation {cid!r} is already generating "
                              f"(request {conv.busy!r}); wait for it or cancel it", rid)
+        try:
+            store.check_fits(conv, message_bytes("user", content) + conv.system_delta(system))
+        except HistoryTooLarge as e:
+            raise FrameError("history_too_large", str(e), rid) from None
         messages = conv.snapshot()
         if system is not None:  # applied to the conversation only once the send is accepted
             if messages and messages[0]["role"] == "system":
@@ -297,15 +333,18 @@ class Connection:
             refusal = classify(e)  # app/engine_errors.py
             if refusal is None:
                 raise
-            raise FrameError(refusal.ws_code, str(e), rid) from None
-        if system is not None:
-            conv.set_system(system)
-        conv.append("user", content)
+            wait = retry_after(e, refusal)
+            raise FrameError(refusal.ws_code, str(e), rid, **({"retry_after": wait} if wait else {})) from None
         self.gens[rid] = gen
-        await self.send({"type": "queued", "request": rid, "conversation": cid})
+        # the pump owns gen from here (it calls done); it sends only after `queued`: the send
+        # lock is taken in call order
         task = asyncio.create_task(self.pump(rid, conv, gen))
         self.pumps.add(task)
         task.add_done_callback(self.pumps.discard)
+        if system is not None:
+            conv.set_system(system)
+        conv.append("user", content)
+        await self.send({"type": "queued", "request": rid, "conversation": cid})
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
         try:
@@ -333,6 +372,7 @@ class Connection:
             self.gens.pop(rid, None)
             if conv.busy == rid:
                 conv.busy = None
+            self.st.done(gen)
 
     async def on_cancel(self, frame: dict) -> None:
         rid = _id(frame, "request", required=True)

@@ -59,7 +59,9 @@ class ShareServer:
         return f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.srv.stop)
+        """Drain (teammates' generations get --shutdown-grace, then end with reason
+        'shutdown'), then stop serving."""
+        await asyncio.to_thread(self.srv.stop, grace=self.srv.guard.limits.shutdown_grace)
 
 
 def build_app(backend, store: Store, **kwargs):

@@ -14,8 +14,8 @@ from starlette.testclient import TestClient
 
 from panechat.app.clients.base import Finished, GenParams
 from panechat.app.clients.local import LocalBackend
-from panechat.app.engine_errors import (BAD_INPUT, ENGINE_STOPPED, PROMPT_TOO_LONG, QUEUE_FULL, Refusal,
-                                        classify)
+from panechat.app.engine_errors import (BAD_INPUT, ENGINE_STOPPED, PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN,
+                                        Refusal, ShuttingDown, classify, retry_after)
 from panechat.app.server import create_app
 from panechat.app.server.request_fields import FieldError
 from panechat.engine.engine import EngineStopped, PromptTooLong, QueueFull
@@ -45,7 +45,14 @@ REFUSALS = [
     (PromptTooLong("prompt is 900 tokens but the context holds 512; shorten the conversation"), PROMPT_TOO_LONG),
     (QueueFull("the queue is full (--max-queue 8); retry shortly"), QUEUE_FULL),
     (EngineStopped("the engine is stopped"), ENGINE_STOPPED),
+    (ShuttingDown("the server is shutting down; retry shortly", 2.2), SHUTTING_DOWN),
 ]
+
+
+def _estimated(seconds: int) -> QueueFull:
+    e = QueueFull("server busy: 4 generating and 64 waiting (max-queue 64); retry shortly")
+    e.retry_after = seconds  # as Engine.submit sets it
+    return e
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -66,6 +73,7 @@ def test_the_table_is_the_documented_contract():
         (400, "invalid_request_error", "context_length_exceeded", "messages", "prompt_too_long", None),
         (429, "rate_limit_error", "queue_full", None, "queue_full", 1),
         (503, "server_error", "engine_stopped", None, "unavailable", None),
+        (503, "server_error", "shutting_down", None, "shutting_down", 1),
     ]
     assert all(isinstance(r, Refusal) for _, r in REFUSALS)
 
@@ -77,7 +85,19 @@ def test_http(error, refusal):
     assert r.status_code == refusal.http_status
     assert r.json()["error"] == {"message": str(error), "type": refusal.http_type, "param": refusal.http_param,
                                  "code": refusal.http_code}
-    assert r.headers.get("retry-after") == (str(refusal.retry_after) if refusal.retry_after else None)
+    wait = retry_after(error, refusal)
+    assert r.headers.get("retry-after") == (str(wait) if wait else None)
+
+
+def test_the_estimate_travels_with_the_exception():
+    """QueueFull carries the engine's Retry-After estimate; ShuttingDown the drain's end."""
+    assert retry_after(_estimated(17), QUEUE_FULL) == 17
+    assert retry_after(QueueFull("full"), QUEUE_FULL) == 1  # none made: the table's default
+    assert retry_after(ShuttingDown("bye", 2.2), SHUTTING_DOWN) == 3
+    with TestClient(create_app(RefusingEngine(_estimated(17)))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 429 and r.headers["retry-after"] == "17"
+    assert _ws_send(_estimated(17))["retry_after"] == 17
 
 
 def _ws_send(error: Exception) -> dict:
@@ -93,7 +113,9 @@ def _ws_send(error: Exception) -> dict:
 
 @pytest.mark.parametrize("error,refusal", REFUSALS)
 def test_websocket(error, refusal):
-    assert _ws_send(error) == {"type": "error", "code": refusal.ws_code, "message": str(error), "request": "r"}
+    wait = retry_after(error, refusal)
+    assert _ws_send(error) == {"type": "error", "code": refusal.ws_code, "message": str(error), "request": "r",
+                               **({"retry_after": wait} if wait else {})}
 
 
 def _local_finish(error: Exception) -> Finished:

@@ -118,12 +118,15 @@ def test_evicted_conversation_comes_back_with_the_same_reply(make_engine):
 
 def test_full_queue_is_refused_at_once(make_engine):
     e = make_engine(max_concurrent=1, max_queue=1)
+    e.metrics.record_finish("stop", 0.1, 2.0)  # the recent pace: 2 s a request
     running = e.submit(_msgs("Count to fifty."), params=SamplingParams(max_tokens=200))
     waiting = e.submit(_msgs("Hi"), params=SamplingParams(max_tokens=4))
     t = time.perf_counter()
-    with pytest.raises(QueueFull, match="max-queue"):
+    with pytest.raises(QueueFull, match="max-queue") as refused:
         e.submit(_msgs("Hi again"), params=SamplingParams(max_tokens=4))
     assert time.perf_counter() - t < 1.0
+    # Retry-After: at least the one waiting request ahead, one at a time, at 2 s each
+    assert refused.value.retry_after >= 2
     running.cancel()
     assert running.result().reason == "cancelled"
     assert waiting.result().reason in ("stop", "length")
@@ -140,6 +143,25 @@ def test_cancel_frees_the_slot(make_engine):
     assert fin.reason == "cancelled" and 0 < len(fin.token_ids) < 300
     _wait_idle(e)
     assert e.stats().kv_in_use == 0
+
+
+def test_a_generation_ended_by_a_shutdown_says_so(make_engine):
+    """cancel(reason) ends running and queued generations with that reason (a server going
+    away says 'shutdown', not 'cancelled'); the first cancel's reason wins."""
+    e = make_engine(max_concurrent=1, kv_sessions=1, max_queue=2)
+    running = e.submit(_msgs("Tell me a long story."), params=SamplingParams(max_tokens=300))
+    queued = e.submit(_msgs("Hi"), params=SamplingParams(max_tokens=4))
+    for ev in running.events():
+        if isinstance(ev, TokenEvent):
+            break
+    running.cancel("shutdown")
+    running.cancel()  # too late to change the reason
+    queued.cancel("shutdown")
+    fin = running.result()
+    assert fin.reason == "shutdown" and 0 < len(fin.token_ids) < 300
+    assert queued.result().reason == "shutdown"
+    _wait_idle(e)
+    assert e.stats().requests_finished["shutdown"] == 2
 
 
 def test_prompt_longer_than_context_is_refused(make_engine):

@@ -14,7 +14,8 @@ from panechat.engine.config import EngineConfig
     ({"max_concurrent": 0}, "--max-concurrent must be between 1 and 64"),
     ({"max_concurrent": 65}, "--max-concurrent must be between 1 and 64"),
     ({"max_concurrent": 4, "kv_sessions": 3}, "--kv-sessions must be at least --max-concurrent"),
-    ({"max_queue": -1}, "--max-queue must be >= 0"),
+    ({"max_queue": -1}, "--max-queue must be between 0 and 4096"),
+    ({"max_queue": 4097}, "--max-queue must be between 0 and 4096"),
     ({"ctx_size": 63}, "--ctx-size must be at least 64"),
     ({"prefill_chunk": 0}, "--prefill-chunk must be >= 1"),
     ({"straggler_ms": -0.1}, "--straggler-ms must be between 0 and 1000"),
@@ -31,7 +32,7 @@ def test_out_of_range_is_refused_in_one_place(fields, message):
 
 @pytest.mark.parametrize("fields", [
     {"max_concurrent": 1, "kv_sessions": 1, "max_queue": 0, "ctx_size": 64, "prefill_chunk": 1, "straggler_ms": 0},
-    {"max_concurrent": 64, "ctx_size": 1 << 20, "straggler_ms": 1000},
+    {"max_concurrent": 64, "ctx_size": 1 << 20, "straggler_ms": 1000, "max_queue": 4096},
 ])
 def test_the_limits_themselves_are_allowed(fields):
     assert engine_config(argparse.Namespace(**fields)) == EngineConfig(**fields)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from panechat.app.cli import main
 
@@ -40,6 +41,20 @@ def test_bad_model_is_a_one_line_error(tmp_path, capsys):
 def test_bad_flag_is_a_one_line_error(capsys):
     assert main(["serve", "--port", "0", "--max-concurrent", "0"]) == 2
     assert "--max-concurrent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--history-memory", "256"), ("--shutdown-grace", "-1"),
+                                        ("--max-queue", "5000")])
+def test_bad_limit_is_a_one_line_error(capsys, flag, value):
+    assert main(["serve", "--port", "0", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_size_that_is_no_size_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--history-memory", "lots"])
+    assert e.value.code == 2 and "is not a size" in capsys.readouterr().err
 
 
 def test_serve_end_to_end(model_path):

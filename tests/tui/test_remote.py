@@ -272,3 +272,29 @@ async def test_a_refused_request_shows_as_an_error_in_its_pane(server, store):
         assert pane.last_finish.reason == "error" and "HTTP 4" in pane.last_finish.error
         assert pane.state.startswith("error: HTTP 4")
         assert [m.role for m in pane.history] == ["user"]  # nothing stored for the failed reply
+
+
+async def test_a_conversation_the_server_dropped_is_reopened_with_the_terminals_copy(server):
+    """--history-memory lets the server drop idle conversations, even one a terminal has
+    open; the terminal's next send gets unknown_conversation, reopens it with its own copy
+    and sends again: the reply still sees the earlier turns."""
+    from panechat.app.clients.base import GenParams
+
+    backend = RemoteBackend(server.ws_url)
+    await backend.start()
+    try:
+        params = GenParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        history = [{"role": "user", "content": "My cat is called Miso."}]
+        events = [ev async for ev in backend.stream("c-dropped", history, params)]
+        first = events[-1]
+        assert first.reason in ("stop", "length"), first
+        history.append({"role": "assistant", "content": first.text})
+        store = server.state.conversations
+        store.discard(store.get("c-dropped"))  # what eviction does
+        history.append({"role": "user", "content": "What is my cat called?"})
+        events = [ev async for ev in backend.stream("c-dropped", history, params)]
+        assert events[-1].reason in ("stop", "length"), events[-1]
+        kept = [m["content"] for m in store.get("c-dropped").messages if m["role"] != "system"]
+        assert kept[:3] == [m["content"] for m in history]  # restored, then the new turn
+    finally:
+        await backend.close()

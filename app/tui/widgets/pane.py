@@ -300,7 +300,7 @@ class ChatPane(Vertical):
             self.last_metrics = _metrics(tok_s, ttft, n)
             if not text and fin.reason == "cancelled":
                 reply.remove()
-            self._set_state("idle" if fin.reason != "cancelled" else "idle (stopped)")
+            self._set_state({"cancelled": "idle (stopped)", "shutdown": "idle (server shut down)"}.get(fin.reason, "idle"))
         UI_COST.add("finish", time.perf_counter() - t0)
         self.post_message(self.ReplyFinished(self, fin))
 
