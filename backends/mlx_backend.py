@@ -110,7 +110,8 @@ class MLXBackend(Backend):
         batches=(2, 3, 5, 8, 13, 17, 33, 40),
         linear=(("Q4_1", 96, 576), ("Q4_0", 64, 128), ("Q8_0", 72, 512), ("F32", 48, 64), ("F16", 40, 256)),
         norm_widths=(576,),
-        attention=(AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, ATTN_BLOCK + 3, 3 * ATTN_BLOCK + 39)),))
+        attention=(AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, ATTN_BLOCK + 3, 3 * ATTN_BLOCK + 39)),
+                   AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, 3 * ATTN_BLOCK + 39), window=ATTN_BLOCK + 7)))
 
     def __init__(self, device: str | None = None, policy: str | None = None,
                  float_dtype: str | None = None):
