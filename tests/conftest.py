@@ -87,8 +87,9 @@ def loaded_model(model_path: Path):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """get(arch, qtype, tied=True) -> (path, stored float32 weights) of a tiny synthetic
-    model (tests/tiny_gguf.py, seed 3), written once per session per combination."""
-    from .tiny_gguf import write_tiny_gguf
+    model (tests/tiny_gguf.py, seed 3, the architecture's ARCH_SHAPES), written once per
+    session per combination."""
+    from .tiny_gguf import ARCH_SHAPES, write_tiny_gguf
 
     cache = {}
 
@@ -96,7 +97,8 @@ def tiny(tmp_path_factory):
         key = (arch, qtype, tied)
         if key not in cache:
             path = tmp_path_factory.mktemp("tiny") / f"tiny-{arch}-{qtype}-{tied}.gguf"
-            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3))
+            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3,
+                                                **ARCH_SHAPES[arch]))
         return cache[key]
 
     return get

@@ -9,22 +9,11 @@ from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.model import Model
 
 from .model_runs import forward_chunks
-from .tiny_gguf import reference_logits, write_tiny_gguf
-
-# Shapes that make each architecture's differences matter: qwen3 and gemma3 with a
-# head_dim unlike n_embd / n_head; gemma3 with 7 layers (0-4 and 6 slide over 5 keys,
-# 5 is global), so 23 tokens cross the window in both kinds of layer.
-SHAPES = {
-    "llama": {},
-    "qwen2": {},
-    "qwen3": dict(head_dim=32),
-    "gemma3": dict(n_layer=7, head_dim=32, window=5),
-}
-
+from .tiny_gguf import ARCH_SHAPES, reference_logits, write_tiny_gguf
 
 def load_tiny(tmp_path, arch, **kw):
     path = tmp_path / f"tiny-{arch}.gguf"
-    weights = write_tiny_gguf(path, arch, **{**SHAPES[arch], **kw})
+    weights = write_tiny_gguf(path, arch, **{**ARCH_SHAPES[arch], **kw})
     return Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=64), weights
 
 
@@ -38,7 +27,7 @@ def assert_close(model, weights, arch, tokens):
         assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("arch", list(SHAPES))
+@pytest.mark.parametrize("arch", list(ARCH_SHAPES))
 @pytest.mark.parametrize("qtype,tied", [("F32", True), ("Q8_0", False), ("Q4_1", True), ("Q4_0", False)])
 def test_forward_matches_float64_reference(tmp_path, arch, qtype, tied):
     model, weights = load_tiny(tmp_path, arch, qtype=qtype, tied=tied, seed=3)

@@ -10,6 +10,17 @@ from pathlib import Path
 import numpy as np
 
 
+# Shapes that make each architecture's differences matter: qwen3 and gemma3 with a
+# head_dim unlike n_embd / n_head; gemma3 with 7 layers (0-4 and 6 slide over 5 keys,
+# 5 is global), so a sequence of 6+ tokens crosses the window in both kinds of layer.
+ARCH_SHAPES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": dict(head_dim=32),
+    "gemma3": dict(n_layer=7, head_dim=32, window=5),
+}
+
+
 def _byte_vocab() -> list[str]:
     """GPT-2 byte-to-unicode alphabet: 256 single-character tokens."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
