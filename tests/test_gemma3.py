@@ -37,3 +37,23 @@ def test_logits_bit_identical_alone_vs_batched(gemma, gemma_golden):
     for i in range(3):
         for s in range(steps + 1):
             assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s}"
+
+
+def test_engine_greedy_generation_follows_llamacpp(gemma, gemma_golden):
+    """Two completions decoded together through the engine (KV cache, one batch per step)
+    give llama.cpp's tokens up to llama.cpp's first close call (top-1/top-2 margin < 0.5)."""
+    from panechat.engine.engine import Engine, EngineConfig
+    from panechat.engine.sampling import SamplingParams
+
+    cases = [gemma_golden["completion"][i] for i in (1, 3)]  # llama.cpp sure for 4 and 48 steps
+    engine = Engine(gemma, EngineConfig(max_concurrent=2, kv_sessions=2, ctx_size=128,
+                                        verify_invariance=False)).start()
+    try:
+        gens = [engine.submit(prompt_ids=c["prompt_ids"], params=SamplingParams(max_tokens=16)) for c in cases]
+        results = [g.result() for g in gens]
+    finally:
+        engine.stop()
+    for case, fin in zip(cases, results):
+        sure = next((i for i, s in enumerate(case["steps"]) if s["top"][0][1] - s["top"][1][1] < 0.5),
+                    len(case["steps"]))
+        assert sure >= 3 and fin.token_ids[:sure] == case["tokens"][:min(sure, 16)]
