@@ -3,9 +3,10 @@
 Written once against the `Backend` interface; follows llama.cpp's `llm_build_llama`,
 `llm_build_qwen2`, `llm_build_qwen3` and `llm_build_gemma3` graphs. What differs is data:
 `ModelArgs` (activation, embedding scale, per-layer window and RoPE) and optional tensors
-(QKV biases, per-head q/k norms, norms after attention and FFN), skipped when absent. The forward pass holds no cache state of its own: the KV store
-comes in as an argument, and each row of a batch carries its own slot and position, so
-rows of different sequences (prefill chunks and decode tokens alike) share one pass.
+(QKV biases, per-head q/k norms, norms after attention and FFN), skipped when absent.
+The forward pass holds no cache state of its own: the KV store comes in as an argument,
+and each row of a batch carries its own slot and position, so rows of different
+sequences (prefill chunks and decode tokens alike) share one pass.
 """
 
 from __future__ import annotations

@@ -83,7 +83,11 @@ class ModelArgs:
         head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+        # Linear RoPE scaling (llama.cpp: freq_scale = 1 / factor); other kinds (yarn, ...)
+        # are not implemented and, as before, ignored.
         scaling = float(meta.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+        if str(meta.get(f"{arch}.rope.scaling.type", "linear")) != "linear":
+            scaling = 0.0
         common = dict(
             architecture=arch,
             n_layer=int(get("block_count")),
