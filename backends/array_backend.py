@@ -59,6 +59,11 @@ class ArrayBackend(Backend):
     def silu_mul(self, gate: Array, up: Array) -> Array:
         return gate / (self.xp.float32(1.0) + self.xp.exp(-gate)) * up
 
+    def gelu_mul(self, gate: Array, up: Array) -> Array:
+        xp, f = self.xp, self.xp.float32
+        inner = f(0.7978845608028654) * (gate + f(0.044715) * gate * gate * gate)  # sqrt(2/pi)
+        return f(0.5) * gate * (f(1.0) + xp.tanh(inner)) * up
+
     def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> ArrayKV:
         return ArrayKV(self.xp, n_slots, n_layer, n_kv, ctx, head_dim)
 

@@ -73,6 +73,10 @@ class Backend(ABC):
     def silu_mul(self, gate: Array, up: Array) -> Array:
         """silu(gate) * up, elementwise."""
 
+    def gelu_mul(self, gate: Array, up: Array) -> Array:
+        """gelu(gate) * up, elementwise, GELU in its tanh approximation (gemma's FFN)."""
+        raise NotImplementedError(f"the GELU feed-forward (gemma) is not yet supported on {self.name}")
+
     @abstractmethod
     def new_kv(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int) -> Any:
         """Allocate the KV store: per layer, K and V of shape [slots, n_kv, ctx, head_dim]."""
@@ -83,9 +87,14 @@ class Backend(ABC):
 
     @abstractmethod
     def attend(self, kv: Any, layer: int, q: Array, k: Array, v: Array,
-               slots: Array, positions: Array, scale: float) -> Array:
+               slots: Array, positions: Array, scale: float, window: int = 0) -> Array:
         """`write_kv` k and v, then causal attention of q [R, n_head, hd] over keys
-        0..position of the row's slot -> [R, n_head, hd]."""
+        0..position of the row's slot -> [R, n_head, hd]; with a sliding `window` > 0
+        over keys max(0, position - window + 1)..position only."""
+
+    def unsupported(self, args: Any) -> str | None:
+        """Why this backend cannot run a model with these `ModelArgs`, or None."""
+        return None
 
     @abstractmethod
     def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:

@@ -131,7 +131,7 @@ def bench_attention(rounds: int) -> None:
 
             def step():
                 for _ in range(N_LAYERS):
-                    nk._attention(q, kc, vc, slots, poss, np.float32(0.125), out)
+                    nk._attention(q, kc, vc, slots, poss, np.float32(0.125), np.int64(0), out)
 
             step()
             times[name].append(_time(step))

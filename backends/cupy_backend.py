@@ -221,8 +221,17 @@ class CupyBackend(ArrayBackend):
                               xp.ascontiguousarray(slots, dtype=xp.int32),
                               xp.ascontiguousarray(positions, dtype=xp.int32))
 
+    def unsupported(self, args: Any) -> str | None:
+        if args.sliding_window:
+            return f"sliding-window attention not yet supported on {self.name}"
+        if args.ffn_act != "silu":
+            return f"the {args.ffn_act} feed-forward not yet supported on {self.name}"
+        return None
+
     def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
-               slots: Any, positions: Any, scale: float) -> Any:
+               slots: Any, positions: Any, scale: float, window: int = 0) -> Any:
+        if window:
+            raise ValueError(f"sliding-window attention not yet supported on {self.name}")
         xp = self.xp
         q = self._f32(q)
         slots = xp.ascontiguousarray(slots, dtype=xp.int32)

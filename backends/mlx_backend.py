@@ -110,7 +110,8 @@ class MLXBackend(Backend):
         batches=(2, 3, 5, 8, 13, 17, 33, 40),
         linear=(("Q4_1", 96, 576), ("Q4_0", 64, 128), ("Q8_0", 72, 512), ("F32", 48, 64), ("F16", 40, 256)),
         norm_widths=(576,),
-        attention=(AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, ATTN_BLOCK + 3, 3 * ATTN_BLOCK + 39)),))
+        attention=(AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, ATTN_BLOCK + 3, 3 * ATTN_BLOCK + 39)),
+                   AttentionCase(4, 2, 3 * ATTN_BLOCK + 40, 64, 6, (5, 3 * ATTN_BLOCK + 39), window=ATTN_BLOCK + 7)))
 
     def __init__(self, device: str | None = None, policy: str | None = None,
                  float_dtype: str | None = None):
@@ -215,6 +216,10 @@ class MLXBackend(Backend):
     def silu_mul(self, gate: Array, up: Array) -> Array:
         return gate * mx.sigmoid(gate) * up
 
+    def gelu_mul(self, gate: Array, up: Array) -> Array:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi)
+        return 0.5 * gate * (1.0 + mx.tanh(inner)) * up
+
     def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> MLXKV:
         return MLXKV(n_slots, n_layer, n_kv, ctx, head_dim)
 
@@ -225,7 +230,7 @@ class MLXBackend(Backend):
         if not self._dirty or self._dirty[-1] is not kv:
             self._dirty.append(kv)
 
-    def attend(self, kv: MLXKV, layer, q, k, v, slots, positions, scale):
+    def attend(self, kv: MLXKV, layer, q, k, v, slots, positions, scale, window=0):
         R, n_head, hd = q.shape
         n_kv = k.shape[1]
         rep = n_head // n_kv
@@ -240,6 +245,8 @@ class MLXBackend(Backend):
             qg = qg.reshape(-1, n_kv, rep, 1, hd)
             s = mx.matmul(qg, keys[:, :, None].swapaxes(-1, -2)) * scale  # (Rg, n_kv, rep, 1, L)
             mask = mx.arange(length)[None, :] <= pos_g[:, None]  # (Rg, L)
+            if window:  # sliding window: keys max(0, pos - window + 1)..pos
+                mask = mask & (mx.arange(length)[None, :] > pos_g[:, None] - window)
             s = mx.where(mask[:, None, None, None, :], s, -mx.inf)
             p = mx.softmax(s, axis=-1)
             o = mx.matmul(p, vals[:, :, None])  # (Rg, n_kv, rep, 1, hd)

@@ -35,7 +35,7 @@ Kernels (all arrays C-contiguous; the wrappers raise ValueError otherwise):
   linear(x f32[M,K], w f32[N,K], out f32[M,N])              out = x @ w.T
   linear_q8(x, wq i8[N,K], scales f32[N,K/32], out, mins=None)  int8 blocks
   attention(q f32[R,H,hd], k_cache, v_cache f32[S,G,ctx,hd],
-            row_slot i32[R], row_pos i32[R], scale, out f32[R,H,hd])
+            row_slot i32[R], row_pos i32[R], scale, out f32[R,H,hd], window=0)
 
 ``NumpyBackend.self_check()`` (backends/self_check.py) verifies the property on this
 machine at start-up.
@@ -730,13 +730,14 @@ def _weighted_v(e, vc, vo, P, acc):
 
 
 @njit(inline="always", **_JIT)
-def _attend_group(q, kc, vc, r, g, slot, P, scale, out):
-    """All query heads of kv head g for row r; K/V rows are read once per group."""
+def _attend_group(q, kc, vc, r, g, slot, first, P, scale, out):
+    """All query heads of kv head g for row r over the P keys from position `first`;
+    K/V rows are read once per group."""
     _, H, D = q.shape
     G = kc.shape[1]
     grp = H // G
     h0 = g * grp
-    kvo = (slot * G + g) * kc.shape[2] * D  # flat offset of kc[slot, g, 0, 0]
+    kvo = ((slot * G + g) * kc.shape[2] + first) * D  # flat offset of kc[slot, g, first, 0]
     e = np.empty((grp, P), np.float32)  # scores, then exp(score - max)
     for j in range(grp):
         _scores(q, (r * H + h0 + j) * D, kc, kvo, P, scale, e[j])
@@ -755,12 +756,13 @@ def _attend_group(q, kc, vc, r, g, slot, P, scale, out):
 
 
 @njit(parallel=True, **_JIT)
-def _attention(q, k_cache, v_cache, row_slot, row_pos, scale, out):
+def _attention(q, k_cache, v_cache, row_slot, row_pos, scale, window, out):
     R = q.shape[0]
     G = k_cache.shape[1]
     for task in prange(R * G):
         r, g = task // G, task % G
-        _attend_group(q, k_cache, v_cache, r, g, row_slot[r], row_pos[r] + 1, scale, out)
+        first = max(0, row_pos[r] - window + 1) if window > 0 else 0
+        _attend_group(q, k_cache, v_cache, r, g, row_slot[r], first, row_pos[r] + 1 - first, scale, out)
 
 
 def attention(
@@ -771,13 +773,17 @@ def attention(
     row_pos: np.ndarray,
     scale: float,
     out: np.ndarray,
+    window: int = 0,
 ) -> np.ndarray:
     """Causal grouped-query attention over a slotted KV cache, batch-invariant per row.
 
     q float32 [R, n_head, hd]; k_cache, v_cache float32 [S, n_kv, ctx, hd];
     row_slot, row_pos int32 [R]; out float32 [R, n_head, hd]; all C-contiguous.
     Row r, head h attends to positions 0..row_pos[r] (inclusive) of slot
-    row_slot[r], kv head h // (n_head // n_kv).  Returns ``out``.
+    row_slot[r], kv head h // (n_head // n_kv); with a sliding `window` > 0 only to
+    positions max(0, row_pos[r] - window + 1)..row_pos[r] (llama.cpp's standard SWA
+    mask).  The result is the same bits as attention over just those keys.
+    Returns ``out``.
     """
     for name, a, dtype, ndim in (
         ("q", q, np.float32, 3),
@@ -796,5 +802,7 @@ def attention(
         raise ValueError("attention: row_slot and row_pos must be [R]")
     if R and (row_slot.min() < 0 or row_slot.max() >= S or row_pos.min() < 0 or row_pos.max() >= C):
         raise ValueError("attention: row_slot / row_pos out of range")
-    _attention(q, k_cache, v_cache, row_slot, row_pos, np.float32(scale), out)
+    if window < 0:
+        raise ValueError(f"attention: window must be >= 0, got {window}")
+    _attention(q, k_cache, v_cache, row_slot, row_pos, np.float32(scale), np.int64(window), out)
     return out

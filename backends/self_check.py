@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 class AttentionCase:
     """A KV store of `n_slots` slots [n_kv, ctx, head_dim] filled with random keys and
     values; probe row i sits in slot i at position `probes[i]`, other rows in the
-    remaining slots (so they never write where a probe reads)."""
+    remaining slots (so they never write where a probe reads). `window` > 0: sliding-window
+    attention over that many keys (gemma3's local layers)."""
 
     n_slots: int
     n_kv: int
@@ -36,6 +37,7 @@ class AttentionCase:
     head_dim: int
     n_head: int
     probes: tuple[int, ...]
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class CheckPlan:
         ("F32", 70, 96), ("F32", 64, 200),  # leftover columns; a K tail
         ("Q8_0", 70, 96), ("Q4_0", 64, 192), ("Q4_1", 64, 192))
     norm_widths: tuple[int, ...] = (300,)
-    attention: tuple[AttentionCase, ...] = (AttentionCase(4, 2, 80, 40, 6, (37,)),)
+    attention: tuple[AttentionCase, ...] = (AttentionCase(4, 2, 80, 40, 6, (37,)),
+                                            AttentionCase(4, 2, 80, 40, 6, (37,), window=21))
     prefill: int = 24  # consecutive rows of one slot in one call vs each alone
     wide_batches: tuple[int, ...] | None = None  # for weights of N > 1000 rows; None: `batches`
 
@@ -105,7 +108,7 @@ def _check_norm(be: Backend, plan: CheckPlan, rng: np.random.Generator) -> str |
 def _check_attention(be: Backend, plan: CheckPlan, rng: np.random.Generator) -> str | None:
     for c in plan.attention:
         S, G, C, D, H = c.n_slots, c.n_kv, c.ctx, c.head_dim, c.n_head
-        name = f"attention H={H} G={G} D={D}"
+        name = f"attention H={H} G={G} D={D}" + (f" window={c.window}" if c.window else "")
         kv = be.new_kv(S, 1, G, C, D)
         for slot in range(S):  # random keys and values at every position of every slot
             be.write_kv(kv, 0, be.asarray(rng.standard_normal((C, G, D), dtype=np.float32)),
@@ -116,10 +119,11 @@ def _check_attention(be: Backend, plan: CheckPlan, rng: np.random.Generator) -> 
             return (slot, pos, rng.standard_normal((H, D), dtype=np.float32),
                     rng.standard_normal((G, D), dtype=np.float32), rng.standard_normal((G, D), dtype=np.float32))
 
-        def run(rows: list[tuple], kv=kv, D=D) -> np.ndarray:
+        def run(rows: list[tuple], kv=kv, D=D, window=c.window) -> np.ndarray:
             q, k, v = (be.asarray(np.stack([r[i] for r in rows])) for i in (2, 3, 4))
             return be.to_numpy(be.attend(kv, 0, q, k, v, be.asarray(np.array([r[0] for r in rows], np.int32)),
-                                         be.asarray(np.array([r[1] for r in rows], np.int32)), D ** -0.5))
+                                         be.asarray(np.array([r[1] for r in rows], np.int32)), D ** -0.5,
+                                         window))
 
         probes = [row(slot, pos) for slot, pos in enumerate(c.probes)]
         alone = [run([p])[0] for p in probes]

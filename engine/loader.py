@@ -44,8 +44,11 @@ def load_tokenizer(gf: GGUFFile) -> Tokenizer:
 def load_model(path: str | Path, backend: str | Backend = "auto", max_positions: int | None = None) -> LoadedModel:
     """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
     gf = GGUFFile.open(path)
-    ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
+    args = ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
     be = get_backend(backend) if isinstance(backend, str) else backend
+    why = be.unsupported(args)  # and what the backend lacks, before the tokenizer's seconds
+    if why:
+        raise ModelFileError(f"{gf.path}: {why}")
     tokenizer = load_tokenizer(gf)
     try:
         template = ChatTemplate.from_metadata(gf.metadata, tokenizer)

@@ -1,9 +1,12 @@
-"""The decoder-only transformer forward pass (llama and qwen2 families).
+"""The decoder-only transformer forward pass (llama, qwen2, qwen3 and gemma3 families).
 
-Written once against the `Backend` interface; follows llama.cpp's `llm_build_llama` /
-`llm_build_qwen2` graphs. The forward pass holds no cache state of its own: the KV store
-comes in as an argument, and each row of a batch carries its own slot and position, so
-rows of different sequences (prefill chunks and decode tokens alike) share one pass.
+Written once against the `Backend` interface; follows llama.cpp's `llm_build_llama`,
+`llm_build_qwen2`, `llm_build_qwen3` and `llm_build_gemma3` graphs. What differs is data:
+`ModelArgs` (activation, embedding scale, per-layer window and RoPE) and optional tensors
+(QKV biases, per-head q/k norms, norms after attention and FFN), skipped when absent.
+The forward pass holds no cache state of its own: the KV store comes in as an argument,
+and each row of a batch carries its own slot and position, so rows of different
+sequences (prefill chunks and decode tokens alike) share one pass.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class Layer:
     attn_q_bias: Any = None
     attn_k_bias: Any = None
     attn_v_bias: Any = None
+    attn_q_norm: Any = None  # per-head RMS norms of q and k (qwen3, gemma3)
+    attn_k_norm: Any = None
+    post_attention_norm: Any = None  # gemma3: RMS norm of the attention / FFN output
+    post_ffw_norm: Any = None  # before it joins the residual stream
 
 
 @dataclass
@@ -59,7 +66,7 @@ class Model:
     output_norm: Any
     output: Any
     layers: list[Layer]
-    rope: tuple = ()  # (cos, sin) tables on the backend
+    rope: list = ()  # per layer, (cos, sin) tables on the backend (shared between layers)
     load_seconds: float = 0.0
     weight_bytes: int = 0
 
@@ -76,6 +83,9 @@ class Model:
     def _load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None) -> "Model":
         t0 = time.perf_counter()
         args = ModelArgs.from_metadata(gf.metadata)
+        why = backend.unsupported(args)
+        if why:
+            raise ModelFileError(f"{gf.path}: {why}")
         nbytes = 0
 
         def tensor(name: str, required: bool = True) -> GGUFTensor | None:
@@ -113,12 +123,16 @@ class Model:
                 attn_q_bias=vec(p + "attn_q.bias", required=False),
                 attn_k_bias=vec(p + "attn_k.bias", required=False),
                 attn_v_bias=vec(p + "attn_v.bias", required=False),
+                attn_q_norm=vec(p + "attn_q_norm.weight", required=False),
+                attn_k_norm=vec(p + "attn_k_norm.weight", required=False),
+                post_attention_norm=vec(p + "post_attention_norm.weight", required=False),
+                post_ffw_norm=vec(p + "post_ffw_norm.weight", required=False),
             ))
         output = lin("output.weight" if gf.has("output.weight") else "token_embd.weight")  # tied
         nbytes += embd.nbytes
         freqs = tensor("rope_freqs.weight", required=False)
-        rope = backend.rope_tables(args.rope_dim, args.rope_base, max_positions or args.context_length,
-                                   None if freqs is None else freqs.dequantize())
+        rope = _rope_per_layer(args, backend, max_positions or args.context_length,
+                               None if freqs is None else freqs.dequantize())
         return cls(args, backend, embd, vec("output_norm.weight"), output, layers,
                    rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
 
@@ -129,22 +143,53 @@ class Model:
         slots = be.asarray(batch.slots)
         positions = be.asarray(batch.positions)
         R = len(batch.tokens)
-        scale = 1.0 / float(np.sqrt(a.head_dim))
+        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         x = be.embed(self.token_embd, batch.tokens)  # (R, D)
+        if a.embed_scale != 1.0:
+            x = x * np.float32(a.embed_scale)
         for i, L in enumerate(self.layers):
             h = be.rms_norm(x, L.attn_norm, a.rms_eps)
             q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
             k = _biased(be.linear(h, L.attn_k), L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
             v = _biased(be.linear(h, L.attn_v), L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
-            q = be.rope(q, positions, a.rope_style, self.rope)
-            k = be.rope(k, positions, a.rope_style, self.rope)
-            o = be.attend(kv, i, q, k, v, slots, positions, scale)  # (R, n_head, hd)
-            x = x + be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
+            q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
+            k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
+            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
+            o = be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
+            x = x + _normed(be, o, L.post_attention_norm, a.rms_eps)
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
-            x = x + be.linear(be.silu_mul(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down)
+            h = be.linear(ffn_act(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down)
+            x = x + _normed(be, h, L.post_ffw_norm, a.rms_eps)
         rows = be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))
         h = be.rms_norm(x[rows], self.output_norm, a.rms_eps)
-        return be.to_numpy(be.linear(h, self.output))
+        logits = be.to_numpy(be.linear(h, self.output))
+        if a.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
+            cap = np.float32(a.final_logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+
+def _rope_per_layer(a: ModelArgs, be: Backend, max_pos: int, freqs: np.ndarray | None) -> list:
+    """(cos, sin) for each layer: global layers use `rope_base`, the file's `rope_freqs` and
+    linear scaling by `rope_freq_scale`; sliding-window layers `swa_rope_base`, unscaled
+    (llama.cpp `rope_freq_base_train_swa`). Each distinct table is computed once."""
+    factors = freqs
+    if a.rope_freq_scale != 1.0:  # linear scaling: angle = pos * freq_scale * inv_freq
+        factors = (np.ones(a.rope_dim // 2) if freqs is None else freqs.astype(np.float64)) / a.rope_freq_scale
+    global_ = local = None
+    per_layer = []
+    for i in range(a.n_layer):
+        if a.window(i):
+            local = local or be.rope_tables(a.rope_dim, a.swa_rope_base, max_pos)
+            per_layer.append(local)
+        else:
+            global_ = global_ or be.rope_tables(a.rope_dim, a.rope_base, max_pos, factors)
+            per_layer.append(global_)
+    return per_layer
+
+
+def _normed(be: Backend, x, weight, eps: float):
+    return x if weight is None else be.rms_norm(x, weight, eps)
 
 
 def _biased(y, bias):

@@ -1,16 +1,30 @@
-"""Hyper-parameters of a model, read from GGUF metadata (mlx-lm `ModelArgs` style)."""
+"""Hyper-parameters of a model, read from GGUF metadata (mlx-lm `ModelArgs` style).
+
+What differs between the supported architectures is data here, not code in the forward
+pass: RoPE style, the feed-forward activation, the embedding scale, and (gemma3) the
+interleaved sliding-window layers with their own RoPE base. Optional tensors (biases,
+q/k norms, post-norms) are found by name at load; see `engine/model.py`.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .gguf_file import ModelFileError
 
-# llama.cpp src/llama-arch.cpp: LLAMA uses "normal" RoPE (adjacent pairs, the
-# converter permutes Q/K for it); QWEN2 uses NEOX RoPE (first half / second half).
-ROPE_STYLE = {"llama": "normal", "qwen2": "neox"}
+# llama.cpp src/llama-arch.cpp / llama-model.cpp: LLAMA uses "normal" RoPE (adjacent pairs,
+# the converter permutes Q/K for it); QWEN2, QWEN3 and GEMMA3 use NEOX RoPE (halves).
+ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
 SUPPORTED_ARCHITECTURES = tuple(ROPE_STYLE)
+
+# gemma3 (llama.cpp `llama_model::load_hparams`): every 6th layer is global, the others
+# attend over a sliding window and use RoPE base 10000 with no scaling.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_SWA_ROPE_BASE = 10000.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,24 @@ class ModelArgs:
     rope_base: float
     rope_dim: int
     rope_style: str
+    rope_freq_scale: float = 1.0  # linear RoPE scaling of the global layers (1 / factor)
+    ffn_act: str = "silu"  # gated FFN activation: "silu" or "gelu_tanh" (gemma)
+    embed_scale: float = 1.0  # gemma: token embeddings times sqrt(n_embd), as float32
+    attn_scale: float = 0.0  # softmax scale of q . k; 0 means 1 / sqrt(head_dim)
+    sliding_window: int = 0  # keys a sliding-window layer sees (0: no such layers)
+    swa_pattern: int = 0  # with a window: layer i is global iff i % swa_pattern == swa_pattern - 1
+    swa_rope_base: float = 10000.0  # RoPE base of the sliding-window layers
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) when > 0
+
+    def window(self, layer: int) -> int:
+        """Keys before and including the row's own that `layer` attends to; 0 = all."""
+        if not self.sliding_window or layer % self.swa_pattern == self.swa_pattern - 1:
+            return 0
+        return self.sliding_window
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "ModelArgs":
@@ -51,7 +83,12 @@ class ModelArgs:
         head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
-        return cls(
+        # Linear RoPE scaling (llama.cpp: freq_scale = 1 / factor); other kinds (yarn, ...)
+        # are not implemented and, as before, ignored.
+        scaling = float(meta.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+        if str(meta.get(f"{arch}.rope.scaling.type", "linear")) != "linear":
+            scaling = 0.0
+        common = dict(
             architecture=arch,
             n_layer=int(get("block_count")),
             n_embd=n_embd,
@@ -65,4 +102,17 @@ class ModelArgs:
             rope_base=float(get("rope.freq_base", 10000.0)),
             rope_dim=int(get("rope.dimension_count", head_dim)),
             rope_style=ROPE_STYLE[arch],
+            rope_freq_scale=1.0 / scaling if scaling > 0 else 1.0,
         )
+        if arch == "gemma3":
+            common.update(
+                ffn_act="gelu_tanh",
+                embed_scale=float(np.sqrt(np.float32(n_embd))),  # llama.cpp: sqrtf(n_embd)
+                # llama.cpp: 1/sqrt(head_dim); the 27B (62 layers) uses 1/sqrt(n_embd/n_head)
+                attn_scale=1.0 / math.sqrt(n_embd // n_head if common["n_layer"] == 62 else head_dim),
+                sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0) or 0),
+                swa_pattern=GEMMA3_SWA_PATTERN,
+                swa_rope_base=GEMMA3_SWA_ROPE_BASE,
+                final_logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+            )
+        return cls(**common)

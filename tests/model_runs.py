@@ -46,7 +46,8 @@ def golden_agreement(model: Model, cases: list[dict]) -> tuple[int, int, list, l
             total += 1
             agree += ours == top[0][0]
             if top[0][1] - top[1][1] >= 0.5 and ours != top[0][0]:
-                misses.append((case["messages"][-1]["content"], i, ours, top[0][0]))
+                prompt = case["prompt"] if "prompt" in case else case["messages"][-1]["content"]
+                misses.append((prompt, i, ours, top[0][0]))
             gaps.append(max(abs(logp[i][t] - lp) for t, lp in top))
     return agree, total, misses, gaps
 

@@ -1,13 +1,24 @@
 """Tiny synthetic GGUF models written with gguf.GGUFWriter, and a float64 reference.
 
-The reference is a direct transcription of the llama / qwen2 equations in float64,
-independent of panechat's model code, so the two can be compared."""
+The reference is a direct transcription of the llama / qwen2 / qwen3 / gemma3 equations
+in float64, independent of panechat's model code, so the two can be compared."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+
+
+# Shapes that make each architecture's differences matter: qwen3 and gemma3 with a
+# head_dim unlike n_embd / n_head; gemma3 with 7 layers (0-4 and 6 slide over 5 keys,
+# 5 is global), so a sequence of 6+ tokens crosses the window in both kinds of layer.
+ARCH_SHAPES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": dict(head_dim=32),
+    "gemma3": dict(n_layer=7, head_dim=32, window=5),
+}
 
 
 def _byte_vocab() -> list[str]:
@@ -24,18 +35,22 @@ def _byte_vocab() -> list[str]:
 
 def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64,
                     n_head: int = 4, n_kv: int = 2, n_ff: int = 96, qtype: str = "F32",
-                    tied: bool = True, seed: int = 0,
+                    tied: bool = True, seed: int = 0, head_dim: int | None = None,
+                    window: int = 5, rope_scale: float = 0.0,
                     zero_raw: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Write a random model; return its float32 weights as the file stores them
     (after quantization round-trip), keyed by GGUF tensor name. `zero_raw` maps tensor
-    names to a GGML type whose zero blocks are stored instead (for unsupported types)."""
+    names to a GGML type whose zero blocks are stored instead (for unsupported types).
+    `head_dim` (attention.key_length) defaults to n_embd / n_head; gemma3 files get a
+    sliding `window` (every 6th layer global, so give them n_layer >= 7 to have both kinds
+    on either side) and, with `rope_scale` > 0, linear RoPE scaling of the global layers."""
     import gguf
     from gguf import quants
 
     rng = np.random.default_rng(seed)
     vocab = _byte_vocab() + ["he", "<|im_start|>", "<|im_end|>"]
     n_vocab = len(vocab)
-    hd = n_embd // n_head
+    hd = head_dim or n_embd // n_head
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_block_count(n_layer)
@@ -44,8 +59,16 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     w.add_layer_norm_rms_eps(1e-5)
+    if head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if arch == "gemma3":
+        w.add_sliding_window(window)
+        if rope_scale:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope_scale)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(vocab)
@@ -89,7 +112,13 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
             add(p + "attn_q.bias", 0.1 * rng.standard_normal(n_head * hd))
             add(p + "attn_k.bias", 0.1 * rng.standard_normal(n_kv * hd))
             add(p + "attn_v.bias", 0.1 * rng.standard_normal(n_kv * hd))
+        if arch in ("qwen3", "gemma3"):
+            add(p + "attn_q_norm.weight", 1 + 0.1 * rng.standard_normal(hd))
+            add(p + "attn_k_norm.weight", 1 + 0.1 * rng.standard_normal(hd))
         add(p + "attn_output.weight", mat(n_embd, n_head * hd))
+        if arch == "gemma3":  # the GGUF stores gemma's (1 + w): used as is
+            add(p + "post_attention_norm.weight", 0.5 + 0.1 * rng.standard_normal(n_embd))
+            add(p + "post_ffw_norm.weight", 0.5 + 0.1 * rng.standard_normal(n_embd))
         add(p + "ffn_norm.weight", 1 + 0.1 * rng.standard_normal(n_embd))
         add(p + "ffn_gate.weight", mat(n_ff, n_embd))
         add(p + "ffn_up.weight", mat(n_ff, n_embd))
@@ -101,23 +130,27 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    stored["_meta"] = np.array([n_layer, n_embd, n_head, n_kv, n_ff])
+    stored["_meta"] = np.array([n_layer, n_embd, n_head, n_kv, n_ff, hd, window, rope_scale])
     return stored
 
 
 def reference_logits(weights: dict[str, np.ndarray], arch: str, tokens: list[int]) -> np.ndarray:
     """float64 logits [T, vocab] for a whole sequence, straight from the equations."""
-    n_layer, n_embd, n_head, n_kv, _ = weights["_meta"].tolist()
+    n_layer, n_embd, n_head, n_kv, _, hd, window, rope_scale = weights["_meta"].tolist()
+    n_layer, n_embd, n_head, n_kv, hd, window = map(int, (n_layer, n_embd, n_head, n_kv, hd, window))
     W = {k: v.astype(np.float64) for k, v in weights.items() if k != "_meta"}
-    hd, T = n_embd // n_head, len(tokens)
+    gemma = arch == "gemma3"
+    T = len(tokens)
     pos = np.arange(T)
-    inv = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
-    ang = pos[:, None] * inv[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
 
-    def rope(x):  # x (T, H, hd)
+    def rope_angles(base, pos_scale):
+        inv = 1.0 / base ** (np.arange(0, hd, 2) / hd)
+        ang = (pos * pos_scale)[:, None] * inv[None, :]
+        return np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(x, cos, sin):  # x (T, H, hd)
         y = x.copy()
-        if arch == "qwen2":  # NEOX: halves
+        if arch != "llama":  # NEOX: halves
             a, b = x[..., : hd // 2], x[..., hd // 2:]
             y[..., : hd // 2], y[..., hd // 2:] = a * cos - b * sin, b * cos + a * sin
         else:  # normal: adjacent pairs
@@ -128,24 +161,38 @@ def reference_logits(weights: dict[str, np.ndarray], arch: str, tokens: list[int
     def norm(x, g):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
 
-    x = W["token_embd.weight"][tokens]
-    mask = np.triu(np.full((T, T), -np.inf), 1)
+    def gelu(x):  # tanh approximation
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+    x = W["token_embd.weight"][tokens] * (np.sqrt(n_embd) if gemma else 1.0)
+    ahead = np.arange(T)[None, :] > np.arange(T)[:, None]  # key after query
+    behind = np.arange(T)[:, None] - np.arange(T)[None, :] >= window  # key out of the window
     for i in range(n_layer):
         p = f"blk.{i}."
+        local = gemma and i % 6 != 5
+        if gemma:
+            cos, sin = rope_angles(10000.0, 1.0) if local else rope_angles(1e6, 1 / rope_scale if rope_scale else 1.0)
+        else:
+            cos, sin = rope_angles(10000.0, 1.0)
         h = norm(x, W[p + "attn_norm.weight"])
-        q = h @ W[p + "attn_q.weight"].T + W.get(p + "attn_q.bias", 0)
-        k = h @ W[p + "attn_k.weight"].T + W.get(p + "attn_k.bias", 0)
-        v = h @ W[p + "attn_v.weight"].T + W.get(p + "attn_v.bias", 0)
-        q, k, v = rope(q.reshape(T, n_head, hd)), rope(k.reshape(T, n_kv, hd)), v.reshape(T, n_kv, hd)
+        q = (h @ W[p + "attn_q.weight"].T + W.get(p + "attn_q.bias", 0)).reshape(T, n_head, hd)
+        k = (h @ W[p + "attn_k.weight"].T + W.get(p + "attn_k.bias", 0)).reshape(T, n_kv, hd)
+        v = (h @ W[p + "attn_v.weight"].T + W.get(p + "attn_v.bias", 0)).reshape(T, n_kv, hd)
+        if p + "attn_q_norm.weight" in W:  # per-head RMS norm (qwen3, gemma3)
+            q, k = norm(q, W[p + "attn_q_norm.weight"]), norm(k, W[p + "attn_k_norm.weight"])
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         rep = n_head // n_kv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        mask = np.where(ahead | (behind if local else False), -np.inf, 0.0)
         s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd) + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
-        o = np.einsum("hts,shd->thd", s, v).reshape(T, n_embd)
-        x = x + o @ W[p + "attn_output.weight"].T
+        o = np.einsum("hts,shd->thd", s, v).reshape(T, n_head * hd) @ W[p + "attn_output.weight"].T
+        x = x + (norm(o, W[p + "post_attention_norm.weight"]) if gemma else o)
         h = norm(x, W[p + "ffn_norm.weight"])
         g = h @ W[p + "ffn_gate.weight"].T
-        x = x + ((g / (1 + np.exp(-g))) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
+        act = gelu(g) if gemma else g / (1 + np.exp(-g))
+        f = (act * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
+        x = x + (norm(f, W[p + "post_ffw_norm.weight"]) if gemma else f)
     out = W.get("output.weight", W["token_embd.weight"])
     return norm(x, W["output_norm.weight"]) @ out.T

@@ -372,7 +372,7 @@ def test_float_weight_kinds(tiny):
 # the backend's host code with emulated kernels
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("qtype,tied", QTYPES)
 def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
     path, weights = tiny(arch, qtype, tied)
@@ -390,6 +390,15 @@ def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
             base = got
         else:  # prefill chunking does not change a bit either
             assert np.array_equal(got, base), f"chunk {chunk}"
+
+
+def test_sliding_window_models_are_refused_at_load_in_one_line(tiny):
+    """gemma3's sliding-window layers have no CUDA kernel yet: loading says so, once."""
+    from panechat.engine.gguf_file import ModelFileError
+
+    path, _ = tiny("gemma3", "F32")
+    with pytest.raises(ModelFileError, match="sliding-window attention not yet supported on cupy$"):
+        Model.load(GGUFFile.open(path), CupyBackend.emulated_on_cpu(), max_positions=64)
 
 
 def _invariance(model: Model, steps: int = 3) -> None:

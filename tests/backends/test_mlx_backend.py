@@ -26,7 +26,7 @@ REL_TOL = 1e-4 if ON_GPU else 2e-5
 QTYPES = [("F32", True), ("Q8_0", False), ("Q4_1", True), ("Q4_0", False)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("qtype,tied", QTYPES)
 def test_mlx_matches_float64_reference(tiny, arch, qtype, tied):
     path, weights = tiny(arch, qtype, tied)
@@ -91,7 +91,7 @@ def _batch(parts: list[tuple[int, list[int], int]]) -> Batch:
 
 
 @pytest.mark.parametrize("arch,qtype,tied", [("llama", "Q4_1", True), ("qwen2", "Q8_0", False),
-                                             ("llama", "F32", True)])
+                                             ("llama", "F32", True), ("gemma3", "Q8_0", True)])
 def test_logits_identical_alone_and_batched(tiny, arch, qtype, tied):
     """4 sequences (one longer than an attention bucket): prefill, then 3 decode steps;
     each sequence's logits alone equal, bit for bit, its logits in a batch of all four

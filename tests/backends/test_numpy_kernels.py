@@ -92,14 +92,15 @@ def test_linear_q8_row_invariant(rng):
 # --------------------------------------------------------------------------- attention
 
 
-def _attention_ref(q, kc, vc, slots, poss, scale):
+def _attention_ref(q, kc, vc, slots, poss, scale, window=0):
     R, H, D = q.shape
     grp = H // kc.shape[1]
     out = np.empty((R, H, D))
     for r in range(R):
+        first = max(0, poss[r] - window + 1) if window else 0
         for h in range(H):
-            k = kc[slots[r], h // grp, : poss[r] + 1].astype(np.float64)
-            v = vc[slots[r], h // grp, : poss[r] + 1].astype(np.float64)
+            k = kc[slots[r], h // grp, first: poss[r] + 1].astype(np.float64)
+            v = vc[slots[r], h // grp, first: poss[r] + 1].astype(np.float64)
             s = k @ q[r, h].astype(np.float64) * scale
             p = np.exp(s - s.max())
             out[r, h] = p @ v / p.sum()
@@ -111,9 +112,9 @@ def _cache(rng, S=3, G=2, C=300, D=64):
     return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
 
 
-def _attn(q, kc, vc, slots, poss, scale=0.125):
+def _attn(q, kc, vc, slots, poss, scale=0.125, window=0):
     slots, poss = np.asarray(slots, np.int32), np.asarray(poss, np.int32)
-    return nk.attention(q, kc, vc, slots, poss, scale, np.empty_like(q))
+    return nk.attention(q, kc, vc, slots, poss, scale, np.empty_like(q), window)
 
 
 @pytest.mark.parametrize("D", [64, 40])
@@ -148,6 +149,42 @@ def test_attention_prefill_rows_equal_single_rows(rng):
     full = _attn(q, kc, vc, np.full(R, 2), poss)
     for i in range(R):
         assert np.array_equal(full[i], _attn(q[i : i + 1].copy(), kc, vc, [2], [poss[i]])[0]), i
+
+
+@pytest.mark.parametrize("D", [64, 40])
+def test_attention_sliding_window_matches_float64(rng, D):
+    kc, vc = _cache(rng, D=D)
+    q = rng.standard_normal((6, 6, D), dtype=np.float32)
+    slots, poss = [0, 2, 1, 2, 0, 1], [0, 17, 299, 64, 150, 36]  # before, at and past the window
+    got = _attn(q, kc, vc, slots, poss, window=37)
+    np.testing.assert_allclose(got, _attention_ref(q, kc, vc, slots, poss, 0.125, 37), rtol=2e-5, atol=2e-6)
+    assert np.abs(got[2] - _attention_ref(q[2:3], kc, vc, slots[2:3], poss[2:3], 0.125)[0]).max() > 1e-3
+
+
+def test_attention_sliding_window_is_attention_over_the_window(rng):
+    """A row at position p with window w gives the bits of the same row attending, without
+    a window, to a cache that holds just keys p-w+1..p: the window only moves the start."""
+    kc, vc = _cache(rng)
+    q = rng.standard_normal((1, 6, 64), dtype=np.float32)
+    for pos, w in ((200, 37), (299, 64), (40, 1), (20, 100)):
+        first = max(0, pos - w + 1)
+        n = pos + 1 - first
+        kc2, vc2 = np.zeros_like(kc), np.zeros_like(vc)
+        kc2[1, :, :n], vc2[1, :, :n] = kc[0, :, first: pos + 1], vc[0, :, first: pos + 1]
+        assert np.array_equal(_attn(q, kc, vc, [0], [pos], window=w), _attn(q, kc2, vc2, [1], [n - 1])), (pos, w)
+
+
+def test_attention_sliding_window_row_invariant(rng):
+    kc, vc = _cache(rng)
+    q1 = rng.standard_normal((1, 6, 64), dtype=np.float32)
+    alone = _attn(q1, kc, vc, [1], [250], window=50)[0]
+    for B in BATCHES:
+        pos = B // 2
+        q = rng.standard_normal((B, 6, 64), dtype=np.float32)
+        q[pos] = q1[0]
+        slots, poss = rng.integers(0, 3, B), rng.integers(0, 300, B)
+        slots[pos], poss[pos] = 1, 250
+        assert np.array_equal(_attn(q, kc, vc, slots, poss, window=50)[pos], alone), B
 
 
 def test_attention_rejects_out_of_range(rng):

@@ -80,3 +80,20 @@ def test_inverse_gemm_kernel_breaks_invariance(model_path):
 
 def test_startup_self_check_passes(model):
     assert check_model_invariance(model, new_kv(model, 3)) is None
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_tiny_architectures_bit_identical_alone_vs_batched(tiny, arch):
+    """The same promise for the other architectures' differences (per-head q/k norms,
+    post-norms, GELU, and gemma3's 5-key sliding window that every sequence here crosses)."""
+    from panechat.engine.gguf_file import GGUFFile
+
+    path, _ = tiny(arch, "Q8_0")
+    model = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (3, 9, 17, 30)]
+    alone = [run_batched(model, new_kv(model, 1), [p], 8, 0)[0] for p in prompts]
+    together = run_batched(model, new_kv(model, 5), prompts + [[5, 6, 7]], 8, 4)
+    for i in range(len(prompts)):
+        for s in range(9):
+            assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s}"

@@ -118,7 +118,7 @@ def test_panechat_models_lists_every_store(home, tiny, tmp_path):
         "old/repo/truncated": ["llama", "Q8_0", "lmstudio", "no: truncated file"],
         "someone_mamba-GGUF_mamba": ["mamba", "4096", "llama.cpp", "no: unsupported architecture 'mamba'"],
         "tiny:1b": ["llama", "Q8_0", "ollama", "yes"],
-        "gemma-3-270m-q4_k_m": ["gemma3", "Q4_K_M", "package", "no: unsupported architecture 'gemma3'"],
+        "gemma-3-270m-q4_k_m": ["gemma3", "Q4_K_M", "package", "yes"],
     }
     for name, words in expect.items():
         assert name in lines, p.stdout
@@ -129,7 +129,7 @@ def test_panechat_models_lists_every_store(home, tiny, tmp_path):
     listed = json.loads(panechat("models", "--json", pythonpath=tmp_path / "site").stdout)
     gemma = next(e for e in listed if e["name"] == "gemma-3-270m-q4_k_m")
     assert Path(gemma["path"]) == home / ".cache/panechat/models/gemma-3-270m-q4_k_m.gguf"
-    assert gemma["size"] == Path(gemma["path"]).stat().st_size and gemma["loadable"] is False
+    assert gemma["size"] == Path(gemma["path"]).stat().st_size and gemma["loadable"] is True
     assert len((pkg / "calls.log").read_text().splitlines()) == 1
     assert not list(Path(gemma["path"]).parent.glob("*.partial"))
     assert {e["name"] for e in listed} >= set(expect)
@@ -231,4 +231,4 @@ def test_an_unreadable_store_is_a_line_not_an_error(home, tiny, monkeypatch):
 def test_supported_architectures_are_the_loaders(home):
     from panechat.engine.model_args import ROPE_STYLE
 
-    assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2"}
+    assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2", "qwen3", "gemma3"}
