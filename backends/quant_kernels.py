@@ -1,0 +1,191 @@
+"""Batch-invariant linear kernels reading GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as stored.
+
+The weights stay in ggml's block layout (ggml-common.h; one row of blocks per output
+row, read from the file's memory map): each kernel dequantizes 16 weights in registers
+into exactly the float32 values `gguf.quants.dequantize` gives, then runs the tile code
+and fixed-order reduction of `numpy_kernels.linear` (its module docstring is the
+numerical contract). So a product here equals, bit for bit, ``linear(x, dequantize(w))``,
+and a row's bits never depend on the batch.
+
+Block layouts (256 weights a super-block, sub-block scales packed in the block):
+
+  Q4_K (144 B): f16 d, f16 dmin, u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min), u8 qs[128]
+      w = (d * sc[j]) * q - (dmin * m[j]),  j = sub-block of 32
+  Q5_K (176 B): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
+      the same with q = low nibble | high bit << 4
+  Q6_K (210 B): u8 ql[128], u8 qh[64], i8 scales[16], f16 d
+      w = (d * sc[i // 16]) * (ql | qh << 4 - 32)
+
+Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (8 bytes
+per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
+Integer codes become floats exactly and are combined by exact float adds, so the one
+rounding in each weight is gguf's (sub-scale product, then the product with the code,
+then the minus), in gguf's order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .numpy_kernels import (
+    _JIT,
+    LANES,
+    _element_ptr,
+    _is_c_array,
+    _linear_driver,
+    _require,
+    f32vec,
+    vadd,
+    vmul,
+    vsplat,
+)
+
+__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales"]
+
+QK_K = 256  # weights per super-block
+KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+_VEC = ir.VectorType(ir.FloatType(), LANES)
+_U8VEC = ir.VectorType(ir.IntType(8), LANES)
+
+
+@intrinsic
+def vload_bits(typingctx, arr, i, shift, mask):
+    """float32 vector of ``(arr.flat[i : i + 16] >> shift) & mask`` (uint8 C-array; exact)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)
+            and isinstance(shift, types.Integer) and isinstance(mask, types.Integer)):
+        return None
+
+    def splat8(context, builder, ty, val):
+        b = context.cast(builder, val, ty, types.uint8)
+        v = builder.insert_element(ir.Constant(_U8VEC, None), b, ir.Constant(ir.IntType(32), 0))
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+        return builder.shuffle_vector(v, v, zeros)
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        q = builder.load(builder.bitcast(p, _U8VEC.as_pointer()), align=1, typ=_U8VEC)
+        q = builder.lshr(q, splat8(context, builder, sig.args[2], args[2]))
+        q = builder.and_(q, splat8(context, builder, sig.args[3], args[3]))
+        return builder.uitofp(q, _VEC)
+
+    return f32vec(arr, i, shift, mask), codegen
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    """Lane-wise a - b."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+
+    return f32vec(f32vec, f32vec), codegen
+
+
+@njit(inline="always", **_JIT)
+def _scale_min(w, n, o, j):
+    """6-bit (scale, min) of sub-block j from the 12 packed bytes at w[n, o:] (ggml
+    get_scale_min_k4)."""
+    if j < 4:
+        return w[n, o + j] & 63, w[n, o + j + 4] & 63
+    sc = (w[n, o + j + 4] & 0x0F) | ((w[n, o + j - 4] >> 6) << 4)
+    mn = (w[n, o + j + 4] >> 4) | ((w[n, o + j] >> 6) << 4)
+    return sc, mn
+
+
+@njit(inline="always", **_JIT)
+def _load_q4_k(w, wd, wdm, n, k):
+    """Dequantised w[n, k:k+16] of a Q4_K row (wd, wdm: float32 d, dmin per super-block)."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 144
+    base = n * w.shape[1] + rb
+    sc, mn = _scale_min(w, n, rb + 4, i >> 5)
+    ds = wd[n, sb] * np.float32(sc)
+    dm = wdm[n, sb] * np.float32(mn)
+    q = vload_bits(w, base + 16 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
+    return vsub(vmul(q, vsplat(ds)), vsplat(dm))
+
+
+@njit(inline="always", **_JIT)
+def _load_q5_k(w, wd, wdm, n, k):
+    """Dequantised w[n, k:k+16] of a Q5_K row."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 176
+    base = n * w.shape[1] + rb
+    sc, mn = _scale_min(w, n, rb + 4, i >> 5)
+    ds = wd[n, sb] * np.float32(sc)
+    dm = wdm[n, sb] * np.float32(mn)
+    lo = vload_bits(w, base + 48 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
+    hi = vload_bits(w, base + 16 + (i & 31), i >> 5, 0x01)
+    q = vadd(lo, vmul(hi, vsplat(np.float32(16.0))))  # exact: small integers
+    return vsub(vmul(q, vsplat(ds)), vsplat(dm))
+
+
+@njit(inline="always", **_JIT)
+def _load_q6_k(w, wd, wdm, n, k):
+    """Dequantised w[n, k:k+16] of a Q6_K row (wdm unused)."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 210
+    base = n * w.shape[1] + rb
+    r = i & 127
+    lo = vload_bits(w, base + (i >> 7) * 64 + (r & 63), (r >> 6) * 4, 0x0F)
+    hi = vload_bits(w, base + 128 + (i >> 7) * 32 + (r & 31), (r >> 5) * 2, 0x03)
+    q = vadd(vadd(lo, vmul(hi, vsplat(np.float32(16.0)))), vsplat(np.float32(-32.0)))  # exact
+    sc = np.int8(w[n, rb + 192 + (i >> 4)])
+    ds = wd[n, sb] * np.float32(sc)
+    return vmul(q, vsplat(ds))
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q4_k(x, w, wd, wdm, out):
+    _linear_driver(x, w, wd, wdm, out, _load_q4_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_k(x, w, wd, wdm, out):
+    _linear_driver(x, w, wd, wdm, out, _load_q5_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q6_k(x, w, wd, wdm, out):
+    _linear_driver(x, w, wd, wdm, out, _load_q6_k)
+
+
+_KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k}
+_D_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 208)}  # bytes of d, dmin
+
+
+def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The f16 d and dmin of every super-block as float32 [N, K/256] each (Q6_K: d twice),
+    exactly (f16 -> f32 is exact)."""
+    n = blocks.shape[0]
+    b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, KQUANT_BYTES[qtype])
+    od, om = _D_OFFSETS[qtype]
+    d = b[..., od:od + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dm = b[..., om:om + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return d, dm
+
+
+def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, dmin: np.ndarray,
+                  out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as `qtype` blocks: uint8 [N, K/256 * bytes]
+    (C-contiguous; a memory-map view is fine), with `d`, `dmin` from `superblock_scales`.
+    Bit-identical to ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _require("x", x, np.float32, 2)
+    _require("blocks", blocks, np.uint8, 2)
+    _require("out", out, np.float32, 2)
+    _require("d", d, np.float32, 2)
+    _require("dmin", dmin, np.float32, 2)
+    M, K = x.shape
+    N, nbytes = blocks.shape
+    if K % QK_K or nbytes != K // QK_K * KQUANT_BYTES[qtype] or out.shape != (M, N):
+        raise ValueError(f"linear_kquant: shapes x{x.shape} {qtype} blocks{blocks.shape} "
+                         f"out{out.shape} do not match (K a multiple of {QK_K})")
+    if d.shape != (N, K // QK_K) or dmin.shape != d.shape:
+        raise ValueError("linear_kquant: d and dmin must be float32 [N, K/256]")
+    _KERNELS[qtype](x, blocks, d, dmin, out)
+    return out
+
