@@ -5,7 +5,9 @@ row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
 arithmetic is fixed by the source. Q8_0/Q4_0/Q4_1 weights stay quantized (int8 plus a
 scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32 and
-bit-identical to the float32 kernel on the dequantized weights. Elementwise ops and
+bit-identical to the float32 kernel on the dequantized weights. Q4_K/Q5_K/Q6_K weights
+stay in their ggml blocks, read from the file's memory map (`quant_kernels`), with the
+same bit-identity; so a Q4_K_M file never gets a float32 copy of a quantized matrix. Elementwise ops and
 per-row reductions use numpy (`ArrayBackend`).
 
 The kernels run on as many threads as other processes leave cores idle
@@ -24,7 +26,7 @@ import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
 from .cpu_threads import ThreadGovernor
-from .gguf_blocks import kept_quantized, unpack
+from .gguf_blocks import kept_in_blocks, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
 
 
@@ -45,15 +47,32 @@ class QuantWeight:
         return self.q.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
 
 
+@dataclass
+class KQuantWeight:
+    """A Q4_K/Q5_K/Q6_K weight [N, K] as stored: `blocks` uint8 [N, K/256 * bytes] (a view
+    of the memory map), with each super-block's f16 d and dmin as float32 [N, K/256]."""
+
+    qtype: str
+    blocks: np.ndarray
+    d: np.ndarray
+    dmin: np.ndarray
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.d.nbytes + (self.dmin.nbytes if self.dmin is not self.d else 0)
+
+
 class NumpyBackend(ArrayBackend):
     """CPU arrays with numpy; batch-invariant matmul and attention kernels (numba)."""
 
     name = "numpy"
 
     def __init__(self):
-        from . import numpy_kernels  # needs numba; `cpu_backend()` falls back without it
+        from . import numpy_kernels, quant_kernels  # need numba; `cpu_backend()` falls back without it
 
         self.kernels = numpy_kernels
+        self.quant_kernels = quant_kernels
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
             import numba
@@ -65,21 +84,27 @@ class NumpyBackend(ArrayBackend):
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
-        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_0/Q4_1 kept quantized"
+        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K kept quantized"
 
     def begin_step(self) -> None:
         if self.governor is not None:
             self.governor.tick()
 
-    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight:
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight | KQuantWeight:
         if kept_quantized(t):
             return QuantWeight(*unpack(t.blocks, t.qtype, *t.shape))
+        if kept_in_blocks(t):
+            blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
+            return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
+                                t.shape)
         return t.dequantize()
 
-    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight | KQuantWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
-        if isinstance(w, QuantWeight):
+        if isinstance(w, KQuantWeight):
+            self.quant_kernels.linear_kquant(x, w.blocks, w.qtype, w.d, w.dmin, out)
+        elif isinstance(w, QuantWeight):
             self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
         else:
             self.kernels.linear(x, w, out)

@@ -16,8 +16,8 @@ Block layouts (256 weights a super-block, sub-block scales packed in the block):
   Q6_K (210 B): u8 ql[128], u8 qh[64], i8 scales[16], f16 d
       w = (d * sc[i // 16]) * (ql | qh << 4 - 32)
 
-Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (8 bytes
-per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
+Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (4 or 8
+bytes per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
 Integer codes become floats exactly and are combined by exact float adds, so the one
 rounding in each weight is gguf's (sub-scale product, then the product with the code,
 then the minus), in gguf's order.
@@ -30,6 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .gguf_blocks import KQUANT_BYTES, QK_K
 from .numpy_kernels import (
     _JIT,
     LANES,
@@ -44,9 +45,6 @@ from .numpy_kernels import (
 )
 
 __all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales"]
-
-QK_K = 256  # weights per super-block
-KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _U8VEC = ir.VectorType(ir.IntType(8), LANES)
@@ -155,18 +153,21 @@ def _linear_q6_k(x, w, wd, wdm, out):
 
 
 _KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k}
-_D_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 208)}  # bytes of d, dmin
 
 
 def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """The f16 d and dmin of every super-block as float32 [N, K/256] each (Q6_K: d twice),
-    exactly (f16 -> f32 is exact)."""
+    """The f16 d and dmin of every super-block as float32 [N, K/256] each, exactly (f16 ->
+    f32 is exact); Q6_K has no dmin and returns its d array twice."""
     n = blocks.shape[0]
     b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, KQUANT_BYTES[qtype])
-    od, om = _D_OFFSETS[qtype]
-    d = b[..., od:od + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dm = b[..., om:om + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-    return d, dm
+
+    def f16_at(o):
+        return b[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    if qtype == "Q6_K":
+        d = f16_at(208)
+        return d, d
+    return f16_at(0), f16_at(2)
 
 
 def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, dmin: np.ndarray,

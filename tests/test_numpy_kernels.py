@@ -89,6 +89,82 @@ def test_linear_q8_row_invariant(rng):
         assert np.array_equal(nk.linear_q8(x, wq, d, np.empty((B, N), np.float32))[B - 1], alone)
 
 
+# --------------------------------------------------------------------------- GGUF block types
+# A weight type kept in its GGUF blocks must give, bit for bit, the float32 kernel's
+# product with gguf's dequantized weights, and each row must not depend on the batch.
+
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+_F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of f16 d (dmin)
+
+
+def raw_blocks(rng, qtype, N, K):
+    """uint8 [N, K/256 * bytes] of `qtype` super-blocks: random codes and packed scales,
+    small random positive f16 d (and dmin)."""
+    from panechat.backends.gguf_blocks import KQUANT_BYTES, QK_K
+
+    b = rng.integers(0, 256, (N, K // QK_K, KQUANT_BYTES[qtype]), dtype=np.uint8)
+    for o in _F16_AT[qtype]:
+        b[..., o:o + 2] = (rng.random(b.shape[:2] + (1,)) * 0.01).astype(np.float16).view(np.uint8)
+    return b.reshape(N, -1)
+
+
+def _block_weight(rng, qtype, N, K):
+    """(run(x) -> x @ W.T through the block kernel, W = gguf's float32 dequantization)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from panechat.backends import quant_kernels as qk
+
+    blocks = raw_blocks(rng, qtype, N, K)
+    d, dmin = qk.superblock_scales(blocks, qtype)
+    w = np.ascontiguousarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]), dtype=np.float32)
+    return (lambda x: qk.linear_kquant(x, blocks, qtype, d, dmin, np.empty((len(x), N), np.float32))), w
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("M,N,K", [(1, 64, 256), (7, 70, 512), (33, 13, 768)])
+def test_block_kernel_equals_linear_on_gguf_dequantized(rng, qtype, M, N, K):
+    run, w = _block_weight(rng, qtype, N, K)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    assert np.array_equal(run(x), nk.linear(x, w, np.empty((M, N), np.float32)))
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_block_kernel_rows_invariant_1_to_33(rng, qtype):
+    """Every row count 1..33, rows drawn from a pool in a shuffled order."""
+    run, _ = _block_weight(rng, qtype, 70, 512)
+    pool = rng.standard_normal((33, 512), dtype=np.float32)
+    alone = np.stack([run(pool[i:i + 1])[0] for i in range(33)])
+    for B in range(1, 34):
+        pick = rng.permutation(33)[:B]
+        assert np.array_equal(run(pool[pick]), alone[pick]), B
+
+
+def test_block_kernel_rejects_bad_input(rng):
+    from panechat.backends import quant_kernels as qk
+
+    blocks = raw_blocks(rng, "Q4_K", 8, 512)
+    d, dmin = qk.superblock_scales(blocks, "Q4_K")
+    x = rng.standard_normal((2, 512), dtype=np.float32)
+    with pytest.raises(ValueError):  # blocks of another type's size
+        qk.linear_kquant(x, blocks, "Q6_K", d, dmin, np.empty((2, 8), np.float32))
+    with pytest.raises(ValueError):  # K not the blocks' K
+        qk.linear_kquant(x[:, :256].copy(), blocks, "Q4_K", d, dmin, np.empty((2, 8), np.float32))
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_backend_keeps_block_weights_in_the_mapped_bytes(rng, qtype):
+    from panechat.backends.gguf_tensor import GGUFTensor
+    from panechat.backends.numpy_backend import KQuantWeight, NumpyBackend
+
+    t = GGUFTensor("w", (70, 512), qtype, raw_blocks(rng, qtype, 70, 512))
+    be = NumpyBackend()
+    w = be.linear_weight(t)
+    assert isinstance(w, KQuantWeight) and np.shares_memory(w.blocks, t.blocks)
+    assert w.nbytes <= t.nbytes * 1.06  # no float32 copy: the blocks and <= 2 floats per 256 weights
+    x = rng.standard_normal((5, 512), dtype=np.float32)
+    assert np.array_equal(be.linear(x, w), nk.linear(x, t.dequantize(), np.empty((5, 70), np.float32)))
+
+
 # --------------------------------------------------------------------------- attention
 
 
