@@ -1,4 +1,5 @@
-"""Batch-invariant linear kernels reading GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as stored.
+"""Batch-invariant linear kernels reading GGUF weights as stored: K-quant blocks (Q4_K,
+Q5_K, Q6_K) and 16-bit floats (F16, BF16).
 
 The weights stay in ggml's block layout (ggml-common.h; one row of blocks per output
 row, read from the file's memory map): each kernel dequantizes 16 weights in registers
@@ -44,7 +45,7 @@ from .numpy_kernels import (
     vsplat,
 )
 
-__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales"]
+__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales", "linear_half"]
 
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _U8VEC = ir.VectorType(ir.IntType(8), LANES)
@@ -81,6 +82,91 @@ def vsub(typingctx, a, b):
         return builder.fsub(args[0], args[1])
 
     return f32vec(f32vec, f32vec), codegen
+
+
+_I16VEC = ir.VectorType(ir.IntType(16), LANES)
+_I32VEC = ir.VectorType(ir.IntType(32), LANES)
+
+
+def _splat32(value):
+    return ir.Constant(_I32VEC, [value] * LANES)
+
+
+def _load_u16(context, builder, sig, args):
+    p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+    h = builder.load(builder.bitcast(p, _I16VEC.as_pointer()), align=2, typ=_I16VEC)
+    return builder.zext(h, _I32VEC)
+
+
+@intrinsic
+def vload_f16(typingctx, arr, i):
+    """IEEE half ``arr.flat[i : i + 16]`` (uint16 bits, C-array) as float32, exactly.
+
+    Integer arithmetic, not LLVM's fpext (a libcall without F16C): the magnitude's bits
+    shifted into float32 position and scaled by 2**112 give every normal and subnormal
+    half exactly; inf and NaN keep an all-ones exponent."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = _load_u16(context, builder, sig, args)
+        sign = builder.shl(builder.and_(h, _splat32(0x8000)), _splat32(16))
+        mag = builder.and_(h, _splat32(0x7FFF))
+        scaled = builder.fmul(builder.bitcast(builder.shl(mag, _splat32(13)), _VEC),
+                              ir.Constant(_VEC, [2.0 ** 112] * LANES))
+        special = builder.or_(builder.shl(mag, _splat32(13)), _splat32(0x7F800000))  # inf, NaN
+        is_special = builder.icmp_unsigned(">=", mag, _splat32(0x7C00))
+        bits = builder.select(is_special, special, builder.bitcast(scaled, _I32VEC))
+        return builder.bitcast(builder.or_(bits, sign), _VEC)
+
+    return f32vec(arr, i), codegen
+
+
+@intrinsic
+def vload_bf16(typingctx, arr, i):
+    """bfloat16 ``arr.flat[i : i + 16]`` (uint16 bits, C-array) as float32 (bits << 16)."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.shl(_load_u16(context, builder, sig, args), _splat32(16)), _VEC)
+
+    return f32vec(arr, i), codegen
+
+
+@njit(inline="always", **_JIT)
+def _load_f16(w, ws, wm, n, k):
+    return vload_f16(w, n * w.shape[1] + k)
+
+
+@njit(inline="always", **_JIT)
+def _load_bf16(w, ws, wm, n, k):
+    return vload_bf16(w, n * w.shape[1] + k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_f16(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_f16)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_bf16(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_bf16)
+
+
+def linear_half(x: np.ndarray, bits: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as F16 or BF16 (`qtype`): `bits` uint16 [N, K]
+    (C-contiguous, K a multiple of 16), the stored values viewed as integers. Bit-identical
+    to ``linear(x, W as float32, out)``. Returns out."""
+    _require("x", x, np.float32, 2)
+    _require("bits", bits, np.uint16, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    if bits.shape[1] != K or K % LANES or out.shape != (M, bits.shape[0]):
+        raise ValueError(f"linear_half: shapes x{x.shape} {qtype} w{bits.shape} out{out.shape} do not "
+                         f"match (K a multiple of {LANES})")
+    {"F16": _linear_f16, "BF16": _linear_bf16}[qtype](x, bits, out)
+    return out
 
 
 @njit(inline="always", **_JIT)
