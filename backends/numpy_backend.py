@@ -5,8 +5,8 @@ row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
 arithmetic is fixed by the source. Q8_0/Q4_0/Q4_1 weights stay quantized (int8 plus a
 scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32 and
-bit-identical to the float32 kernel on the dequantized weights. Q4_K/Q5_K/Q6_K weights
-stay in their ggml blocks and F16/BF16 weights in 16 bits, read from the file's memory
+bit-identical to the float32 kernel on the dequantized weights. Q4_K/Q5_K/Q6_K and
+Q5_0/Q5_1 weights stay in their ggml blocks and F16/BF16 weights in 16 bits, read from the file's memory
 map (`quant_kernels`), with the same bit-identity; so a Q4_K_M file never gets a float32
 copy of a quantized matrix. Elementwise ops and
 per-row reductions use numpy (`ArrayBackend`).
@@ -65,22 +65,21 @@ class KQuantWeight:
 
 
 @dataclass
-class HalfWeight:
-    """An F16/BF16 weight [N, K] as stored: `bits` uint16 [N, K] (a view of the memory map)."""
+class StoredWeight:
+    """An F16/BF16 or Q5_0/Q5_1 weight [N, K] as stored, a view of the memory map: `data`
+    uint16 [N, K] (16-bit floats as integers) or uint8 [N, K/32 * bytes] (blocks)."""
 
     qtype: str
-    bits: np.ndarray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.bits.shape
+    data: np.ndarray
+    shape: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
-        return self.bits.nbytes
+        return self.data.nbytes
 
 
 _HALF = ("F16", "BF16")
+_Q5 = ("Q5_0", "Q5_1")
 _LANES = 16  # numpy_kernels.LANES: a 16-bit weight row must be whole vectors
 
 
@@ -105,13 +104,13 @@ class NumpyBackend(ArrayBackend):
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
-        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K kept quantized, F16/BF16 in 16 bits"
+        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K kept quantized, F16/BF16 in 16 bits"
 
     def begin_step(self) -> None:
         if self.governor is not None:
             self.governor.tick()
 
-    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight | KQuantWeight | HalfWeight:
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight | KQuantWeight | StoredWeight:
         if kept_quantized(t):
             return QuantWeight(*unpack(t.blocks, t.qtype, *t.shape))
         if kept_in_blocks(t):
@@ -119,16 +118,20 @@ class NumpyBackend(ArrayBackend):
             return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
                                 t.shape)
         if t.qtype in _HALF and len(t.shape) == 2 and t.shape[1] % _LANES == 0:
-            return HalfWeight(t.qtype, np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape))
+            return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape), t.shape)
+        if t.qtype in _Q5 and len(t.shape) == 2 and t.shape[1] % 32 == 0:
+            return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks, dtype=np.uint8), t.shape)
         return t.dequantize()
 
-    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight | KQuantWeight | HalfWeight) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight | KQuantWeight | StoredWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
         if isinstance(w, KQuantWeight):
             self.quant_kernels.linear_kquant(x, w.blocks, w.qtype, w.d, w.dmin, out)
-        elif isinstance(w, HalfWeight):
-            self.quant_kernels.linear_half(x, w.bits, w.qtype, out)
+        elif isinstance(w, StoredWeight) and w.qtype in _Q5:
+            self.quant_kernels.linear_q5(x, w.data, w.qtype, out)
+        elif isinstance(w, StoredWeight):
+            self.quant_kernels.linear_half(x, w.data, w.qtype, out)
         elif isinstance(w, QuantWeight):
             self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
         else:

@@ -1,5 +1,5 @@
 """Batch-invariant linear kernels reading GGUF weights as stored: K-quant blocks (Q4_K,
-Q5_K, Q6_K) and 16-bit floats (F16, BF16).
+Q5_K, Q6_K), Q5_0/Q5_1 blocks and 16-bit floats (F16, BF16).
 
 The weights stay in ggml's block layout (ggml-common.h; one row of blocks per output
 row, read from the file's memory map): each kernel dequantizes 16 weights in registers
@@ -36,6 +36,7 @@ from .numpy_kernels import (
     _JIT,
     LANES,
     _element_ptr,
+    _i32_bits_as_f32,
     _is_c_array,
     _linear_driver,
     _require,
@@ -45,7 +46,7 @@ from .numpy_kernels import (
     vsplat,
 )
 
-__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales", "linear_half"]
+__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales", "linear_half", "linear_q5"]
 
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _U8VEC = ir.VectorType(ir.IntType(8), LANES)
@@ -166,6 +167,93 @@ def linear_half(x: np.ndarray, bits: np.ndarray, qtype: str, out: np.ndarray) ->
         raise ValueError(f"linear_half: shapes x{x.shape} {qtype} w{bits.shape} out{out.shape} do not "
                          f"match (K a multiple of {LANES})")
     {"F16": _linear_f16, "BF16": _linear_bf16}[qtype](x, bits, out)
+    return out
+
+
+@intrinsic
+def vload_bit_lanes(typingctx, arr, i, first):
+    """float32 vector whose lane l is bit ``first + l`` of the little-endian uint32 at byte
+    ``arr.flat[i]`` (uint8 C-array): the fifth bits of Q5_0/Q5_1."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer) and isinstance(first, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        word = builder.load(builder.bitcast(p, ir.IntType(32).as_pointer()), align=1, typ=ir.IntType(32))
+        f = context.cast(builder, args[2], sig.args[2], types.int32)
+        v = builder.insert_element(ir.Constant(_I32VEC, None), word, ir.Constant(ir.IntType(32), 0))
+        v = builder.shuffle_vector(v, v, ir.Constant(_I32VEC, [0] * LANES))
+        fv = builder.insert_element(ir.Constant(_I32VEC, None), f, ir.Constant(ir.IntType(32), 0))
+        fv = builder.shuffle_vector(fv, fv, ir.Constant(_I32VEC, [0] * LANES))
+        shifts = builder.add(fv, ir.Constant(_I32VEC, list(range(LANES))))
+        return builder.uitofp(builder.and_(builder.lshr(v, shifts), _splat32(1)), _VEC)
+
+    return f32vec(arr, i, first), codegen
+
+
+@njit(inline="always", **_JIT)
+def _f16_at(w, n, o):
+    """The IEEE half at bytes w[n, o:o+2] as float32, exactly (as vload_f16, one value)."""
+    h = np.int32(w[n, o]) | (np.int32(w[n, o + 1]) << 8)
+    mag = h & 0x7FFF
+    if mag >= 0x7C00:
+        v = np.float32(np.inf) if mag == 0x7C00 else np.float32(np.nan)
+    else:
+        v = _i32_bits_as_f32(mag << 13) * np.float32(2.0 ** 112)
+    return -v if h & 0x8000 else v
+
+
+@njit(inline="always", **_JIT)
+def _q5_codes(w, n, qh_at, qs_at, k):
+    """The 5-bit codes of w[n, k:k+16] in a 32-weight block, as floats (exact)."""
+    base = n * w.shape[1]
+    half = (k >> 4) & 1
+    lo = vload_bits(w, base + qs_at, half * 4, 0x0F)
+    hi = vload_bit_lanes(w, base + qh_at, half * 16)
+    return vadd(lo, vmul(hi, vsplat(np.float32(16.0))))
+
+
+@njit(inline="always", **_JIT)
+def _load_q5_0(w, ws, wm, n, k):
+    """Dequantised w[n, k:k+16] of a Q5_0 row: d * (q - 16)."""
+    rb = (k >> 5) * 22
+    q = vadd(_q5_codes(w, n, rb + 2, rb + 6, k), vsplat(np.float32(-16.0)))
+    return vmul(vsplat(_f16_at(w, n, rb)), q)
+
+
+@njit(inline="always", **_JIT)
+def _load_q5_1(w, ws, wm, n, k):
+    """Dequantised w[n, k:k+16] of a Q5_1 row: d * q + m."""
+    rb = (k >> 5) * 24
+    q = _q5_codes(w, n, rb + 4, rb + 8, k)
+    return vadd(vmul(vsplat(_f16_at(w, n, rb)), q), vsplat(_f16_at(w, n, rb + 2)))
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_0(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_q5_0)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_1(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_q5_1)
+
+
+Q5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per 32-weight block
+
+
+def linear_q5(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as Q5_0/Q5_1 blocks, uint8 [N, K/32 * bytes]
+    (C-contiguous); the f16 scales are widened in the kernel. Bit-identical to
+    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _require("x", x, np.float32, 2)
+    _require("blocks", blocks, np.uint8, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    if K % 32 or blocks.shape[1] != K // 32 * Q5_BYTES[qtype] or out.shape != (M, blocks.shape[0]):
+        raise ValueError(f"linear_q5: shapes x{x.shape} {qtype} blocks{blocks.shape} out{out.shape} "
+                         "do not match (K a multiple of 32)")
+    {"Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1}[qtype](x, blocks, out)
     return out
 
 

@@ -94,14 +94,16 @@ def test_linear_q8_row_invariant(rng):
 # product with gguf's dequantized weights, and each row must not depend on the batch.
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
-BLOCK_TYPES = KQUANTS + ("F16", "BF16")
-_F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of f16 d (dmin)
+BLOCK_TYPES = KQUANTS + ("Q5_0", "Q5_1", "F16", "BF16")
+_F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}  # f16 d (m)
+_SUPER = {"Q5_0": (32, 22), "Q5_1": (32, 24)}  # 32-weight types: (weights, bytes) a block
 
 
 def raw_blocks(rng, qtype, N, K):
     """The bytes of an [N, K] `qtype` tensor as a GGUF file stores it, uint8 [N, bytes per
     row]: K-quants with random codes and packed scales, small random positive f16 d (and
-    dmin); F16/BF16 with random values over 12 decades and both signs."""
+    dmin) or d and m of either sign; F16/BF16 with random values over 12 decades and
+    both signs."""
     from panechat.backends.gguf_blocks import KQUANT_BYTES, QK_K
 
     if qtype in ("F16", "BF16"):
@@ -109,9 +111,12 @@ def raw_blocks(rng, qtype, N, K):
         if qtype == "F16":
             return w.astype(np.float16).view(np.uint8)
         return np.ascontiguousarray((w.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
-    b = rng.integers(0, 256, (N, K // QK_K, KQUANT_BYTES[qtype]), dtype=np.uint8)
+    per, size = _SUPER.get(qtype, (QK_K, KQUANT_BYTES.get(qtype)))
+    b = rng.integers(0, 256, (N, K // per, size), dtype=np.uint8)
+    sign = -1 if qtype in _SUPER else 1  # K-quant d, dmin are positive by construction
     for o in _F16_AT[qtype]:
-        b[..., o:o + 2] = (rng.random(b.shape[:2] + (1,)) * 0.01).astype(np.float16).view(np.uint8)
+        v = rng.uniform(sign * 0.01, 0.01, b.shape[:2] + (1,))
+        b[..., o:o + 2] = v.astype(np.float16).view(np.uint8)
     return b.reshape(N, -1)
 
 
@@ -188,7 +193,7 @@ def test_backend_keeps_block_weights_in_the_mapped_bytes(rng, qtype):
 
     t = GGUFTensor("w", (70, 512), qtype, raw_blocks(rng, qtype, 70, 512))
     w = NumpyBackend().linear_weight(t)
-    stored = w.blocks if qtype in KQUANTS else w.bits
+    stored = w.blocks if qtype in KQUANTS else w.data
     assert np.shares_memory(stored, t.blocks)
     assert w.nbytes <= t.nbytes * 1.06  # no float32 copy: the bytes and <= 2 floats per 256 weights
 
