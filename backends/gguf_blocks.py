@@ -6,7 +6,8 @@ Q4_1 = {f16 d; f16 m; u8 qs[16]} with w = d*q + m; byte j of qs holds element j 
 low nibble and element j+16 in its high nibble.
 
 The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) are not unpacked: a backend that
-keeps them reads the blocks as stored (numpy: `quant_kernels`)."""
+keeps them reads the blocks as stored (numpy: `quant_kernels`, which also reads Q5_0/Q5_1
+blocks and F16/BF16 as stored)."""
 
 from __future__ import annotations
 

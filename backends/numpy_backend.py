@@ -6,10 +6,10 @@ row changes in the last bits with the number of rows and the row's position), so
 arithmetic is fixed by the source. Q8_0/Q4_0/Q4_1 weights stay quantized (int8 plus a
 scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32 and
 bit-identical to the float32 kernel on the dequantized weights. Q4_K/Q5_K/Q6_K and
-Q5_0/Q5_1 weights stay in their ggml blocks and F16/BF16 weights in 16 bits, read from the file's memory
-map (`quant_kernels`), with the same bit-identity; so a Q4_K_M file never gets a float32
-copy of a quantized matrix. Elementwise ops and
-per-row reductions use numpy (`ArrayBackend`).
+Q5_0/Q5_1 weights stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
+the file's memory map (`quant_kernels`), with the same bit-identity: a Q4_K_M file never
+gets a float32 copy of a quantized matrix. Elementwise ops and per-row reductions use
+numpy (`ArrayBackend`).
 
 The kernels run on as many threads as other processes leave cores idle
 (`cpu_threads.ThreadGovernor`); setting NUMBA_NUM_THREADS fixes the count instead.
@@ -104,7 +104,8 @@ class NumpyBackend(ArrayBackend):
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
-        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K kept quantized, F16/BF16 in 16 bits"
+        return (f"numpy on CPU ({threads}), numba row-invariant kernels, "
+                "Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K kept quantized, F16/BF16 in 16 bits")
 
     def begin_step(self) -> None:
         if self.governor is not None:
@@ -118,7 +119,8 @@ class NumpyBackend(ArrayBackend):
             return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
                                 t.shape)
         if t.qtype in _HALF and len(t.shape) == 2 and t.shape[1] % _LANES == 0:
-            return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape), t.shape)
+            bits = np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape)  # no copy
+            return StoredWeight(t.qtype, bits, t.shape)
         if t.qtype in _Q5 and len(t.shape) == 2 and t.shape[1] % 32 == 0:
             return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks, dtype=np.uint8), t.shape)
         return t.dequantize()
