@@ -16,12 +16,17 @@ Block layouts (256 weights a super-block, sub-block scales packed in the block):
       the same with q = low nibble | high bit << 4
   Q6_K (210 B): u8 ql[128], u8 qh[64], i8 scales[16], f16 d
       w = (d * sc[i // 16]) * (ql | qh << 4 - 32)
+  Q5_0 (22 B, 32 weights): f16 d, u32 qh, u8 qs[16]; w = d * (q - 16)
+  Q5_1 (24 B, 32 weights): f16 d, f16 m, u32 qh, u8 qs[16]; w = d * q + m
+  F16 / BF16: widened exactly (integer bit moves; F16 by a 2**112 scaling of the bits)
 
 Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (4 or 8
 bytes per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
-Integer codes become floats exactly and are combined by exact float adds, so the one
-rounding in each weight is gguf's (sub-scale product, then the product with the code,
-then the minus), in gguf's order.
+Integer codes become floats exactly and are combined by exact float adds, so the only
+roundings in a weight are gguf's (sub-scale product, product with the code, then the
+min), in gguf's order. As for numpy_kernels, the bits do not depend on the ISA:
+all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and generic
+(checked 2026-11-30).
 """
 
 from __future__ import annotations
