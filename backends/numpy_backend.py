@@ -5,8 +5,11 @@ row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
 arithmetic is fixed by the source. Q8_0/Q4_0/Q4_1 weights stay quantized (int8 plus a
 scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32 and
-bit-identical to the float32 kernel on the dequantized weights. Elementwise ops and
-per-row reductions use numpy (`ArrayBackend`).
+bit-identical to the float32 kernel on the dequantized weights. Q4_K/Q5_K/Q6_K and
+Q5_0/Q5_1 weights stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
+the file's memory map (`quant_kernels`), with the same bit-identity: a Q4_K_M file never
+gets a float32 copy of a quantized matrix. Elementwise ops and per-row reductions use
+numpy (`ArrayBackend`).
 
 The kernels run on as many threads as other processes leave cores idle
 (`cpu_threads.ThreadGovernor`); setting NUMBA_NUM_THREADS fixes the count instead.
@@ -24,7 +27,7 @@ import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
 from .cpu_threads import ThreadGovernor
-from .gguf_blocks import kept_quantized, unpack
+from .gguf_blocks import kept_in_blocks, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
 
 
@@ -45,15 +48,51 @@ class QuantWeight:
         return self.q.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
 
 
+@dataclass
+class KQuantWeight:
+    """A Q4_K/Q5_K/Q6_K weight [N, K] as stored: `blocks` uint8 [N, K/256 * bytes] (a view
+    of the memory map), with each super-block's f16 d and dmin as float32 [N, K/256]."""
+
+    qtype: str
+    blocks: np.ndarray
+    d: np.ndarray
+    dmin: np.ndarray
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.d.nbytes + (self.dmin.nbytes if self.dmin is not self.d else 0)
+
+
+@dataclass
+class StoredWeight:
+    """An F16/BF16 or Q5_0/Q5_1 weight [N, K] as stored, a view of the memory map: `data`
+    uint16 [N, K] (16-bit floats as integers) or uint8 [N, K/32 * bytes] (blocks)."""
+
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+_HALF = ("F16", "BF16")
+_Q5 = ("Q5_0", "Q5_1")
+_LANES = 16  # numpy_kernels.LANES: a 16-bit weight row must be whole vectors
+
+
 class NumpyBackend(ArrayBackend):
     """CPU arrays with numpy; batch-invariant matmul and attention kernels (numba)."""
 
     name = "numpy"
 
     def __init__(self):
-        from . import numpy_kernels  # needs numba; `cpu_backend()` falls back without it
+        from . import numpy_kernels, quant_kernels  # need numba; `cpu_backend()` falls back without it
 
         self.kernels = numpy_kernels
+        self.quant_kernels = quant_kernels
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
             import numba
@@ -65,21 +104,37 @@ class NumpyBackend(ArrayBackend):
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
-        return f"numpy on CPU ({threads}), numba row-invariant kernels, Q8_0/Q4_0/Q4_1 kept quantized"
+        return (f"numpy on CPU ({threads}), numba row-invariant kernels, "
+                "Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K kept quantized, F16/BF16 in 16 bits")
 
     def begin_step(self) -> None:
         if self.governor is not None:
             self.governor.tick()
 
-    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight:
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight | KQuantWeight | StoredWeight:
         if kept_quantized(t):
             return QuantWeight(*unpack(t.blocks, t.qtype, *t.shape))
+        if kept_in_blocks(t):
+            blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
+            return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
+                                t.shape)
+        if t.qtype in _HALF and len(t.shape) == 2 and t.shape[1] % _LANES == 0:
+            bits = np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape)  # no copy
+            return StoredWeight(t.qtype, bits, t.shape)
+        if t.qtype in _Q5 and len(t.shape) == 2 and t.shape[1] % 32 == 0:
+            return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks, dtype=np.uint8), t.shape)
         return t.dequantize()
 
-    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight | KQuantWeight | StoredWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
-        if isinstance(w, QuantWeight):
+        if isinstance(w, KQuantWeight):
+            self.quant_kernels.linear_kquant(x, w.blocks, w.qtype, w.d, w.dmin, out)
+        elif isinstance(w, StoredWeight) and w.qtype in _Q5:
+            self.quant_kernels.linear_q5(x, w.data, w.qtype, out)
+        elif isinstance(w, StoredWeight):
+            self.quant_kernels.linear_half(x, w.data, w.qtype, out)
+        elif isinstance(w, QuantWeight):
             self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
         else:
             self.kernels.linear(x, w, out)

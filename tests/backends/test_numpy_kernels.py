@@ -89,6 +89,115 @@ def test_linear_q8_row_invariant(rng):
         assert np.array_equal(nk.linear_q8(x, wq, d, np.empty((B, N), np.float32))[B - 1], alone)
 
 
+# --------------------------------------------------------------------------- GGUF block types
+# A weight type kept in its GGUF blocks must give, bit for bit, the float32 kernel's
+# product with gguf's dequantized weights, and each row must not depend on the batch.
+
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+BLOCK_TYPES = KQUANTS + ("Q5_0", "Q5_1", "F16", "BF16")
+_F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}  # f16 d (m)
+_SUPER = {"Q5_0": (32, 22), "Q5_1": (32, 24)}  # 32-weight types: (weights, bytes) a block
+
+
+def raw_blocks(rng, qtype, N, K):
+    """The bytes of an [N, K] `qtype` tensor as a GGUF file stores it, uint8 [N, bytes per
+    row]: K-quants with random codes and packed scales, small random positive f16 d (and
+    dmin) or d and m of either sign; F16/BF16 with random values over 12 decades and
+    both signs."""
+    from panechat.backends.gguf_blocks import KQUANT_BYTES, QK_K
+
+    if qtype in ("F16", "BF16"):
+        w = (rng.standard_normal((N, K)) * 10.0 ** rng.integers(-8, 4, (N, K))).astype(np.float32)
+        if qtype == "F16":
+            return w.astype(np.float16).view(np.uint8)
+        return np.ascontiguousarray((w.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
+    per, size = _SUPER.get(qtype, (QK_K, KQUANT_BYTES.get(qtype)))
+    b = rng.integers(0, 256, (N, K // per, size), dtype=np.uint8)
+    sign = -1 if qtype in _SUPER else 1  # K-quant d, dmin are positive by construction
+    for o in _F16_AT[qtype]:
+        v = rng.uniform(sign * 0.01, 0.01, b.shape[:2] + (1,))
+        b[..., o:o + 2] = v.astype(np.float16).view(np.uint8)
+    return b.reshape(N, -1)
+
+
+def _block_weight(rng, qtype, N, K):
+    """(run(x) -> x @ W.T through the backend's kernel for `qtype`, W = gguf's float32
+    dequantization of the same bytes)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from panechat.backends.gguf_tensor import GGUFTensor
+    from panechat.backends.numpy_backend import NumpyBackend
+
+    blocks = raw_blocks(rng, qtype, N, K)
+    be = NumpyBackend()
+    kept = be.linear_weight(GGUFTensor("w", (N, K), qtype, blocks))
+    assert not isinstance(kept, np.ndarray)  # kept as stored, not dequantized
+    w = np.ascontiguousarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]), dtype=np.float32)
+    return (lambda x: be.linear(x, kept)), w.reshape(N, K)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 64, 256), (7, 70, 512), (33, 13, 768)])
+def test_block_kernel_equals_linear_on_gguf_dequantized(rng, qtype, M, N, K):
+    run, w = _block_weight(rng, qtype, N, K)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    assert np.array_equal(run(x), nk.linear(x, w, np.empty((M, N), np.float32)))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_block_kernel_rows_invariant_1_to_33(rng, qtype):
+    """Every row count 1..33, rows drawn from a pool in a shuffled order."""
+    run, _ = _block_weight(rng, qtype, 70, 512)
+    pool = rng.standard_normal((33, 512), dtype=np.float32)
+    alone = np.stack([run(pool[i:i + 1])[0] for i in range(33)])
+    for B in range(1, 34):
+        pick = rng.permutation(33)[:B]
+        assert np.array_equal(run(pool[pick]), alone[pick]), B
+
+
+def test_f16_loads_every_half_exactly():
+    """All 65536 half bit patterns: finite ones to the exact float32, inf to inf, NaN to NaN."""
+    from numba import njit
+
+    from panechat.backends import quant_kernels as qk
+
+    @njit
+    def widen(h):
+        out = np.empty(h.size, np.float32)
+        for i in range(0, h.size, 16):
+            nk.vstore(out, i, qk.vload_f16(h, i))
+        return out
+
+    h = np.arange(1 << 16, dtype=np.uint16)
+    got, want = widen(h), h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)) and np.isnan(got[nan]).all()
+
+
+def test_block_kernel_rejects_bad_input(rng):
+    from panechat.backends import quant_kernels as qk
+
+    blocks = raw_blocks(rng, "Q4_K", 8, 512)
+    d, dmin = qk.superblock_scales(blocks, "Q4_K")
+    x = rng.standard_normal((2, 512), dtype=np.float32)
+    with pytest.raises(ValueError):  # blocks of another type's size
+        qk.linear_kquant(x, blocks, "Q6_K", d, dmin, np.empty((2, 8), np.float32))
+    with pytest.raises(ValueError):  # K not the blocks' K
+        qk.linear_kquant(x[:, :256].copy(), blocks, "Q4_K", d, dmin, np.empty((2, 8), np.float32))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_backend_keeps_block_weights_in_the_mapped_bytes(rng, qtype):
+    from panechat.backends.gguf_tensor import GGUFTensor
+    from panechat.backends.numpy_backend import NumpyBackend
+
+    t = GGUFTensor("w", (70, 512), qtype, raw_blocks(rng, qtype, 70, 512))
+    w = NumpyBackend().linear_weight(t)
+    stored = w.blocks if qtype in KQUANTS else w.data
+    assert np.shares_memory(stored, t.blocks)
+    assert w.nbytes <= t.nbytes * 1.06  # no float32 copy: the bytes and <= 2 floats per 256 weights
+
+
 # --------------------------------------------------------------------------- attention
 
 

@@ -1,0 +1,371 @@
+"""Batch-invariant linear kernels reading GGUF weights as stored: K-quant blocks (Q4_K,
+Q5_K, Q6_K), Q5_0/Q5_1 blocks and 16-bit floats (F16, BF16).
+
+The weights stay in ggml's block layout (ggml-common.h; one row of blocks per output
+row, read from the file's memory map): each kernel dequantizes 16 weights in registers
+into exactly the float32 values `gguf.quants.dequantize` gives, then runs the tile code
+and fixed-order reduction of `numpy_kernels.linear` (its module docstring is the
+numerical contract). So a product here equals, bit for bit, ``linear(x, dequantize(w))``,
+and a row's bits never depend on the batch.
+
+Block layouts (256 weights a super-block, sub-block scales packed in the block):
+
+  Q4_K (144 B): f16 d, f16 dmin, u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min), u8 qs[128]
+      w = (d * sc[j]) * q - (dmin * m[j]),  j = sub-block of 32
+  Q5_K (176 B): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
+      the same with q = low nibble | high bit << 4
+  Q6_K (210 B): u8 ql[128], u8 qh[64], i8 scales[16], f16 d
+      w = (d * sc[i // 16]) * (ql | qh << 4 - 32)
+  Q5_0 (22 B, 32 weights): f16 d, u32 qh, u8 qs[16]; w = d * (q - 16)
+  Q5_1 (24 B, 32 weights): f16 d, f16 m, u32 qh, u8 qs[16]; w = d * q + m
+  F16 / BF16: widened exactly (integer bit moves; F16 by a 2**112 scaling of the bits)
+
+Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (4 or 8
+bytes per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
+Integer codes become floats exactly and are combined by exact float adds, so the only
+roundings in a weight are gguf's (sub-scale product, product with the code, then the
+min), in gguf's order. As for numpy_kernels, the bits do not depend on the ISA:
+all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and generic
+(checked 2026-11-30).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .gguf_blocks import KQUANT_BYTES, QK_K
+from .numpy_kernels import (
+    _JIT,
+    LANES,
+    _element_ptr,
+    _i32_bits_as_f32,
+    _is_c_array,
+    _linear_driver,
+    _require,
+    f32vec,
+    vadd,
+    vmul,
+    vsplat,
+)
+
+__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales", "linear_half", "linear_q5"]
+
+_VEC = ir.VectorType(ir.FloatType(), LANES)
+_U8VEC = ir.VectorType(ir.IntType(8), LANES)
+
+
+@intrinsic
+def vload_bits(typingctx, arr, i, shift, mask):
+    """float32 vector of ``(arr.flat[i : i + 16] >> shift) & mask`` (uint8 C-array; exact)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)
+            and isinstance(shift, types.Integer) and isinstance(mask, types.Integer)):
+        return None
+
+    def splat8(context, builder, ty, val):
+        b = context.cast(builder, val, ty, types.uint8)
+        v = builder.insert_element(ir.Constant(_U8VEC, None), b, ir.Constant(ir.IntType(32), 0))
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+        return builder.shuffle_vector(v, v, zeros)
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        q = builder.load(builder.bitcast(p, _U8VEC.as_pointer()), align=1, typ=_U8VEC)
+        q = builder.lshr(q, splat8(context, builder, sig.args[2], args[2]))
+        q = builder.and_(q, splat8(context, builder, sig.args[3], args[3]))
+        return builder.uitofp(q, _VEC)
+
+    return f32vec(arr, i, shift, mask), codegen
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    """Lane-wise a - b."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+
+    return f32vec(f32vec, f32vec), codegen
+
+
+_I16VEC = ir.VectorType(ir.IntType(16), LANES)
+_I32VEC = ir.VectorType(ir.IntType(32), LANES)
+
+
+def _splat32(value):
+    return ir.Constant(_I32VEC, [value] * LANES)
+
+
+def _load_u16(context, builder, sig, args):
+    p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+    h = builder.load(builder.bitcast(p, _I16VEC.as_pointer()), align=2, typ=_I16VEC)
+    return builder.zext(h, _I32VEC)
+
+
+@intrinsic
+def vload_f16(typingctx, arr, i):
+    """IEEE half ``arr.flat[i : i + 16]`` (uint16 bits, C-array) as float32, exactly.
+
+    Integer arithmetic, not LLVM's fpext (a libcall without F16C): the magnitude's bits
+    shifted into float32 position and scaled by 2**112 give every normal and subnormal
+    half exactly; inf and NaN keep an all-ones exponent."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = _load_u16(context, builder, sig, args)
+        sign = builder.shl(builder.and_(h, _splat32(0x8000)), _splat32(16))
+        mag = builder.and_(h, _splat32(0x7FFF))
+        scaled = builder.fmul(builder.bitcast(builder.shl(mag, _splat32(13)), _VEC),
+                              ir.Constant(_VEC, [2.0 ** 112] * LANES))
+        special = builder.or_(builder.shl(mag, _splat32(13)), _splat32(0x7F800000))  # inf, NaN
+        is_special = builder.icmp_unsigned(">=", mag, _splat32(0x7C00))
+        bits = builder.select(is_special, special, builder.bitcast(scaled, _I32VEC))
+        return builder.bitcast(builder.or_(bits, sign), _VEC)
+
+    return f32vec(arr, i), codegen
+
+
+@intrinsic
+def vload_bf16(typingctx, arr, i):
+    """bfloat16 ``arr.flat[i : i + 16]`` (uint16 bits, C-array) as float32 (bits << 16)."""
+    if not (_is_c_array(arr, types.uint16) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.shl(_load_u16(context, builder, sig, args), _splat32(16)), _VEC)
+
+    return f32vec(arr, i), codegen
+
+
+@njit(inline="always", **_JIT)
+def _load_f16(w, ws, wm, n, k):
+    return vload_f16(w, n * w.shape[1] + k)
+
+
+@njit(inline="always", **_JIT)
+def _load_bf16(w, ws, wm, n, k):
+    return vload_bf16(w, n * w.shape[1] + k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_f16(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_f16)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_bf16(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_bf16)
+
+
+def linear_half(x: np.ndarray, bits: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as F16 or BF16 (`qtype`): `bits` uint16 [N, K]
+    (C-contiguous, K a multiple of 16), the stored values viewed as integers. Bit-identical
+    to ``linear(x, W as float32, out)``. Returns out."""
+    _require("x", x, np.float32, 2)
+    _require("bits", bits, np.uint16, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    if bits.shape[1] != K or K % LANES or out.shape != (M, bits.shape[0]):
+        raise ValueError(f"linear_half: shapes x{x.shape} {qtype} w{bits.shape} out{out.shape} do not "
+                         f"match (K a multiple of {LANES})")
+    {"F16": _linear_f16, "BF16": _linear_bf16}[qtype](x, bits, out)
+    return out
+
+
+@intrinsic
+def vload_bit_lanes(typingctx, arr, i, first):
+    """float32 vector whose lane l is bit ``first + l`` of the little-endian uint32 at byte
+    ``arr.flat[i]`` (uint8 C-array): the fifth bits of Q5_0/Q5_1."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer) and isinstance(first, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        word = builder.load(builder.bitcast(p, ir.IntType(32).as_pointer()), align=1, typ=ir.IntType(32))
+        f = context.cast(builder, args[2], sig.args[2], types.int32)
+        v = builder.insert_element(ir.Constant(_I32VEC, None), word, ir.Constant(ir.IntType(32), 0))
+        v = builder.shuffle_vector(v, v, ir.Constant(_I32VEC, [0] * LANES))
+        fv = builder.insert_element(ir.Constant(_I32VEC, None), f, ir.Constant(ir.IntType(32), 0))
+        fv = builder.shuffle_vector(fv, fv, ir.Constant(_I32VEC, [0] * LANES))
+        shifts = builder.add(fv, ir.Constant(_I32VEC, list(range(LANES))))
+        return builder.uitofp(builder.and_(builder.lshr(v, shifts), _splat32(1)), _VEC)
+
+    return f32vec(arr, i, first), codegen
+
+
+@njit(inline="always", **_JIT)
+def _f16_at(w, n, o):
+    """The IEEE half at bytes w[n, o:o+2] as float32, exactly (as vload_f16, one value)."""
+    h = np.int32(w[n, o]) | (np.int32(w[n, o + 1]) << 8)
+    mag = h & 0x7FFF
+    if mag >= 0x7C00:
+        v = np.float32(np.inf) if mag == 0x7C00 else np.float32(np.nan)
+    else:
+        v = _i32_bits_as_f32(mag << 13) * np.float32(2.0 ** 112)
+    return -v if h & 0x8000 else v
+
+
+@njit(inline="always", **_JIT)
+def _q5_codes(w, n, qh_at, qs_at, k):
+    """The 5-bit codes of w[n, k:k+16] in a 32-weight block, as floats (exact)."""
+    base = n * w.shape[1]
+    half = (k >> 4) & 1
+    lo = vload_bits(w, base + qs_at, half * 4, 0x0F)
+    hi = vload_bit_lanes(w, base + qh_at, half * 16)
+    return vadd(lo, vmul(hi, vsplat(np.float32(16.0))))
+
+
+@njit(inline="always", **_JIT)
+def _load_q5_0(w, ws, wm, n, k):
+    """Dequantised w[n, k:k+16] of a Q5_0 row: d * (q - 16)."""
+    rb = (k >> 5) * 22
+    q = vadd(_q5_codes(w, n, rb + 2, rb + 6, k), vsplat(np.float32(-16.0)))
+    return vmul(vsplat(_f16_at(w, n, rb)), q)
+
+
+@njit(inline="always", **_JIT)
+def _load_q5_1(w, ws, wm, n, k):
+    """Dequantised w[n, k:k+16] of a Q5_1 row: d * q + m."""
+    rb = (k >> 5) * 24
+    q = _q5_codes(w, n, rb + 4, rb + 8, k)
+    return vadd(vmul(vsplat(_f16_at(w, n, rb)), q), vsplat(_f16_at(w, n, rb + 2)))
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_0(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_q5_0)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_1(x, w, out):
+    _linear_driver(x, w, w, w, out, _load_q5_1)
+
+
+Q5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per 32-weight block
+
+
+def linear_q5(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as Q5_0/Q5_1 blocks, uint8 [N, K/32 * bytes]
+    (C-contiguous); the f16 scales are widened in the kernel. Bit-identical to
+    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _require("x", x, np.float32, 2)
+    _require("blocks", blocks, np.uint8, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    if K % 32 or blocks.shape[1] != K // 32 * Q5_BYTES[qtype] or out.shape != (M, blocks.shape[0]):
+        raise ValueError(f"linear_q5: shapes x{x.shape} {qtype} blocks{blocks.shape} out{out.shape} "
+                         "do not match (K a multiple of 32)")
+    {"Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1}[qtype](x, blocks, out)
+    return out
+
+
+@njit(inline="always", **_JIT)
+def _scale_min(w, n, o, j):
+    """6-bit (scale, min) of sub-block j from the 12 packed bytes at w[n, o:] (ggml
+    get_scale_min_k4)."""
+    if j < 4:
+        return w[n, o + j] & 63, w[n, o + j + 4] & 63
+    sc = (w[n, o + j + 4] & 0x0F) | ((w[n, o + j - 4] >> 6) << 4)
+    mn = (w[n, o + j + 4] >> 4) | ((w[n, o + j] >> 6) << 4)
+    return sc, mn
+
+
+@njit(inline="always", **_JIT)
+def _load_q4_k(w, wd, wdm, n, k):
+    """Dequantised w[n, k:k+16] of a Q4_K row (wd, wdm: float32 d, dmin per super-block)."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 144
+    base = n * w.shape[1] + rb
+    sc, mn = _scale_min(w, n, rb + 4, i >> 5)
+    ds = wd[n, sb] * np.float32(sc)
+    dm = wdm[n, sb] * np.float32(mn)
+    q = vload_bits(w, base + 16 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
+    return vsub(vmul(q, vsplat(ds)), vsplat(dm))
+
+
+@njit(inline="always", **_JIT)
+def _load_q5_k(w, wd, wdm, n, k):
+    """Dequantised w[n, k:k+16] of a Q5_K row."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 176
+    base = n * w.shape[1] + rb
+    sc, mn = _scale_min(w, n, rb + 4, i >> 5)
+    ds = wd[n, sb] * np.float32(sc)
+    dm = wdm[n, sb] * np.float32(mn)
+    lo = vload_bits(w, base + 48 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
+    hi = vload_bits(w, base + 16 + (i & 31), i >> 5, 0x01)
+    q = vadd(lo, vmul(hi, vsplat(np.float32(16.0))))  # exact: small integers
+    return vsub(vmul(q, vsplat(ds)), vsplat(dm))
+
+
+@njit(inline="always", **_JIT)
+def _load_q6_k(w, wd, wdm, n, k):
+    """Dequantised w[n, k:k+16] of a Q6_K row (wdm unused)."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 210
+    base = n * w.shape[1] + rb
+    r = i & 127
+    lo = vload_bits(w, base + (i >> 7) * 64 + (r & 63), (r >> 6) * 4, 0x0F)
+    hi = vload_bits(w, base + 128 + (i >> 7) * 32 + (r & 31), (r >> 5) * 2, 0x03)
+    q = vadd(vadd(lo, vmul(hi, vsplat(np.float32(16.0)))), vsplat(np.float32(-32.0)))  # exact
+    sc = np.int8(w[n, rb + 192 + (i >> 4)])
+    ds = wd[n, sb] * np.float32(sc)
+    return vmul(q, vsplat(ds))
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q4_k(x, w, wd, wdm, out):
+    _linear_driver(x, w, wd, wdm, out, _load_q4_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_k(x, w, wd, wdm, out):
+    _linear_driver(x, w, wd, wdm, out, _load_q5_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q6_k(x, w, wd, wdm, out):
+    _linear_driver(x, w, wd, wdm, out, _load_q6_k)
+
+
+_KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k}
+
+
+def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The f16 d and dmin of every super-block as float32 [N, K/256] each, exactly (f16 ->
+    f32 is exact); Q6_K has no dmin and returns its d array twice."""
+    n = blocks.shape[0]
+    b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, KQUANT_BYTES[qtype])
+
+    def f16_at(o):
+        return b[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    if qtype == "Q6_K":
+        d = f16_at(208)
+        return d, d
+    return f16_at(0), f16_at(2)
+
+
+def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, dmin: np.ndarray,
+                  out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as `qtype` blocks: uint8 [N, K/256 * bytes]
+    (C-contiguous; a memory-map view is fine), with `d`, `dmin` from `superblock_scales`.
+    Bit-identical to ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _require("x", x, np.float32, 2)
+    _require("blocks", blocks, np.uint8, 2)
+    _require("out", out, np.float32, 2)
+    _require("d", d, np.float32, 2)
+    _require("dmin", dmin, np.float32, 2)
+    M, K = x.shape
+    N, nbytes = blocks.shape
+    if K % QK_K or nbytes != K // QK_K * KQUANT_BYTES[qtype] or out.shape != (M, N):
+        raise ValueError(f"linear_kquant: shapes x{x.shape} {qtype} blocks{blocks.shape} "
+                         f"out{out.shape} do not match (K a multiple of {QK_K})")
+    if d.shape != (N, K // QK_K) or dmin.shape != d.shape:
+        raise ValueError("linear_kquant: d and dmin must be float32 [N, K/256]")
+    _KERNELS[qtype](x, blocks, d, dmin, out)
+    return out
+

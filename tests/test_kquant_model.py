@@ -1,0 +1,70 @@
+"""K-quant weights on a real llama-architecture model: the default model re-quantized into
+Q4_K / Q6_K blocks (tests/kquant_model.py) decodes, through the block kernels, exactly as
+the float32 kernel does on the same weights dequantized by gguf, and stays batch-invariant."""
+
+import mmap
+
+import numpy as np
+import pytest
+
+from panechat.backends.numpy_backend import KQuantWeight, NumpyBackend
+from panechat.engine.gguf_file import GGUFFile
+from panechat.engine.model import Model
+
+from .kquant_model import write_kquant_copy
+from .model_runs import new_kv, run_batched
+
+PROMPTS = [[1, 9690, 198, 2683, 359, 253], [504, 2365, 6354]]
+STEPS = 16
+
+
+class DequantizedBackend(NumpyBackend):
+    """The reference: every weight dequantized to float32 by gguf, through the f32 kernel."""
+
+    def linear_weight(self, t):
+        return t.dequantize()
+
+
+@pytest.fixture(scope="module")
+def kquant_file(model_path, tmp_path_factory):
+    path = tmp_path_factory.mktemp("kquant") / "smollm2-kquant.gguf"
+    types = write_kquant_copy(model_path, path)
+    assert set(types.values()) == {"Q4_K", "Q6_K"}
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(kquant_file):
+    return Model.load(GGUFFile.open(kquant_file), NumpyBackend(), max_positions=128)
+
+
+def _root(a):
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
+def test_kquant_weights_stay_in_blocks(model):
+    """Every ffn_down is a K-quant whose blocks are the file's memory map, not a copy."""
+    downs = [layer.ffn_down for layer in model.layers]
+    assert all(isinstance(w, KQuantWeight) and isinstance(_root(w.blocks), mmap.mmap) for w in downs)
+    assert {w.qtype for w in downs} == {"Q4_K", "Q6_K"}
+
+
+def test_greedy_decode_equals_float32_reference(model, kquant_file):
+    """16 greedy steps on 2 prompts: the same tokens, and every logit bit-identical."""
+    ref = Model.load(GGUFFile.open(kquant_file), DequantizedBackend(), max_positions=128)
+    for prompt in PROMPTS:
+        got = run_batched(model, new_kv(model, 1), [prompt], STEPS, 0)[0]
+        want = run_batched(ref, new_kv(ref, 1), [prompt], STEPS, 0)[0]
+        assert [int(np.argmax(s)) for s in got] == [int(np.argmax(s)) for s in want]
+        for s in range(STEPS + 1):
+            assert np.array_equal(got[s], want[s]), f"step {s}"
+
+
+def test_kquant_logits_bit_identical_alone_vs_batched(model):
+    alone = [run_batched(model, new_kv(model, 1), [p], STEPS, 0)[0] for p in PROMPTS]
+    together = run_batched(model, new_kv(model, 4), PROMPTS + [[57, 5248, 2090], [19556, 905, 30]], STEPS, 3)
+    for i in range(len(PROMPTS)):
+        for s in range(STEPS + 1):
+            assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s}"
