@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from .gguf_blocks import KQUANT_BYTES, QK_K

@@ -1,5 +1,5 @@
 """K-quant weights on a real llama-architecture model: the default model re-quantized into
-Q4_K / Q6_K blocks (tests/kquant_model.py) decodes, through the block kernels, exactly as
+Q4_K / Q6_K blocks (tests/backends/kquant_model.py) decodes, through the block kernels, exactly as
 the float32 kernel does on the same weights dequantized by gguf, and stays batch-invariant."""
 
 import mmap
@@ -12,7 +12,7 @@ from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.model import Model
 
 from .kquant_model import write_kquant_copy
-from .model_runs import new_kv, run_batched
+from ..model_runs import new_kv, run_batched
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [504, 2365, 6354]]
 STEPS = 16
