@@ -136,7 +136,7 @@ class ServerState:
         `Engine.submit`, and ShuttingDown."""
         self.check_admitting()
         engine = self.require_engine()
-        prompt_ids = await asyncio.to_thread(engine.lm.prompt_ids, messages)
+        prompt_ids = await asyncio.to_thread(engine.prompt_ids, messages)
         self.check_admitting()  # the drain may have begun meanwhile
         gen = engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
         self.inflight.add(gen)
