@@ -53,7 +53,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
                     tied: bool = True, seed: int = 0, head_dim: int | None = None,
                     window: int = 5, rope_scale: float = 0.0, rope_type: str = "linear",
                     orig_ctx: int = 0, rope_freqs: bool = False, long_factors: bool = False,
-                    fused: bool = True, zero_raw: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+                    fused: bool = True, chat_template: bool = True, zero_raw: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Write a random model; return its float32 weights as the file stores them
     (after quantization round-trip), keyed by GGUF tensor name. `zero_raw` maps tensor
     names to a GGML type whose zero blocks are stored instead (for unsupported types).
@@ -63,7 +63,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     layers), from `orig_ctx` positions (rope.scaling.original_context_length) when given;
     `rope_freqs` writes Llama 3 frequency factors, `long_factors` phi3's long and short
     ones. phi3 files store Q, K, V in one attn_qkv tensor and gate and up in ffn_up
-    (llama.cpp's layout) unless `fused` is False."""
+    (llama.cpp's layout) unless `fused` is False. Without `chat_template` the file is a
+    base model's: no tokenizer.chat_template."""
     import gguf
     from gguf import quants
 
@@ -87,7 +88,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     if arch == "gemma3":
         w.add_sliding_window(window)
     if rope_scale:
-        w.add_rope_scaling_type(gguf.RopeScalingType(rope_type))
+        w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch), rope_type)  # any name, refused ones too
         w.add_rope_scaling_factor(rope_scale)
     if orig_ctx:
         w.add_rope_scaling_orig_ctx_len(orig_ctx)
@@ -103,8 +104,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     w.add_bos_token_id(n_vocab - 2)
     w.add_eos_token_id(n_vocab - 1)
     w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    if chat_template:
+        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     stored: dict[str, np.ndarray] = {}
     qt = getattr(gguf.GGMLQuantizationType, qtype)
 
@@ -171,7 +173,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     w.write_tensors_to_file()
     w.close()
     stored["_meta"] = np.array([n_layer, n_embd, n_head, n_kv, n_ff, hd, window, rope_scale,
-                                ["linear", "yarn", "longrope", "none"].index(rope_type), orig_ctx or 256,
+                                ["linear", "yarn", "longrope", "none", "dynamic"].index(rope_type), orig_ctx or 256,
                                 attn_factor])
     return stored
 
@@ -183,7 +185,7 @@ def reference_logits(weights: dict[str, np.ndarray], arch: str, tokens: list[int
     n_layer, n_embd, n_head, n_kv, n_ff, hd, window, rope_scale, kind, orig_ctx, attn_factor = \
         weights["_meta"].tolist()
     n_layer, n_embd, n_head, n_kv, n_ff, hd, window = map(int, (n_layer, n_embd, n_head, n_kv, n_ff, hd, window))
-    kind = ["linear", "yarn", "longrope", "none"][int(kind)]
+    kind = ["linear", "yarn", "longrope", "none", "dynamic"][int(kind)]
     W = {k: v.astype(np.float64) for k, v in weights.items() if k != "_meta"}
     for i in range(n_layer):  # phi3's fused tensors: Q, K, V rows; gate rows, then up rows
         p = f"blk.{i}."
