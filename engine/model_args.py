@@ -55,6 +55,7 @@ class ModelArgs:
     rope_scaling: str = "linear"  # one of ROPE_SCALING_TYPES (llama.cpp's default: "linear")
     rope_orig_ctx: int = 0  # context the model was trained at before scaling (yarn, phi3's long factors)
     rope_attn_factor: float = 1.0  # cos and sin times this (rope.scaling.attn_factor; phi3 128k)
+    yarn_ext_factor: float = 0.0  # weight of yarn's extrapolation ramp: 1 for "yarn", else 0
     yarn_beta_fast: float = 32.0  # yarn's ramp between extrapolated and interpolated pairs
     yarn_beta_slow: float = 1.0
     ffn_act: str = "silu"  # gated FFN activation: "silu" or "gelu_tanh" (gemma)
@@ -129,7 +130,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str, n_ctx_train: int) -> dict[str
     """The RoPE scaling fields as llama.cpp reads them: the type defaults to "linear",
     freq_scale = 1 / rope.scaling.factor (the older key rope.scale_linear too) unless the
     type is "none"; the original context defaults to the trained one. An unknown type is
-    refused rather than silently run unscaled."""
+    refused rather than silently run unscaled, as is yarn's log multiplier (DeepSeek's
+    attention scaling, which llama.cpp applies and panechat does not)."""
     kind = str(meta.get(f"{arch}.rope.scaling.type", "linear"))
     if kind not in ROPE_SCALING_TYPES:
         raise ModelFileError(f"unsupported RoPE scaling type '{kind}' ({arch}.rope.scaling.type); "
@@ -137,11 +139,17 @@ def _rope_scaling(meta: dict[str, Any], arch: str, n_ctx_train: int) -> dict[str
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 0.0))
     factor = float(factor or 0.0)
     scaled = kind != "none" and factor > 0
+    if float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0):
+        raise ModelFileError(f"yarn RoPE scaling with a log multiplier ({arch}.rope.scaling.yarn_log_multiplier) "
+                             "is not supported by panechat")
+    ext = meta.get(f"{arch}.rope.scaling.yarn_ext_factor")  # llama.cpp: else 1 for yarn, 0 otherwise
+    ext = float(ext) if ext is not None and float(ext) >= 0 else float(kind == "yarn")
     return dict(
         rope_scaling=kind,
         rope_freq_scale=1.0 / factor if scaled else 1.0,
         rope_orig_ctx=int(meta.get(f"{arch}.rope.scaling.original_context_length", 0) or n_ctx_train),
         rope_attn_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0),
+        yarn_ext_factor=ext,
         yarn_beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0) or 32.0),
         yarn_beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0) or 1.0),
     )

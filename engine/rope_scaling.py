@@ -8,9 +8,10 @@ multiplier of cos and sin (`mscale`).
   `rope_factors_long/short.weight`, long when the context per sequence exceeds the
   original one, as llama.cpp's `get_rope_factors`) divide the base frequencies;
 - "linear" (and "longrope") multiply every angle by freq_scale = 1 / factor;
-- "yarn" mixes per pair the interpolated angle (times freq_scale) and the extrapolated
-  one by a ramp over the pairs between the correction dims of beta_fast and beta_slow,
-  and multiplies cos/sin by 1 + 0.1 ln(factor) (llama.cpp's `get_mscale`);
+- "yarn" (ext_factor 1, or the file's rope.scaling.yarn_ext_factor) mixes per pair the
+  interpolated angle (times freq_scale) and the extrapolated one by a ramp over the pairs
+  between the correction dims of beta_fast and beta_slow, weighted by ext_factor, and
+  multiplies cos/sin by 1 + 0.1 ln(factor) (llama.cpp's `get_mscale`);
 - `rope.scaling.attn_factor` multiplies cos/sin in every case (phi3 128k).
 """
 
@@ -35,8 +36,8 @@ def global_rope(a: ModelArgs, file_factors: np.ndarray | None) -> tuple[np.ndarr
     if scale == 1.0:
         return factors, mscale
     base = np.ones(half) if factors is None else factors
-    if a.rope_scaling == "yarn":
-        ramp = _yarn_ramp(a)
+    if a.yarn_ext_factor:
+        ramp = _yarn_ramp(a) * a.yarn_ext_factor
         mix = scale * (1.0 - ramp) + ramp  # theta = theta_extrap * mix
         if 1.0 / scale > 1.0:
             mscale *= 1.0 + 0.1 * math.log(1.0 / scale)

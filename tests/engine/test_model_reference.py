@@ -132,4 +132,8 @@ def test_unknown_rope_scaling_is_refused_in_one_line(kind):
     with pytest.raises(ModelFileError, match=f"unsupported RoPE scaling type '{kind}'.*linear, yarn"):
         ModelArgs.from_metadata(meta)
     meta["llama.rope.scaling.type"] = "yarn"
-    assert ModelArgs.from_metadata(meta).rope_freq_scale == 0.5
+    args = ModelArgs.from_metadata(meta)
+    assert args.rope_freq_scale == 0.5 and args.yarn_ext_factor == 1.0
+    meta["llama.rope.scaling.yarn_log_multiplier"] = 0.1  # DeepSeek's: not implemented, so refused
+    with pytest.raises(ModelFileError, match="yarn_log_multiplier"):
+        ModelArgs.from_metadata(meta)
