@@ -166,3 +166,20 @@ def test_base_model_chats_with_the_named_chatml_fallback(base_server, gemma_gold
         r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
     assert r["usage"]["prompt_tokens"] == len(case["prompt_ids"])
     assert r["choices"][0]["text"] == engine.lm.tokenizer.decode(case["tokens"][:8])
+
+
+def test_base_model_reply_ends_at_the_fallbacks_turn_marker(base_server):
+    """gemma-3-270m writes ChatML's markers as plain text: the chat reply stops where the
+    raw completion of the same ChatML prompt writes `<|im_end|>` (a stop string of the
+    fallback), instead of running on through invented turns."""
+    srv, _ = base_server
+    question = "What is the capital of France?"
+    rendered = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    with httpx.Client(base_url=srv.url, timeout=300) as c:
+        raw = c.post("/v1/completions", json={"prompt": rendered, "max_tokens": 24, "temperature": 0}).json()
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": question}],
+                                                    "max_tokens": 24, "temperature": 0}).json()
+    text = raw["choices"][0]["text"]
+    assert "<|im_end|>" in text  # what the model does: the test is about something
+    assert chat["choices"][0]["message"]["content"] == text.split("<|im_end|>")[0]
+    assert chat["choices"][0]["finish_reason"] == "stop"
