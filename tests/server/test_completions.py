@@ -120,6 +120,8 @@ def test_prompt_over_the_context_and_bad_json(http, live):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
     assert live.wait_idle().kv_in_use == 0
 
 
