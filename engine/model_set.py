@@ -1,0 +1,281 @@
+"""Several models in one process: one `Engine` per model, under a memory budget.
+
+Each model keeps its own Engine (its own compute thread, KV slots and batch), so a
+conversation batches with the others of its model and nothing changes inside an Engine.
+`ModelSet` only decides which Engines exist: it loads a model by name or path on first
+use, the first one given being the default, and keeps the sum of the resident weight
+bytes and KV bytes of the loaded models under `memory` (--models-memory). A model that
+would not fit first makes room by unloading idle models, least recently used first, and
+never one with a stream queued or running; if that is not enough it is refused in one
+line naming the budget and what is loaded.
+
+One model is the single-model path as before: `ModelSet.of(engine)` holds one started
+Engine, and nothing about that Engine differs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .config import EngineConfig
+from .default_model import resolve_model_path
+from .engine import Engine
+from .gguf_header import read_gguf_header
+from .loader import load_model
+from .model_args import ModelArgs
+from .model_catalog import find_model
+from .shipped_models import DEFAULT_MODEL
+from .stats import EngineStats
+
+__all__ = ["ModelSet", "UnknownModel", "ModelDoesNotFit", "model_name", "parse_model_list"]
+
+#: After a model is handed out, the seconds it counts as busy although its stats show no
+#: stream yet (the caller is still rendering the prompt; the engine thread publishes a new
+#: request's stream on its next loop).
+HANDOUT_BUSY_S = 5.0
+
+
+class UnknownModel(LookupError):
+    """A request named a model this process neither holds nor can find (one line, naming
+    the ones it can use)."""
+
+
+class ModelDoesNotFit(RuntimeError):
+    """Loading the model would take the loaded models past the memory budget, and the
+    models that could make room are busy (one line: the budget and what is loaded)."""
+
+
+def model_name(spec: str | Path | None) -> str:
+    """The name a model goes by: a file's name without `.gguf`, a catalog name as given,
+    the default model's name for None."""
+    if not spec:
+        return DEFAULT_MODEL.name
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.name[:-len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    return str(spec)
+
+
+def parse_model_list(values: list[str] | str | None) -> list[str]:
+    """`--model` given several times and/or as comma lists, in order, duplicates dropped."""
+    if values is None:
+        return []
+    items = [values] if isinstance(values, str) else list(values)
+    out: list[str] = []
+    for item in items:
+        for part in str(item).split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
+@dataclass
+class _Held:
+    """One loaded model."""
+
+    name: str
+    engine: Engine
+    nbytes: int  # resident weights + KV
+    last_used: float  # time.monotonic() it was last handed out
+
+
+def engine_bytes(engine: Engine) -> int:
+    """Resident bytes of a started Engine: its weights and its KV cache."""
+    kv = engine.kv
+    kv_bytes = getattr(kv, "nbytes", None)
+    if not isinstance(kv_bytes, int):
+        kv_bytes = int(getattr(kv, "bytes_per_slot", 0)) * int(engine.stats().kv_total or 0)
+    return int(getattr(engine.lm.model, "weight_bytes", 0)) + kv_bytes
+
+
+def estimate_bytes(path: Path, cfg: EngineConfig) -> int:
+    """What loading `path` will hold at least, from its header alone: the tensor data as
+    stored (weights stay in their block format) and the KV cache the config asks for."""
+    header = read_gguf_header(path)
+    weights = header.file_size
+    try:
+        a = ModelArgs.from_metadata(header.metadata)
+    except Exception:  # the loader will say what is wrong; the weights are estimate enough
+        return weights
+    ctx = min(cfg.ctx_size, a.context_length)
+    slots = cfg.kv_sessions or 2 * cfg.max_concurrent
+    return weights + slots * 2 * a.n_layer * a.n_kv_head * ctx * a.head_dim * 4
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+class ModelSet:
+    """The models this process holds: name -> started Engine, the first one the default.
+
+    `get(name)` returns the model's Engine, loading it on first use (blocking: seconds; call
+    it off an event loop) within `memory` bytes (None: no budget). Thread-safe."""
+
+    def __init__(self, config: EngineConfig | None = None, backend: str = "auto", memory: int | None = None,
+                 *, start: Callable[[Path], Engine] | None = None,
+                 on_load: Callable[[str, Engine], None] | None = None):
+        self.config = config or EngineConfig()
+        self.backend = backend
+        self.memory = memory
+        self._start = start or self._start_engine
+        self.on_load = on_load  # told of every model loaded (the CLI prints its start-up lines)
+        self._held: dict[str, _Held] = {}
+        self._aliases: dict[str, str] = {}  # any accepted spelling -> name
+        self._specs: dict[str, str] = {}  # name -> the path or name it loads from
+        self.default: str | None = None  # stays the default while unloaded to make room
+        self._lock = threading.RLock()  # the dicts above; never held while a model loads
+        self._loading = threading.Lock()  # one load at a time
+        self.handout_busy_s = HANDOUT_BUSY_S
+
+    @classmethod
+    def of(cls, engine: Engine, name: str | None = None) -> "ModelSet":
+        """One started Engine as a ModelSet (the single-model path): nothing else loads."""
+        ms = cls(engine.cfg if isinstance(getattr(engine, "cfg", None), EngineConfig) else None)
+        file = str(engine.lm.name)
+        ms.add(name or (file[:-len(".gguf")] if file.lower().endswith(".gguf") else file), engine)
+        return ms
+
+    # -- what is held ---------------------------------------------------------------------
+    def add(self, name: str, engine: Engine, spec: str | None = None) -> None:
+        """Hold a started `engine` as `name` (the first one added is the default); `spec`,
+        the path or name it was loaded from, reloads it after an unload."""
+        with self._lock:
+            self._held[name] = _Held(name, engine, engine_bytes(engine), time.monotonic())
+            self._specs[name] = spec or name
+            file = str(engine.lm.name)
+            for alias in (name, spec, file, file[:-len(".gguf")] if file.lower().endswith(".gguf") else file):
+                if alias:
+                    self._aliases[alias] = name
+            if self.default is None:
+                self.default = name
+
+    def names(self) -> list[str]:
+        """Loaded models, the default first, then in load order."""
+        with self._lock:
+            return sorted(self._held, key=lambda n: n != self.default)
+
+    def engines(self) -> dict[str, Engine]:
+        with self._lock:
+            return {n: self._held[n].engine for n in self.names()}
+
+    def find(self, name: str | None = None) -> Engine | None:
+        """The loaded Engine called `name` (any of its spellings; None: the default), or None."""
+        with self._lock:
+            key = self.resolve_name(name)
+            held = self._held.get(key) if key else None
+            return held.engine if held else None
+
+    def resolve_name(self, name: str | None) -> str | None:
+        """The loaded name `name` stands for (None: the default), or None when not loaded."""
+        with self._lock:
+            key = self.default if not name else self._aliases.get(name)
+            return key if key in self._held else None
+
+    def stats(self) -> dict[str, EngineStats]:
+        """One snapshot per loaded model (each Engine's own batch), the default first."""
+        return {n: e.stats() for n, e in self.engines().items()}
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
+
+    @property
+    def engine(self) -> Engine | None:
+        """The default model's Engine (None before one is loaded)."""
+        return self.find(None)
+
+    # -- loading ----------------------------------------------------------------------------
+    def get(self, name: str | None = None) -> Engine:
+        """The Engine of `name` (None: the default), loading it first if it is not held.
+
+        Raises UnknownModel (neither held nor a file nor a name `panechat models` lists),
+        ModelDoesNotFit, and what loading raises (ModelFileError, BackendUnavailable).
+        Loads run one at a time; the loaded models keep serving meanwhile."""
+        engine = self._touch(name)
+        if engine is not None:
+            return engine
+        with self._loading:
+            engine = self._touch(name)  # loaded by another caller meanwhile
+            return engine if engine is not None else self._load(name)
+
+    def _touch(self, name: str | None) -> Engine | None:
+        with self._lock:
+            key = self.resolve_name(name)
+            if key is None:
+                return None
+            held = self._held[key]
+            held.last_used = time.monotonic()
+            return held.engine
+
+    def _load(self, spec: str | None) -> Engine:
+        if not spec:  # the default, unloaded to make room earlier (or none loaded yet)
+            spec = self._specs.get(self.default or "", self.default)
+        if spec and not Path(spec).expanduser().exists() and find_model(spec) is None:
+            raise UnknownModel(f"unknown model '{spec[:200]}'; loaded: {', '.join(self.names()) or 'none'} "
+                               "(`panechat models` lists the others that can be loaded)")
+        path = resolve_model_path(spec)  # a listed model whose file cannot be had: ModelFileError
+        name = model_name(spec)
+        if self.memory is not None:
+            self._make_room(name, estimate_bytes(path, self.config), "about ")
+        engine = self._start(path)
+        if self.memory is not None:
+            try:
+                self._make_room(name, engine_bytes(engine), "")
+            except ModelDoesNotFit:
+                engine.stop()
+                raise
+        self.add(name, engine, spec)
+        if self.on_load is not None:
+            self.on_load(name, engine)
+        return engine
+
+    def _start_engine(self, path: Path) -> Engine:
+        lm = load_model(path, self.backend, max_positions=self.config.ctx_size)
+        return Engine(lm, self.config).start()
+
+    def _busy(self, held: _Held, now: float) -> bool:
+        s = held.engine.stats()
+        return bool(s.streams) or bool(s.queue_depth) or now - held.last_used < self.handout_busy_s
+
+    def _make_room(self, name: str, need: int, about: str) -> None:
+        """Unload idle models, least recently used first, until `need` more bytes fit the
+        budget; refuse (unloading nothing) when even every idle one would not do."""
+        now = time.monotonic()
+        held = sorted(self._held.values(), key=lambda h: h.last_used)
+        idle = [h for h in held if not self._busy(h, now)]
+        used = sum(h.nbytes for h in held)
+        if used - sum(h.nbytes for h in idle) + need > self.memory:
+            loaded = ", ".join(f"{h.name} ({_mib(h.nbytes)}{', busy' if h not in idle else ''})" for h in held)
+            raise ModelDoesNotFit(
+                f"model '{name}' needs {about}{_mib(need)} but --models-memory is {_mib(self.memory)} with "
+                f"{_mib(used)} held by {loaded or 'no model'}; raise --models-memory, or wait until a model "
+                "is idle so it can be unloaded")
+        for h in idle:
+            if used + need <= self.memory:
+                break
+            self.unload(h.name)
+            used -= h.nbytes
+
+    def unload(self, name: str) -> None:
+        """Stop and forget the model `name` (its streams, if any, end with reason 'cancelled')."""
+        with self._lock:
+            held = self._held.pop(name, None)
+            if held is None:
+                return
+        held.engine.stop()
+
+    def known(self, name: str) -> bool:
+        """True when `name` is a loaded model or one that was loaded before (may reload)."""
+        with self._lock:
+            return name in self._aliases
+
+    def stop(self) -> None:
+        """Stop every Engine."""
+        for name in self.names():
+            self.unload(name)
