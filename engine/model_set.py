@@ -28,7 +28,7 @@ from .gguf_header import read_gguf_header
 from .loader import load_model
 from .model_args import ModelArgs
 from .model_catalog import find_model
-from .shipped_models import DEFAULT_MODEL
+from .model_names import ModelDoesNotFit, UnknownModel, model_name, parse_model_list
 from .stats import EngineStats
 
 __all__ = ["ModelSet", "UnknownModel", "ModelDoesNotFit", "model_name", "parse_model_list"]
@@ -37,41 +37,6 @@ __all__ = ["ModelSet", "UnknownModel", "ModelDoesNotFit", "model_name", "parse_m
 #: stream yet (the caller is still rendering the prompt; the engine thread publishes a new
 #: request's stream on its next loop).
 HANDOUT_BUSY_S = 5.0
-
-
-class UnknownModel(LookupError):
-    """A request named a model this process neither holds nor can find (one line, naming
-    the ones it can use)."""
-
-
-class ModelDoesNotFit(RuntimeError):
-    """Loading the model would take the loaded models past the memory budget, and the
-    models that could make room are busy (one line: the budget and what is loaded)."""
-
-
-def model_name(spec: str | Path | None) -> str:
-    """The name a model goes by: a file's name without `.gguf`, a catalog name as given,
-    the default model's name for None."""
-    if not spec:
-        return DEFAULT_MODEL.name
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path.name[:-len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
-    return str(spec)
-
-
-def parse_model_list(values: list[str] | str | None) -> list[str]:
-    """`--model` given several times and/or as comma lists, in order, duplicates dropped."""
-    if values is None:
-        return []
-    items = [values] if isinstance(values, str) else list(values)
-    out: list[str] = []
-    for item in items:
-        for part in str(item).split(","):
-            part = part.strip()
-            if part and part not in out:
-                out.append(part)
-    return out
 
 
 @dataclass
@@ -86,11 +51,11 @@ class _Held:
 
 def engine_bytes(engine: Engine) -> int:
     """Resident bytes of a started Engine: its weights and its KV cache."""
-    kv = engine.kv
+    kv = getattr(engine, "kv", None)
     kv_bytes = getattr(kv, "nbytes", None)
     if not isinstance(kv_bytes, int):
-        kv_bytes = int(getattr(kv, "bytes_per_slot", 0)) * int(engine.stats().kv_total or 0)
-    return int(getattr(engine.lm.model, "weight_bytes", 0)) + kv_bytes
+        kv_bytes = int(getattr(kv, "bytes_per_slot", 0)) * (int(engine.stats().kv_total or 0) if kv else 0)
+    return int(getattr(getattr(engine.lm, "model", None), "weight_bytes", 0)) + kv_bytes
 
 
 def estimate_bytes(path: Path, cfg: EngineConfig) -> int:
@@ -132,11 +97,13 @@ class ModelSet:
         self._lock = threading.RLock()  # the dicts above; never held while a model loads
         self._loading = threading.Lock()  # one load at a time
         self.handout_busy_s = HANDOUT_BUSY_S
+        self.lazy = True  # False: only the models added are served, get() loads nothing
 
     @classmethod
     def of(cls, engine: Engine, name: str | None = None) -> "ModelSet":
         """One started Engine as a ModelSet (the single-model path): nothing else loads."""
         ms = cls(engine.cfg if isinstance(getattr(engine, "cfg", None), EngineConfig) else None)
+        ms.lazy = False
         file = str(engine.lm.name)
         ms.add(name or (file[:-len(".gguf")] if file.lower().endswith(".gguf") else file), engine)
         return ms
@@ -191,8 +158,9 @@ class ModelSet:
         return self.find(None)
 
     # -- loading ----------------------------------------------------------------------------
-    def get(self, name: str | None = None) -> Engine:
+    def get(self, name: str | None = None, *, paths: bool = True) -> Engine:
         """The Engine of `name` (None: the default), loading it first if it is not held.
+        `paths=False` (a server's clients) loads only names `panechat models` lists.
 
         Raises UnknownModel (neither held nor a file nor a name `panechat models` lists),
         ModelDoesNotFit, and what loading raises (ModelFileError, BackendUnavailable).
@@ -202,7 +170,7 @@ class ModelSet:
             return engine
         with self._loading:
             engine = self._touch(name)  # loaded by another caller meanwhile
-            return engine if engine is not None else self._load(name)
+            return engine if engine is not None else self._load(name, paths)
 
     def _touch(self, name: str | None) -> Engine | None:
         with self._lock:
@@ -213,13 +181,22 @@ class ModelSet:
             held.last_used = time.monotonic()
             return held.engine
 
-    def _load(self, spec: str | None) -> Engine:
+    def _load(self, spec: str | None, paths: bool = True) -> Engine:
+        if not self.lazy:
+            raise UnknownModel(f"unknown model '{(spec or '')[:200]}'; this process serves "
+                               f"{', '.join(self.names()) or 'no model'}")
         if not spec:  # the default, unloaded to make room earlier (or none loaded yet)
-            spec = self._specs.get(self.default or "", self.default)
-        if spec and not Path(spec).expanduser().exists() and find_model(spec) is None:
-            raise UnknownModel(f"unknown model '{spec[:200]}'; loaded: {', '.join(self.names()) or 'none'} "
-                               "(`panechat models` lists the others that can be loaded)")
-        path = resolve_model_path(spec)  # a listed model whose file cannot be had: ModelFileError
+            spec, paths = self._specs.get(self.default or "", self.default), True
+        if spec and paths and Path(spec).expanduser().exists():
+            path = Path(spec).expanduser()
+        elif spec:
+            found = find_model(spec)  # a listed model whose file cannot be had: ModelFileError
+            if found is None:
+                raise UnknownModel(f"unknown model '{spec[:200]}'; loaded: {', '.join(self.names()) or 'none'} "
+                                   "(`panechat models` lists the others that can be loaded)")
+            path = found
+        else:
+            path = resolve_model_path(None)
         name = model_name(spec)
         if self.memory is not None:
             self._make_room(name, estimate_bytes(path, self.config), "about ")

@@ -24,7 +24,7 @@ from . import errors
 from .errors import APIError, bad_request
 from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
 from .request_log import set_log_detail
-from .state import ServerState, state_of
+from .state import DEFAULT_ALIAS, ServerState, state_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -72,16 +72,37 @@ def parse_messages(v) -> list[dict]:
     return out
 
 
-def parse_chat_request(body, st: ServerState) -> ChatRequest:
+def model_field(body) -> str | None:
+    """The request's `model` (None: absent, the default model); 400 unless a string."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
-    ids = st.model_ids()
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model", code="invalid_type")
-    if model is not None and model not in ids:
-        raise errors.not_found(f"the model '{model[:200]}' does not exist; this server serves "
-                               f"'{st.model_id()}' (see GET /v1/models)", param="model", code="model_not_found")
+    return model or None
+
+
+async def engine_for(st: ServerState, model: str | None):
+    """The Engine of the model a request names, loaded on first use; 404 naming the
+    available models for an unknown one, 503 when it does not fit --models-memory."""
+    try:
+        return await st.engine_for(model)
+    except Exception as e:
+        err = errors.refused(e)
+        if err is None:
+            raise
+        if err.status == 404:
+            names = ", ".join(st.models.names())
+            err = errors.not_found(f"the model '{model[:200]}' does not exist; this server serves {names} "
+                                   "(see GET /v1/models for the ones it can load)", param="model",
+                                   code="model_not_found")
+        raise err from None
+
+
+def parse_chat_request(body, st: ServerState, engine=None) -> ChatRequest:
+    """The validated request for `engine` (default: the default model's)."""
+    model = model_field(body)
+    engine = engine or st.require_engine()
     messages = parse_messages(body.get("messages"))
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -109,7 +130,7 @@ def parse_chat_request(body, st: ServerState) -> ChatRequest:
         raise bad_request(f"'{e.key}' {e.what}", param=e.key, code=e.code) from None
     try:
         params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                 max_tokens=max_tokens, ctx=st.engine.ctx)
+                                 max_tokens=max_tokens, ctx=engine.ctx)
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, param=msg.split(" ")[0], code="invalid_value") from None
@@ -190,9 +211,10 @@ async def chat_completions(request: Request) -> Response:
         data = parse_json(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    req = parse_chat_request(data, st)
+    engine = await engine_for(st, model_field(data))
+    req = parse_chat_request(data, st, engine)
     try:
-        gen = await st.submit(req.messages, req.params, req.stop)
+        gen = await st.submit(req.messages, req.params, req.stop, engine=engine)
     except Exception as e:
         err = errors.refused(e)
         if err is None:
@@ -318,23 +340,43 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 # -- models ---------------------------------------------------------------------------------
-def _model_obj(st: ServerState) -> dict:
-    e = st.require_engine()
-    return {"id": e.lm.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
-            "meta": {"ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
+# GET /v1/models lists the loaded models first ("loaded": true, the default first), then the
+# models `panechat models` finds that this server can load on first use ("loaded": false).
+def _loaded_model_obj(st: ServerState, name: str, e) -> dict:
+    return {"id": name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+            "meta": {"loaded": True, "default": name == st.models.default, "file": str(e.lm.name),
+                     "ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
                      "backend": e.lm.model.backend.describe()}}
+
+
+def _catalog_model_obj(st: ServerState, entry) -> dict:
+    return {"id": entry.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+            "meta": {"loaded": False, "default": False, "source": entry.source,
+                     "architecture": entry.architecture, "quant": entry.quant, "size": entry.size,
+                     "context_length": entry.context_length}}
 
 
 async def list_models(request: Request) -> Response:
     st = state_of(request)
     st.check_bearer(request)
-    return JSONResponse({"object": "list", "data": [_model_obj(st)]})
+    st.require_engine()
+    loaded = st.models.engines()
+    data = [_loaded_model_obj(st, name, e) for name, e in loaded.items()]
+    data += [_catalog_model_obj(st, m) for m in await st.catalog()
+             if m.loadable and st.models.find(m.name) is None]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
     st = state_of(request)
     st.check_bearer(request)
+    st.require_engine()
     name = request.path_params["model"]
-    if name not in st.model_ids():
+    engine = st.models.find(None if name == DEFAULT_ALIAS else name)
+    if engine is not None:
+        key = st.models.resolve_name(None if name == DEFAULT_ALIAS else name)
+        return JSONResponse(_loaded_model_obj(st, key, engine))
+    entry = next((m for m in await st.catalog() if m.name == name and m.loadable), None)
+    if entry is None:
         raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
-    return JSONResponse(_model_obj(st))
+    return JSONResponse(_catalog_model_obj(st, entry))
