@@ -100,3 +100,33 @@ async def test_the_picker_lists_catalog_models_and_greys_out_the_unloadable(two_
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, ModelPickerScreen) and app.main.panes[0].model == SMOL
+
+
+async def test_a_remote_terminal_chooses_its_model(two_models):
+    """`panechat --connect ws://... --model NAME`: the websocket client opens its
+    conversations on that model; a pane's own model wins; an unknown one is one line."""
+    from panechat.app.clients.base import Finished, GenParams
+    from panechat.app.clients.remote_ws import RemoteBackend
+    from panechat.app.server import ServerThread, create_app
+
+    alone = {m: two_models.get(m).submit([{"role": "user", "content": PROMPT}],
+                                         params=SamplingParams(max_tokens=8)).result().text
+             for m in (SMOL, TINY)}
+    srv = ServerThread(create_app(two_models), "127.0.0.1", 0).start()
+    backend = RemoteBackend(srv.ws_url, model=TINY)
+    try:
+        info = await backend.start()
+        assert info.model == TINY and [c.name for c in await backend.model_choices()] == [SMOL, TINY]
+
+        async def reply(conversation: str, model: str = "") -> Finished:
+            events = [ev async for ev in backend.stream(conversation, [{"role": "user", "content": PROMPT}],
+                                                        GenParams(max_tokens=8), model=model)]
+            return events[-1]
+
+        assert (await reply("c-tiny")).text == alone[TINY]
+        assert (await reply("c-smol", SMOL)).text == alone[SMOL]
+        fin = await reply("c-nope", "gpt-4o")
+        assert fin.reason == "error" and "gpt-4o" in fin.error and "\n" not in fin.error
+    finally:
+        await backend.close()
+        srv.stop()
