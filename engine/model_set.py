@@ -198,6 +198,8 @@ class ModelSet:
         else:
             path = resolve_model_path(None)
         name = model_name(spec)
+        if name in self._held:  # another file by the same name: tell them apart by its path
+            name = str(path)
         if self.memory is not None:
             self._make_room(name, estimate_bytes(path, self.config), "about ")
         engine = self._start(path)
@@ -224,7 +226,8 @@ class ModelSet:
         """Unload idle models, least recently used first, until `need` more bytes fit the
         budget; refuse (unloading nothing) when even every idle one would not do."""
         now = time.monotonic()
-        held = sorted(self._held.values(), key=lambda h: h.last_used)
+        with self._lock:
+            held = sorted(self._held.values(), key=lambda h: h.last_used)
         idle = [h for h in held if not self._busy(h, now)]
         used = sum(h.nbytes for h in held)
         if used - sum(h.nbytes for h in idle) + need > self.memory:
