@@ -129,6 +129,8 @@ class LocalBackend(ChatBackend):
         from ...engine.model_catalog import find_models  # deferred: reads every model header
 
         loaded = self.models.names() if self.models is not None else []
+        if self.models is not None and not self.models.lazy:  # an Engine given as is: nothing else loads
+            return [ModelChoice(n, "loaded", loaded=True) for n in loaded]
         found = await asyncio.to_thread(find_models)
         return [ModelChoice(n, "loaded", loaded=True) for n in loaded] + [
             ModelChoice(m.name, _describe(m), loadable=m.loadable, reason=m.reason)

@@ -362,8 +362,9 @@ async def list_models(request: Request) -> Response:
     st.require_engine()
     loaded = st.models.engines()
     data = [_loaded_model_obj(st, name, e) for name, e in loaded.items()]
-    data += [_catalog_model_obj(st, m) for m in await st.catalog()
-             if m.loadable and st.models.find(m.name) is None]
+    if st.models.lazy:  # this server loads a listed model on its first request
+        data += [_catalog_model_obj(st, m) for m in await st.catalog()
+                 if m.loadable and st.models.find(m.name) is None]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -376,7 +377,8 @@ async def get_model(request: Request) -> Response:
     if engine is not None:
         key = st.models.resolve_name(None if name == DEFAULT_ALIAS else name)
         return JSONResponse(_loaded_model_obj(st, key, engine))
-    entry = next((m for m in await st.catalog() if m.name == name and m.loadable), None)
+    catalog = await st.catalog() if st.models.lazy else []
+    entry = next((m for m in catalog if m.name == name and m.loadable), None)
     if entry is None:
         raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_catalog_model_obj(st, entry))

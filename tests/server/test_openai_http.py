@@ -23,6 +23,7 @@ def test_health_and_models(http, live):
     name = live.model.removesuffix(".gguf")  # models go by the names `panechat models` lists
     assert models["object"] == "list" and models["data"][0]["id"] == name
     assert models["data"][0]["meta"]["loaded"] and models["data"][0]["meta"]["file"] == live.model
+    assert len(models["data"]) == 1  # an Engine served as is loads no other model, so lists none
     assert http.get(f"/v1/models/{live.model}").json()["id"] == name  # the file name finds it too
 
 
