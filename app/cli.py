@@ -59,7 +59,8 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
     p.add_argument("--models-memory", type=byte_size, metavar="SIZE",
                    help="memory for the models held at once (weights + KV), e.g. 2G; a model that does not "
-                        "fit unloads the least recently used idle one, or is refused (default: no limit)")
+                        "fit unloads the least recently used idle one (never the first), or is refused "
+                        "(default: no limit)")
     p.add_argument("--straggler-ms", type=float, metavar="MS",
                    help="wait this long after an idle engine wakes so near-simultaneous requests share the "
                         f"first step (default {_D['straggler_ms']:g})")

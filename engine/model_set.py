@@ -5,9 +5,9 @@ conversation batches with the others of its model and nothing changes inside an 
 `ModelSet` only decides which Engines exist: it loads a model by name or path on first
 use, the first one given being the default, and keeps the sum of the resident weight
 bytes and KV bytes of the loaded models under `memory` (--models-memory). A model that
-would not fit first makes room by unloading idle models, least recently used first, and
-never one with a stream queued or running; if that is not enough it is refused in one
-line naming the budget and what is loaded.
+would not fit first makes room by unloading idle models, least recently used first, never
+one with a stream queued or running and never the default; if that is not enough it is refused in
+one line naming the budget and what is loaded.
 
 One model is the single-model path as before: `ModelSet.of(engine)` holds one started
 Engine, and nothing about that Engine differs.
@@ -92,8 +92,7 @@ class ModelSet:
         self.on_load = on_load  # told of every model loaded (the CLI prints its start-up lines)
         self._held: dict[str, _Held] = {}
         self._aliases: dict[str, str] = {}  # any accepted spelling -> name
-        self._specs: dict[str, str] = {}  # name -> the path or name it loads from
-        self.default: str | None = None  # stays the default while unloaded to make room
+        self.default: str | None = None  # the first model loaded; never unloaded to make room
         self._lock = threading.RLock()  # the dicts above; never held while a model loads
         self._loading = threading.Lock()  # one load at a time
         self.handout_busy_s = HANDOUT_BUSY_S
@@ -110,11 +109,10 @@ class ModelSet:
 
     # -- what is held ---------------------------------------------------------------------
     def add(self, name: str, engine: Engine, spec: str | None = None) -> None:
-        """Hold a started `engine` as `name` (the first one added is the default); `spec`,
-        the path or name it was loaded from, reloads it after an unload."""
+        """Hold a started `engine` as `name` (the first one added is the default); `spec` is
+        the path or name it was loaded from (one more name it answers to)."""
         with self._lock:
             self._held[name] = _Held(name, engine, engine_bytes(engine), time.monotonic())
-            self._specs[name] = spec or name
             file = str(engine.lm.name)
             for alias in (name, spec, file, file[:-len(".gguf")] if file.lower().endswith(".gguf") else file):
                 if alias:
@@ -185,8 +183,8 @@ class ModelSet:
         if not self.lazy:
             raise UnknownModel(f"unknown model '{(spec or '')[:200]}'; this process serves "
                                f"{', '.join(self.names()) or 'no model'}")
-        if not spec:  # the default, unloaded to make room earlier (or none loaded yet)
-            spec, paths = self._specs.get(self.default or "", self.default), True
+        if not spec:  # the default model, loaded first
+            spec, paths = None, True
         if spec and paths and Path(spec).expanduser().exists():
             path = Path(spec).expanduser()
         elif spec:
@@ -224,14 +222,17 @@ class ModelSet:
 
     def _make_room(self, name: str, need: int, about: str) -> None:
         """Unload idle models, least recently used first, until `need` more bytes fit the
-        budget; refuse (unloading nothing) when even every idle one would not do."""
+        budget; refuse (unloading nothing) when even every idle one would not do. The
+        default model stays (requests that name no model use it)."""
         now = time.monotonic()
         with self._lock:
             held = sorted(self._held.values(), key=lambda h: h.last_used)
-        idle = [h for h in held if not self._busy(h, now)]
+        idle = [h for h in held if h.name != self.default and not self._busy(h, now)]
         used = sum(h.nbytes for h in held)
         if used - sum(h.nbytes for h in idle) + need > self.memory:
-            loaded = ", ".join(f"{h.name} ({_mib(h.nbytes)}{', busy' if h not in idle else ''})" for h in held)
+            loaded = ", ".join(f"{h.name} ({_mib(h.nbytes)}"
+                               f"{', the default' if h.name == self.default else ', busy' if h not in idle else ''})"
+                               for h in held)
             raise ModelDoesNotFit(
                 f"model '{name}' needs {about}{_mib(need)} but --models-memory is {_mib(self.memory)} with "
                 f"{_mib(used)} held by {loaded or 'no model'}; raise --models-memory, or wait until a model "
@@ -249,11 +250,6 @@ class ModelSet:
             if held is None:
                 return
         held.engine.stop()
-
-    def known(self, name: str) -> bool:
-        """True when `name` is a loaded model or one that was loaded before (may reload)."""
-        with self._lock:
-            return name in self._aliases
 
     def stop(self) -> None:
         """Stop every Engine."""

@@ -64,29 +64,36 @@ def _tiny_set(memory):
 
 
 def test_memory_budget_refuses_unloads_lru_idle_and_never_a_busy_one(tiny):
-    a, b = tiny("llama", "F32")[0], tiny("qwen2", "F32")[0]
+    d, a, b = tiny("llama", "Q8_0")[0], tiny("llama", "F32")[0], tiny("qwen2", "F32")[0]
     probe = _tiny_set(None)
-    size_a = probe.get(str(a)) and probe.used_bytes()
-    size_b = probe.get(str(b)) and probe.used_bytes() - size_a
+    sizes = []
+    for path in (d, a, b):
+        before = probe.used_bytes()
+        probe.get(str(path))
+        sizes.append(probe.used_bytes() - before)
     probe.stop()
-    models = _tiny_set(max(size_a, size_b) + min(size_a, size_b) // 2)  # one at a time
+    size_d, size_a, size_b = sizes
+    # the default and one of a, b fit; all three do not
+    models = _tiny_set(size_d + max(size_a, size_b) + min(size_a, size_b) // 2)
     try:
+        models.get(str(d))  # the first model: the default
         ea = models.get(str(a))
-        assert models.names() == [a.stem] and models.used_bytes() == size_a
+        assert models.names() == [d.stem, a.stem] and models.used_bytes() == size_d + size_a
         models.handout_busy_s = 60.0  # `a` was just handed out: a request is on its way
         with pytest.raises(ModelDoesNotFit) as e:
             models.get(str(b))
         msg = str(e.value)
-        assert "\n" not in msg and "--models-memory" in msg and a.stem in msg and "busy" in msg
-        assert models.names() == [a.stem]  # nothing unloaded, nothing loaded
+        assert "\n" not in msg and "--models-memory" in msg and f"{a.stem} (" in msg and "busy" in msg
+        assert "the default" in msg and d.stem in msg
+        assert models.names() == [d.stem, a.stem]  # nothing unloaded, nothing loaded
         models.handout_busy_s = 0.0
-        eb = models.get(str(b))  # `a` is idle now: unloaded to make room
-        assert models.names() == [b.stem] and models.used_bytes() == size_b
+        eb = models.get(str(b))  # `a` is idle now: unloaded to make room; the default stays
+        assert models.names() == [d.stem, b.stem] and models.used_bytes() == size_d + size_b
         with pytest.raises(Exception):
             ea.submit(prompt_ids=[1, 2], params=SamplingParams(max_tokens=1))  # stopped
         assert eb.submit(prompt_ids=[1, 2], params=SamplingParams(max_tokens=2)).result().reason in ("length", "stop")
-        assert models.get() is models.get(str(a))  # the default comes back when asked for again
-        assert models.names() == [a.stem]
+        assert models.get(str(a)) is not ea  # loaded again when asked for, `b` unloaded in turn
+        assert models.names() == [d.stem, a.stem]
     finally:
         models.stop()
 

@@ -104,3 +104,41 @@ def test_models_health_and_metrics_show_each_model(srv):
     labelled = {s.labels.get("model") for fam in text_string_to_metric_families(text) for s in fam.samples
                 if s.name == "panechat_kv_slots_total"}
     assert labelled == {SMOL, TINY}
+
+
+def test_a_listed_model_loads_on_its_first_request_within_the_memory_budget(tiny, monkeypatch):
+    """`panechat serve` (a lazy ModelSet): a model `panechat models` lists loads on the
+    first request naming it; over --models-memory the idle default is unloaded to make
+    room (never the default), and while it is busy the request is refused with 503
+    `models_memory`."""
+    import os
+
+    from panechat.engine.config import EngineConfig
+    from panechat.engine.model_set import ModelSet
+
+    default, first, second = tiny("llama", "Q8_0")[0], tiny("qwen2", "F32")[0], tiny("llama", "F32")[0]
+    monkeypatch.setenv("PANECHAT_MODELS", os.pathsep.join(map(str, (default, first, second))))
+    models = ModelSet(EngineConfig(max_concurrent=1, ctx_size=64, verify_invariance=False), backend="numpy")
+    models.get(default.stem)
+    size_default = models.used_bytes()
+    models.get(first.stem)
+    # the default and one of the two others (about the same size), not all three
+    models.memory = models.used_bytes() + (models.used_bytes() - size_default) // 2
+    srv = ServerThread(create_app(models), "127.0.0.1", 0).start()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    try:
+        listed = {m["id"]: m["meta"]["loaded"] for m in httpx.get(srv.url + "/v1/models").json()["data"]}
+        assert listed[first.stem] is True and listed[second.stem] is False
+        models.handout_busy_s = 60.0  # `first` was just handed out: it counts as busy
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "model": second.stem}, timeout=120)
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["code"] == "models_memory" and "--models-memory" in err["message"]
+        models.handout_busy_s = 0.0
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "model": second.stem}, timeout=120)
+        assert r.status_code == 200 and r.json()["model"] == second.stem
+        assert models.names() == [default.stem, second.stem]  # the idle `first` made room
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "model": str(first)}, timeout=120)
+        assert r.status_code == 404, r.text  # a request names models, never paths
+    finally:
+        srv.stop()
+        models.stop()
