@@ -130,3 +130,34 @@ async def test_a_remote_terminal_chooses_its_model(two_models):
     finally:
         await backend.close()
         srv.stop()
+
+
+async def test_a_pane_on_a_listed_model_loads_it_with_its_first_prompt(tiny, store, monkeypatch):
+    """The picker lists a model `panechat models` finds but nobody loaded; the pane put on
+    it loads it with its first prompt, and replies as that model does alone."""
+    import os
+
+    from panechat.engine.config import EngineConfig
+    from panechat.engine.model_set import ModelSet
+
+    default, other = tiny("llama", "Q8_0")[0], tiny("qwen2", "F32")[0]
+    monkeypatch.setenv("PANECHAT_MODELS", os.pathsep.join(map(str, (default, other))))
+    models = ModelSet(EngineConfig(max_concurrent=2, ctx_size=128, verify_invariance=False), backend="numpy")
+    models.get(default.stem)
+    app = PanechatApp(LocalBackend(models), store)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+            await _pick(pilot, app, other.stem)
+            pane = app.main.panes[0]
+            assert pane.model == other.stem and models.names() == [default.stem]  # not loaded yet
+            await type_into(pilot, pane, PROMPT)
+            pane.query_one(PromptInput).post_message(events.Key("enter", None))
+            await wait_for(pilot, lambda: pane.last_finish is not None and not pane.busy, what="the reply")
+            assert models.names() == [default.stem, other.stem]
+            alone = models.get(other.stem).submit([{"role": "user", "content": PROMPT}],
+                                                  params=SamplingParams(max_tokens=MAX_TOKENS)).result()
+            assert pane.last_finish.reason in ("stop", "length") and pane.history[-1].content == alone.text
+            assert store.get_conversation(pane.conversation.id).model == other.stem
+    finally:
+        models.stop()
