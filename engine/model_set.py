@@ -73,7 +73,11 @@ def estimate_bytes(path: Path, cfg: EngineConfig) -> int:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB"
+    """A byte count for a message: GiB, MiB or KiB, whichever reads best."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n / 1024:.3g} KiB"
 
 
 class ModelSet:
@@ -229,6 +233,9 @@ class ModelSet:
             held = sorted(self._held.values(), key=lambda h: h.last_used)
         idle = [h for h in held if h.name != self.default and not self._busy(h, now)]
         used = sum(h.nbytes for h in held)
+        if not held and need > self.memory:
+            raise ModelDoesNotFit(f"model '{name}' needs {about}{_mib(need)} but --models-memory is "
+                                  f"{_mib(self.memory)}; raise --models-memory")
         if used - sum(h.nbytes for h in idle) + need > self.memory:
             loaded = ", ".join(f"{h.name} ({_mib(h.nbytes)}"
                                f"{', the default' if h.name == self.default else ', busy' if h not in idle else ''})"

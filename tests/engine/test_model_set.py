@@ -102,6 +102,7 @@ def test_a_model_larger_than_the_budget_is_refused_before_loading(tiny):
     loaded = []
     models = _tiny_set(1 << 10)
     models.on_load = lambda name, engine: loaded.append(name)
-    with pytest.raises(ModelDoesNotFit, match=r"needs about \d+ MiB but --models-memory is 0 MiB"):
+    with pytest.raises(ModelDoesNotFit,
+                       match=r"needs about [\d.]+ [KM]iB but --models-memory is 1 KiB; raise --models-memory$"):
         models.get(str(tiny("llama", "F32")[0]))
     assert loaded == [] and models.names() == []
