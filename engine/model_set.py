@@ -187,8 +187,6 @@ class ModelSet:
         if not self.lazy:
             raise UnknownModel(f"unknown model '{(spec or '')[:200]}'; this process serves "
                                f"{', '.join(self.names()) or 'no model'}")
-        if not spec:  # the default model, loaded first
-            spec, paths = None, True
         if spec and paths and Path(spec).expanduser().exists():
             path = Path(spec).expanduser()
         elif spec:
@@ -197,7 +195,7 @@ class ModelSet:
                 raise UnknownModel(f"unknown model '{spec[:200]}'; loaded: {', '.join(self.names()) or 'none'} "
                                    "(`panechat models` lists the others that can be loaded)")
             path = found
-        else:
+        else:  # no name: the default model, the first one loaded
             path = resolve_model_path(None)
         name = model_name(spec)
         if name in self._held:  # another file by the same name: tell them apart by its path
