@@ -106,3 +106,24 @@ def test_a_model_larger_than_the_budget_is_refused_before_loading(tiny):
                        match=r"needs about [\d.]+ [KM]iB but --models-memory is 1 KiB; raise --models-memory$"):
         models.get(str(tiny("llama", "F32")[0]))
     assert loaded == [] and models.names() == []
+
+
+def test_the_real_gemma3_beside_the_default_model_replies_as_alone(loaded_model, gemma):
+    """The same with the real gemma-3-270m (the session's loaded file, shared with
+    test_gemma3.py so it is loaded once) beside SmolLM2: two requests on each model at
+    once, each reply token for token its reply alone. Short replies: gemma's 262k-token
+    vocabulary makes each token cost seconds on a loaded 2-core machine."""
+    from panechat.engine.engine import Engine
+
+    cfg = EngineConfig(max_concurrent=2, ctx_size=256, verify_invariance=False)  # checked in test_gemma3.py
+    models = ModelSet(cfg)
+    try:
+        models.add(SMOL, Engine(loaded_model, cfg).start())
+        models.add("gemma-3-270m-q4_k_m", Engine(gemma, cfg).start())
+        cases = [(models.get(m), p) for m in (SMOL, "gemma-3-270m-q4_k_m") for p in PROMPTS]
+        alone = [_ask(e, p, n=4).result().token_ids for e, p in cases]
+        together = [_ask(e, p, n=4) for e, p in cases]
+        assert [g.result().token_ids for g in together] == alone
+        assert models.stats()["gemma-3-270m-q4_k_m"].requests_total == 4
+    finally:
+        models.stop()
