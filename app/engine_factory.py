@@ -9,6 +9,7 @@ import sys
 from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
 from ..engine.loader import load_model
+from ..engine.model_set import ModelSet
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -30,3 +31,23 @@ def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
         for line in engine.startup_lines():
             print(line, file=sys.stderr)
     return engine
+
+
+def build_models(args: argparse.Namespace, *, quiet: bool = False) -> ModelSet:
+    """The models --model names (several: all preloaded, the first the default; none: the
+    default model) on --backend within --models-memory. Models asked for later load on
+    first use; each load prints its start-up lines to stderr unless quiet."""
+    def report(name: str, engine: Engine) -> None:
+        if not quiet:
+            for line in engine.startup_lines():
+                print(line, file=sys.stderr)
+
+    models = ModelSet(engine_config(args), getattr(args, "backend", "auto"), getattr(args, "models_memory", None),
+                      on_load=report)
+    try:
+        for spec in getattr(args, "models", None) or [getattr(args, "model", None)]:
+            models.get(spec)
+    except BaseException:
+        models.stop()
+        raise
+    return models

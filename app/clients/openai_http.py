@@ -69,12 +69,13 @@ class OpenAIBackend(ChatBackend):
         if self._client is not None:
             await self._client.aclose()
 
-    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> QueueStream:
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+               model: str = "") -> QueueStream:
         self._n += 1
         s = QueueStream(on_cancel=self._cancel)
         s.id = f"h-{self._n}"
         body = {
-            "model": self.model,
+            "model": model or self.model,
             "messages": ([{"role": "system", "content": system}] if system else []) + list(messages),
             "stream": True, "stream_options": {"include_usage": True},
             "temperature": params.temperature, "max_tokens": params.max_tokens, "top_p": params.top_p,

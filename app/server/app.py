@@ -52,11 +52,15 @@ async def health(request: Request) -> Response:
         body = {"status": status, **errors.error_body(msg, "server_error", None, f"model_{status}")}
         return errors.ErrorJSON(body, status_code=503, headers={"Retry-After": "1"})
     s = st.engine.stats()
-    return JSONResponse({
+    per_model = {name: {"file": str(e.lm.name), "batching": t.batching, "running": t.batch_now,
+                        "queue_depth": t.queue_depth, "kv_in_use": t.kv_in_use, "kv_total": t.kv_total}
+                 for (name, e), t in ((item, item[1].stats()) for item in st.models.engines().items())}
+    return JSONResponse({  # the top-level fields are the default model's; `models` has one entry per model
         "status": "ok", "model": st.engine.lm.name, "batching": s.batching,
         "running": s.batch_now, "queue_depth": s.queue_depth,
         "kv_in_use": s.kv_in_use, "kv_total": s.kv_total,
         "terminals": st.terminals, "uptime_s": round(time.time() - st.started, 1),
+        "models": per_model,
     })
 
 

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.sampling import SamplingParams
 from .errors import bad_request
-from .openai_api import (SSEResponse, _finish_reason, parse_generation_fields, parse_model, read_json,
+from .openai_api import (SSEResponse, _finish_reason, engine_for, model_field, parse_generation_fields, read_json,
                          submitted, timings_of, usage_of, whole_reply)
 from .state import ServerState, state_of
 
@@ -43,8 +43,10 @@ def parse_prompt(v) -> str:
     return v
 
 
-def parse_completion_request(body, st: ServerState) -> CompletionRequest:
-    model = parse_model(body, st)
+def parse_completion_request(body, st: ServerState, engine=None) -> CompletionRequest:
+    """The validated request for `engine` (default: the default model's)."""
+    model = model_field(body) or st.model_id()
+    engine = engine or st.require_engine()
     prompt = parse_prompt(body.get("prompt"))
     if body.get("echo"):
         raise bad_request("echo is not supported by this server", param="echo")
@@ -52,14 +54,16 @@ def parse_completion_request(body, st: ServerState) -> CompletionRequest:
         raise bad_request("suffix (insertion) is not supported by this server", param="suffix")
     if body.get("best_of") not in (None, 1):
         raise bad_request("only best_of=1 is supported", param="best_of")
-    f = parse_generation_fields(body, st, default_max_tokens=DEFAULT_MAX_TOKENS)
+    f = parse_generation_fields(body, engine, default_max_tokens=DEFAULT_MAX_TOKENS)
     return CompletionRequest(model, prompt, f.params, f.stop, f.stream, f.include_usage)
 
 
 async def completions(request: Request) -> Response:
     st = state_of(request)
-    req = parse_completion_request(await read_json(request, st), st)
-    gen = await submitted(lambda: st.submit_text(req.prompt, req.params, req.stop))
+    data = await read_json(request, st)
+    engine = await engine_for(st, model_field(data))
+    req = parse_completion_request(data, st, engine)
+    gen = await submitted(lambda: st.submit_text(req.prompt, req.params, req.stop, engine=engine))
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:

@@ -26,7 +26,7 @@ from . import errors
 from .errors import APIError, bad_request
 from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
 from .request_log import set_log_detail
-from .state import ServerState, state_of
+from .state import DEFAULT_ALIAS, ServerState, state_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -74,18 +74,31 @@ def parse_messages(v) -> list[dict]:
     return out
 
 
-def parse_model(body, st: ServerState) -> str:
-    """The request's `model` (the served one when absent); 404 for another name."""
+def model_field(body) -> str | None:
+    """The request's `model` (None: absent, the default model); 400 unless a string."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
-    ids = st.model_ids()
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model", code="invalid_type")
-    if model is not None and model not in ids:
-        raise errors.not_found(f"the model '{model[:200]}' does not exist; this server serves "
-                               f"'{st.model_id()}' (see GET /v1/models)", param="model", code="model_not_found")
-    return model or st.model_id()
+    return model or None
+
+
+async def engine_for(st: ServerState, model: str | None):
+    """The Engine of the model a request names, loaded on first use; 404 naming the
+    available models for an unknown one, 503 when it does not fit --models-memory."""
+    try:
+        return await st.engine_for(model)
+    except Exception as e:
+        err = errors.refused(e)
+        if err is None:
+            raise
+        if err.status == 404:
+            names = ", ".join(st.models.names())
+            err = errors.not_found(f"the model '{model[:200]}' does not exist; this server serves {names} "
+                                   "(see GET /v1/models for the ones it can load)", param="model",
+                                   code="model_not_found")
+        raise err from None
 
 
 @dataclass
@@ -98,7 +111,7 @@ class GenerationFields:
     include_usage: bool
 
 
-def parse_generation_fields(body: dict, st: ServerState, default_max_tokens: int | None = None) -> GenerationFields:
+def parse_generation_fields(body: dict, engine, default_max_tokens: int | None = None) -> GenerationFields:
     """stream, stream_options, n, logprobs, max_tokens, seed and the sampling parameters,
     validated as 400s naming the parameter. Without max_tokens: `default_max_tokens`, or
     the context limit."""
@@ -126,19 +139,21 @@ def parse_generation_fields(body: dict, st: ServerState, default_max_tokens: int
         raise bad_request(f"'{e.key}' {e.what}", param=e.key, code=e.code) from None
     try:
         params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                 max_tokens=max_tokens, ctx=st.engine.ctx)
+                                 max_tokens=max_tokens, ctx=engine.ctx)
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, param=msg.split(" ")[0], code="invalid_value") from None
     return GenerationFields(params, stop, bool(stream), include_usage)
 
 
-def parse_chat_request(body, st: ServerState) -> ChatRequest:
-    model = parse_model(body, st)
+def parse_chat_request(body, st: ServerState, engine=None) -> ChatRequest:
+    """The validated request for `engine` (default: the default model's)."""
+    model = model_field(body) or st.model_id()
+    engine = engine or st.require_engine()
     messages = parse_messages(body.get("messages"))
     if body.get("tools"):
         raise bad_request("tools are not supported by this server", param="tools")
-    f = parse_generation_fields(body, st)
+    f = parse_generation_fields(body, engine)
     return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage)
 
 
@@ -231,8 +246,10 @@ async def submitted(submit):
 
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
-    req = parse_chat_request(await read_json(request, st), st)
-    gen = await submitted(lambda: st.submit(req.messages, req.params, req.stop))
+    data = await read_json(request, st)
+    engine = await engine_for(st, model_field(data))
+    req = parse_chat_request(data, st, engine)
+    gen = await submitted(lambda: st.submit(req.messages, req.params, req.stop, engine=engine))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
@@ -368,24 +385,46 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 # -- models ---------------------------------------------------------------------------------
-def _model_obj(st: ServerState) -> dict:
-    e = st.require_engine()
-    return {"id": e.lm.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+# GET /v1/models lists the loaded models first ("loaded": true, the default first), then the
+# models `panechat models` finds that this server can load on first use ("loaded": false).
+def _loaded_model_obj(st: ServerState, name: str, e) -> dict:
+    return {"id": name, "object": "model", "created": int(st.started), "owned_by": "panechat",
             "chat_template": e.lm.template.kind,  # "chatml-fallback": a base model, chatting in ChatML
-            "meta": {"ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
+            "meta": {"loaded": True, "default": name == st.models.default, "file": str(e.lm.name),
+                     "ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
                      "backend": e.lm.model.backend.describe()}}
+
+
+def _catalog_model_obj(st: ServerState, entry) -> dict:
+    return {"id": entry.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+            "meta": {"loaded": False, "default": False, "source": entry.source,
+                     "architecture": entry.architecture, "quant": entry.quant, "size": entry.size,
+                     "context_length": entry.context_length}}
 
 
 async def list_models(request: Request) -> Response:
     st = state_of(request)
     st.check_bearer(request)
-    return JSONResponse({"object": "list", "data": [_model_obj(st)]})
+    st.require_engine()
+    loaded = st.models.engines()
+    data = [_loaded_model_obj(st, name, e) for name, e in loaded.items()]
+    if st.models.lazy:  # this server loads a listed model on its first request
+        data += [_catalog_model_obj(st, m) for m in await st.catalog()
+                 if m.loadable and st.models.find(m.name) is None]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
     st = state_of(request)
     st.check_bearer(request)
+    st.require_engine()
     name = request.path_params["model"]
-    if name not in st.model_ids():
+    engine = st.models.find(None if name == DEFAULT_ALIAS else name)
+    if engine is not None:
+        key = st.models.resolve_name(None if name == DEFAULT_ALIAS else name)
+        return JSONResponse(_loaded_model_obj(st, key, engine))
+    catalog = await st.catalog() if st.models.lazy else []
+    entry = next((m for m in catalog if m.name == name and m.loadable), None)
+    if entry is None:
         raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
-    return JSONResponse(_model_obj(st))
+    return JSONResponse(_catalog_model_obj(st, entry))

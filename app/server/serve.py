@@ -29,7 +29,7 @@ import uvicorn
 
 from ...backends.errors import one_line
 from ...engine.default_model import resolve_model_path
-from ..engine_factory import build_engine, engine_config
+from ..engine_factory import build_models, engine_config
 from .app import MAX_BODY, create_app
 from .state import ServerState
 from .limits import Guard, Limits, Listener, raise_fd_limit, run_server
@@ -156,7 +156,7 @@ class ServerThread:
 def start_in_background(engine, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
                         *, logger: logging.Logger | None = None, limits: Limits | None = None,
                         public_url: str | None = None) -> ServerThread:
-    """Serve a started `Engine` on host:port from a background thread; returns the
+    """Serve a started `Engine` (or a ModelSet of them) on host:port from a background thread; returns the
     running ServerThread (`.url`, `.ws_url`, `.port`, `.state.terminals`, `.stop()`).
 
     Raises OSError (one line: host, port, fix) when the port cannot be bound."""
@@ -209,7 +209,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            engine = build_engine(args, quiet=True)
+            engine = build_models(args, quiet=True)  # every --model; others load on first request
         except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
             msg = one_line(e)
             state.fail(msg)
@@ -218,8 +218,12 @@ def serve(args: argparse.Namespace) -> int:
             server.should_exit = True
             return
         result["engine"] = engine
-        for line in engine.startup_lines() + banner_urls(args.host, port, token):
+        for name, e in engine.engines().items():
+            for line in e.startup_lines():
+                print(line, file=sys.stderr)
+        for line in banner_urls(args.host, port, token):
             print(line, file=sys.stderr)
+        engine.on_load = lambda name, e: print("\n".join(e.startup_lines()), file=sys.stderr, flush=True)
         state.attach(engine)
         print("ready.", file=sys.stderr, flush=True)
 

@@ -13,7 +13,6 @@ import hmac
 import itertools
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -25,7 +24,13 @@ from .errors import APIError
 
 if TYPE_CHECKING:
     from ...engine.engine import Engine, Generation
+    from ...engine.model_catalog import ModelEntry
+    from ...engine.model_set import ModelSet
     from ...engine.sampling import SamplingParams
+
+#: The name any request may use for the default model (clients that must send some name).
+DEFAULT_ALIAS = "panechat"
+CATALOG_TTL_S = 30.0  # /v1/models re-reads the model catalog at most this often
 
 __all__ = ["ServerState", "state_of", "SERVER_NAME"]
 
@@ -33,16 +38,19 @@ SERVER_NAME = "panechat/0.1"
 
 
 class ServerState:
-    """What every handler shares: the engine (None while loading), the token, the
-    websocket conversations and the terminal count.
+    """What every handler shares: the models (None while loading; `engine` is the
+    default one), the token, the websocket conversations and the terminal count.
 
     Shutdown (shutdown.py): once `draining`, `submit` refuses (ShuttingDown); `inflight`
     holds each generation submitted here until its handler has sent the client its end
     (handlers call `done`), and `sockets` the open websocket connections."""
 
-    def __init__(self, engine: "Engine | None", token: str | None, max_body: int, logger: logging.Logger,
-                 history_memory: int = 256 << 20):
-        self.engine = engine
+    def __init__(self, engine: "Engine | ModelSet | None", token: str | None, max_body: int,
+                 logger: logging.Logger, history_memory: int = 256 << 20):
+        self.models: "ModelSet | None" = None
+        self._catalog: tuple[float, list["ModelEntry"]] | None = None
+        if engine is not None:
+            self.attach(engine)
         self.token = token or None
         self.max_body = max_body
         self.log = logger
@@ -57,9 +65,17 @@ class ServerState:
         self.sockets: set = set()  # websocket.Connection objects (typed loosely: websocket imports this)
 
     # -- engine life cycle ----------------------------------------------------------
-    def attach(self, engine: "Engine") -> None:
-        """Start serving `engine` (already started); /health turns 200."""
-        self.engine = engine
+    def attach(self, engine: "Engine | ModelSet") -> None:
+        """Start serving `engine` (already started), or every model of a ModelSet (the
+        first the default); /health turns 200."""
+        from ...engine.model_set import ModelSet  # deferred: the engine loads in a worker thread
+
+        self.models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
+
+    @property
+    def engine(self) -> "Engine | None":
+        """The default model's Engine (None while loading)."""
+        return self.models.engine if self.models is not None else None
 
     def fail(self, message: str) -> None:
         """Loading failed: /health reports it (503) instead of 'loading'."""
@@ -82,14 +98,32 @@ class ServerState:
             await asyncio.sleep(0.1)
         return self.engine
 
-    # -- model names ----------------------------------------------------------------
+    # -- models -----------------------------------------------------------------------
     def model_id(self) -> str:
-        return self.require_engine().lm.name
+        """The default model's name."""
+        self.require_engine()
+        return self.models.default
 
-    def model_ids(self) -> set[str]:
-        """Names a request may use for the served model: the file name and its stem."""
-        name = self.model_id()
-        return {name, Path(name).stem, "panechat"}
+    async def engine_for(self, model: str | None) -> "Engine":
+        """The Engine serving `model` (None, "" or "panechat": the default), loading a model
+        `panechat models` lists on first use (in a worker thread). Raises UnknownModel,
+        ModelDoesNotFit or ModelFileError (app/engine_errors.py classifies them)."""
+        self.require_engine()
+        if not model or model == DEFAULT_ALIAS:
+            model = None
+        engine = self.models.find(model)
+        if engine is not None:
+            return self.models.get(model)  # marks it used: the least recently used unloads first
+        return await asyncio.to_thread(self.models.get, model, paths=False)
+
+    async def catalog(self) -> list["ModelEntry"]:
+        """`panechat models`' list (read off the loop, kept CATALOG_TTL_S seconds)."""
+        from ...engine.model_catalog import find_models
+
+        now = time.monotonic()
+        if self._catalog is None or now - self._catalog[0] > CATALOG_TTL_S:
+            self._catalog = (now, await asyncio.to_thread(find_models))
+        return self._catalog[1]
 
     # -- auth -------------------------------------------------------------------------
     def token_ok(self, presented: str | None) -> bool:
@@ -128,25 +162,26 @@ class ServerState:
 
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
-                     conversation: str | None = None) -> "Generation":
-        """Render and tokenize `messages` off the event loop, then queue the generation
-        (with the template's own stop strings besides `stop`). The caller owns it until it
-        calls `done(gen)` (in a `finally`).
+                     conversation: str | None = None, engine: "Engine | None" = None) -> "Generation":
+        """Render and tokenize `messages` off the event loop, then queue the generation on
+        `engine` (default: the default model's), with the template's own stop strings besides
+        `stop`. The caller owns it until it calls `done(gen)` (in a `finally`).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
-        engine = self.require_engine()
-        return await self._submit(lambda: engine.prompt_ids(messages), params,
+        engine = engine or self.require_engine()
+        return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
                                   [*stop, *engine.chat_stops], conversation)
 
-    async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = ()) -> "Generation":
+    async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
+                          engine: "Engine | None" = None) -> "Generation":
         """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
-        engine = self.require_engine()
-        return await self._submit(lambda: engine.completion_ids(text), params, list(stop), None)
+        engine = engine or self.require_engine()
+        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None)
 
-    async def _submit(self, prompt_ids, params, stop: list[str], conversation: str | None) -> "Generation":
+    async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
+                      conversation: str | None) -> "Generation":
         self.check_admitting()
-        engine = self.require_engine()
         ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
         gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)

@@ -220,3 +220,17 @@ def test_the_model_given_before_or_after_the_subcommand_is_used(tmp_path, argv):
 def test_ctx_size_limit_is_checked_before_loading(argv):
     p = cli(*argv)
     assert p.returncode == 2 and p.stderr.strip() == "panechat: error: --ctx-size must be at least 64", p.stderr
+
+
+def test_several_models_repeat_or_comma_list_the_first_the_default():
+    args = build_parser().parse_args(["--model", "a,b", "serve", "--model", "c", "--models-memory", "2G"])
+    assert args.model == "c" and args.models == ["c"]  # given after the subcommand: its own list
+    args = build_parser().parse_args(["serve", "-m", "a,b", "--model", "c", "--model", "a"])
+    assert args.model == "a" and args.models == ["a", "b", "c"]
+    assert build_parser().parse_args(["--models-memory", "512M"]).models_memory == 512 << 20
+
+
+def test_one_model_commands_refuse_several_in_one_line(capsys):
+    assert cli_module.main(["run", "--model", "a,b", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("panechat: error:") and "--model once" in err

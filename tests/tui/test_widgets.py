@@ -176,8 +176,9 @@ async def test_dashboard_names_the_chatml_fallback_of_a_base_model(tmp_path, tui
             async with app.run_test(size=(60, 30)) as pilot:
                 await pilot.pause()
                 shown[engine.lm.name] = _text(app.query_one(Dashboard), "dash-model")
-        assert shown["tiny-base.gguf"] == "tiny-base.gguf\ntemplate: chatml (fallback)"
-        assert shown[tui_engine.lm.name] == tui_engine.lm.name
+        # the model line names the model as `panechat models` does (the file name without .gguf)
+        assert shown["tiny-base.gguf"] == "tiny-base\ntemplate: chatml (fallback)"
+        assert shown[tui_engine.lm.name] == tui_engine.lm.name.removesuffix(".gguf")
         events = [ev async for ev in LocalBackend(base).stream("c1", [{"role": "user", "content": "hi"}],
                                                                GenParams(max_tokens=4))]
         fin = events[-1]
