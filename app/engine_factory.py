@@ -8,13 +8,17 @@ import sys
 
 from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
+from ..engine.kv_snapshot_store import default_root
 from ..engine.loader import load_model
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the --max-concurrent/--kv-sessions/... flags, validated by
-    EngineConfig itself (ValueError naming the flag); a flag not in `args` keeps its default."""
+    EngineConfig itself (ValueError naming the flag); a flag not in `args` keeps its default.
+    `--kv-snapshots on` puts the snapshots in the user cache folder (kv_snapshot_store)."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    if getattr(args, "kv_snapshots", "off") == "on" and "kv_snapshot_dir" not in given:
+        given["kv_snapshot_dir"] = str(default_root())
     return EngineConfig(**given)
 
 

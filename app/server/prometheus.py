@@ -80,6 +80,11 @@ class EngineCollector(Collector):
                       s.reused_tokens)
         yield counter("panechat_steps", "Forward steps run", s.steps)
         yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", s.evictions)
+        yield counter("panechat_kv_snapshots_written", "KV snapshots written to disk (evicted or idle at stop)",
+                      s.kv_snapshots_written)
+        yield counter("panechat_kv_snapshots_restored",
+                      "Requests whose prompt prefix KV was read from a snapshot instead of prefilled",
+                      s.kv_snapshots_restored)
         yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
                       s.refused)
         yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", s.requests_total)
