@@ -150,8 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")
 
-    sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
-                   parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
+                           parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help="folder where websocket conversations persist across restarts (default: the "
+                            "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")
 
     add_models_parser(sub, parents=[json_out])
 

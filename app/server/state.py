@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from ..engine_errors import ShuttingDown
 from . import errors
+from .conversation_db import ConversationDB, ConversationDBError
 from .conversations import ConversationStore
 from .errors import APIError
 
@@ -41,13 +42,14 @@ class ServerState:
     (handlers call `done`), and `sockets` the open websocket connections."""
 
     def __init__(self, engine: "Engine | None", token: str | None, max_body: int, logger: logging.Logger,
-                 history_memory: int = 256 << 20):
+                 history_memory: int = 256 << 20, state_dir: Path | None = None):
         self.engine = engine
         self.token = token or None
         self.max_body = max_body
         self.log = logger
         self.load_error: str | None = None
-        self.conversations = ConversationStore(max_bytes=history_memory)
+        self.conversation_db = _open_db(state_dir, logger)
+        self.conversations = ConversationStore(max_bytes=history_memory, db=self.conversation_db)
         self.terminals = 0
         self.terminal_ids = itertools.count(1)
         self.started = time.time()
@@ -141,6 +143,18 @@ class ServerState:
         gen = engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
         self.inflight.add(gen)
         return gen
+
+
+def _open_db(state_dir: Path | None, logger: logging.Logger) -> ConversationDB | None:
+    """The conversation store in `state_dir` (None: memory only); one that cannot be used
+    is said in one log line and the server keeps conversations in memory."""
+    if state_dir is None:
+        return None
+    try:
+        return ConversationDB(state_dir, logger)
+    except ConversationDBError as e:
+        logger.warning("%s; conversations are kept in memory only", e)
+        return None
 
 
 def state_of(request) -> ServerState:
