@@ -342,7 +342,11 @@ class Engine:
         beat the resident cache, then shorten their rows in the plan to what is left."""
         changed = False
         for r in plan.admitted:
-            n = self.snapshots.restore(r.slot, r.prompt_ids, r.reused)
+            try:
+                n = self.snapshots.restore(r.slot, r.prompt_ids, r.reused)
+            except Exception:  # noqa: BLE001 - positions past `reused` are prefilled again anyway
+                log.exception("KV snapshot restore failed; the prompt is prefilled")
+                continue
             if n > r.reused:
                 self.pool.slots[r.slot].tokens = list(r.prompt_ids[:n])
                 r.reused = r.computed = n

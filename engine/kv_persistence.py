@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 #: Exported KV waiting for the writer at most (bytes); past it a snapshot is skipped.
 MAX_PENDING_BYTES = 1 << 30
-#: A restore must save at least this many prompt tokens over the resident cache.
+#: A restore must save at least this many prompt tokens over the resident cache (and at
+#: least `min_tokens`): reading a snapshot costs its whole file, whatever it saves.
 MIN_GAIN = 16
 
 Arrays = list[tuple[np.ndarray, np.ndarray]]
@@ -49,6 +50,7 @@ class KVPersistence:
                  count: Callable[[int, int], None] | None = None):
         self.store, self.be, self.kv = store, backend, kv
         self.min_tokens = max(1, min_tokens)
+        self.min_gain = max(MIN_GAIN, self.min_tokens)
         self.count = count or (lambda written, restored: None)
         self._lock = threading.Lock()
         self._pending: dict[Path, tuple[np.ndarray, Arrays]] = {}
@@ -89,11 +91,11 @@ class KVPersistence:
 
     def restore(self, where: Any, prompt: list[int], resident: int) -> int:
         """Import the snapshot sharing the longest prefix with `prompt` into `where` when
-        it beats the `resident` tokens by MIN_GAIN; returns the prompt tokens cached there
+        it beats the `resident` tokens by `min_gain`; returns the prompt tokens cached there
         now (`resident` when nothing was restored). At least one prompt token is left to
         compute, so the step yields logits."""
         limit = len(prompt) - 1
-        if limit - resident < MIN_GAIN:
+        if limit - resident < self.min_gain:
             return resident
         ids = np.asarray(prompt, dtype=np.int32)
         best = self.store.longest_prefix(ids)
@@ -103,7 +105,7 @@ class KVPersistence:
                 if best is None or n > best[1]:
                     best = (path, n)
             pending = self._pending.get(best[0]) if best is not None else None
-        if best is None or min(best[1], limit) - resident < MIN_GAIN:
+        if best is None or min(best[1], limit) - resident < self.min_gain:
             return resident
         if pending is not None:
             arrays = pending[1]

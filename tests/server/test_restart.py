@@ -107,7 +107,8 @@ async def test_a_long_conversation_continues_after_a_restart(lm, tmp_path):
         assert c.engine.stats().kv_snapshots_restored == 0
     finally:
         c.stop()
-    assert cold["text"] == warm["text"] and cold["usage"]["reused_tokens"] == 0
+    # only the warm-up's system prompt was resident: the history was prefilled again
+    assert cold["text"] == warm["text"] and cold["usage"]["reused_tokens"] < 64
     n = restarted["usage"]["prompt_tokens"]
     print(f"\nrestart TTFT, {n}-token prompt: warm {warm['timings']['ttft_ms']:.0f} ms, after restart "
           f"(snapshot) {restarted['timings']['ttft_ms']:.0f} ms, cold re-prefill {cold['timings']['ttft_ms']:.0f} ms")
