@@ -14,19 +14,22 @@ from ..engine.loader import load_model
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the --max-concurrent/--kv-sessions/... flags, validated by
-    EngineConfig itself (ValueError naming the flag); a flag not in `args` keeps its default.
-    `--kv-snapshots on` puts the snapshots in the user cache folder (kv_snapshot_store)."""
+    EngineConfig itself (ValueError naming the flag); a flag not in `args` keeps its default."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-    if getattr(args, "kv_snapshots", "off") == "on" and "kv_snapshot_dir" not in given:
-        given["kv_snapshot_dir"] = str(default_root())
     return EngineConfig(**given)
+
+
+def kv_snapshot_dir(args: argparse.Namespace) -> str | None:
+    """Where the engine keeps KV snapshots: the user cache folder with `--kv-snapshots on`
+    (the default of serve and the TUI), None (off) otherwise."""
+    return str(default_root()) if getattr(args, "kv_snapshots", "off") == "on" else None
 
 
 def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     """Load the model named by --model (or the default) on --backend and start the engine.
 
     Prints the start-up lines to stderr unless quiet."""
-    cfg = engine_config(args)
+    cfg = dataclasses.replace(engine_config(args), kv_snapshot_dir=kv_snapshot_dir(args))
     lm = load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
                     max_positions=cfg.ctx_size)
     engine = Engine(lm, cfg).start()  # runs the invariance self-check on the compute thread

@@ -7,20 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from panechat.app.cli import build_parser
-from panechat.app.engine_factory import engine_config
+from panechat.app.engine_factory import engine_config, kv_snapshot_dir
 from panechat.app.server.serve import state_folder
 
 
 def test_kv_snapshot_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     p = build_parser()
-    on = engine_config(p.parse_args(["serve"]))
-    assert on.kv_snapshot_dir == str(tmp_path / "panechat" / "kv") and on.kv_snapshot_memory == 4 << 30
-    assert engine_config(p.parse_args([])).kv_snapshot_dir is not None  # the TUI too
+    on = p.parse_args(["serve"])
+    assert kv_snapshot_dir(on) == str(tmp_path / "panechat" / "kv")
+    assert engine_config(on).kv_snapshot_memory == 4 << 30
+    assert kv_snapshot_dir(p.parse_args([])) is not None  # the TUI too
     sized = engine_config(p.parse_args(["serve", "--kv-snapshot-memory", "512M"]))
     assert sized.kv_snapshot_memory == 512 << 20
-    assert engine_config(p.parse_args(["serve", "--kv-snapshots", "off"])).kv_snapshot_dir is None
-    assert engine_config(p.parse_args(["--kv-snapshots", "off", "serve"])).kv_snapshot_dir is None
+    assert kv_snapshot_dir(p.parse_args(["serve", "--kv-snapshots", "off"])) is None
+    assert kv_snapshot_dir(p.parse_args(["--kv-snapshots", "off", "serve"])) is None
 
 
 def test_state_dir_flag(monkeypatch, tmp_path):
