@@ -88,6 +88,10 @@ class SnapshotStore:
         """The snapshot at `path`, checked; None (one log line, file deleted) when it fails."""
         try:
             tokens, arrays = read_snapshot(path, self.model_id, self.shape)
+        except FileNotFoundError:  # superseded or trimmed meanwhile by the writer: no damage
+            with self._lock:
+                self._index.pop(path, None)
+            return None
         except (SnapshotError, OSError) as e:
             self._reject(path, e)
             return None

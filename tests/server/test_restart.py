@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import pytest
 from websockets.asyncio.client import connect
 
@@ -95,6 +96,9 @@ async def test_a_long_conversation_continues_after_a_restart(lm, tmp_path):
         opened, restarted = await _turn(b.srv.ws_url, "x", "How many stones in Riga?")
         assert not opened["created"] and opened["messages"] == history  # the server kept it
         s = b.engine.stats()
+        async with httpx.AsyncClient(base_url=b.srv.url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert "panechat_kv_snapshots_restored_total 1.0" in metrics
     finally:
         b.stop()
     assert restarted["text"] == warm["text"]
