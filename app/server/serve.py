@@ -143,6 +143,7 @@ class ServerThread:
                 self._thread.join(timeout)
             self._thread = None
         self._sock.close()
+        self.state.close()
 
     @property
     def running(self) -> bool:
@@ -244,4 +245,5 @@ def serve(args: argparse.Namespace) -> int:
         if result["engine"] is not None:
             result["engine"].stop()
         sock.close()
+        state.close()
     return result["rc"]

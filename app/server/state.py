@@ -124,6 +124,12 @@ class ServerState:
             raise ShuttingDown("the server is shutting down; retry shortly (on another instance, "
                                "or this one once restarted)", self.drain_until - time.monotonic() + 1)
 
+    def close(self) -> None:
+        """The server has stopped: close the conversation store's file (every change is
+        already in it)."""
+        if self.conversation_db is not None:
+            self.conversation_db.close()
+
     def done(self, gen: "Generation") -> None:
         """The handler of `gen` has sent its client the end (or the client left)."""
         self.inflight.discard(gen)
