@@ -26,7 +26,9 @@ _ENGINE = EngineConfig()  # the engine flags' defaults; EngineConfig.validate() 
 SHARED_DEFAULTS = {
     "model": None, "models": None, "models_memory": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
     **{name: getattr(_ENGINE, name) for name in
-       ("ctx_size", "max_concurrent", "kv_sessions", "max_queue", "prefill_chunk", "straggler_ms")},
+       ("ctx_size", "max_concurrent", "kv_sessions", "max_queue", "prefill_chunk", "straggler_ms",
+        "kv_snapshot_memory")},
+    "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
 
@@ -64,6 +66,13 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler-ms", type=float, metavar="MS",
                    help="wait this long after an idle engine wakes so near-simultaneous requests share the "
                         f"first step (default {_D['straggler_ms']:g})")
+    p.add_argument("--kv-snapshots", choices=("on", "off"),
+                   help="write an evicted or idle conversation's KV to the cache folder ($XDG_CACHE_HOME/"
+                        "panechat/kv) and read it back instead of re-prefilling, also after a restart "
+                        f"(default {_D['kv_snapshots']})")
+    p.add_argument("--kv-snapshot-memory", type=byte_size, metavar="SIZE",
+                   help="disk space for KV snapshots, e.g. 2G; past it the least recently used go "
+                        f"(default {_D['kv_snapshot_memory'] >> 30}G)")
 
 
 def _listen_options(p: argparse.ArgumentParser) -> None:
@@ -159,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")
 
-    sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
-                   parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
+                           parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help="folder where websocket conversations persist across restarts (default: the "
+                            "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")
 
     add_models_parser(sub, parents=[json_out])
 

@@ -8,6 +8,7 @@ import sys
 
 from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
+from ..engine.kv_snapshot_store import default_root
 from ..engine.loader import load_model
 from ..engine.model_set import ModelSet
 
@@ -19,11 +20,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given)
 
 
+def kv_snapshot_dir(args: argparse.Namespace) -> str | None:
+    """Where the engine keeps KV snapshots: the user cache folder with `--kv-snapshots on`
+    (the default of serve and the TUI), None (off) otherwise."""
+    return str(default_root()) if getattr(args, "kv_snapshots", "off") == "on" else None
+
+
 def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     """Load the model named by --model (or the default) on --backend and start the engine.
 
     Prints the start-up lines to stderr unless quiet."""
-    cfg = engine_config(args)
+    cfg = dataclasses.replace(engine_config(args), kv_snapshot_dir=kv_snapshot_dir(args))
     lm = load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
                     max_positions=cfg.ctx_size)
     engine = Engine(lm, cfg).start()  # runs the invariance self-check on the compute thread

@@ -100,6 +100,16 @@ class Backend(ABC):
     def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
         """Copy the first n_tokens cached positions of slot src into slot dst."""
 
+    @abstractmethod
+    def kv_export(self, kv: Any, where: Any, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The cached K and V of positions 0..n_tokens-1 of `where` (a slot index in today's
+        slot layout; a block list in a paged one), per layer, as host copies [n_kv,
+        n_tokens, head_dim] in the KV dtype: bytes that `kv_import` puts back bit for bit."""
+
+    @abstractmethod
+    def kv_import(self, kv: Any, where: Any, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write `kv_export`'s per-layer (K, V) arrays into positions 0..n-1 of `where`."""
+
     def rope_tables(self, rope_dim: int, base: float, max_pos: int,
                     freq_factors: np.ndarray | None = None, mscale: float = 1.0) -> tuple[Array, Array]:
         """Rotary (cos, sin) tables [max_pos, rope_dim/2], computed once at load (float64

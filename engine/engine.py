@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from numbers import Integral
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import numpy as np
@@ -27,7 +28,9 @@ import numpy as np
 from .config import EngineConfig
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
+from .kv_persistence import KVPersistence
 from .kv_slots import SlotPool
+from .kv_snapshot import KVShape
 from .loader import LoadedModel
 from .metrics import EngineMetrics, retry_after_estimate
 from .model import Batch
@@ -140,6 +143,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_slots
+        self.snapshots = self._open_snapshots()
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
         self.batching = True
@@ -189,11 +193,12 @@ class Engine:
 
     def stop(self, reason: str = "cancelled") -> None:
         """End everything (each generation gets its FinishEvent with `reason`) and join the
-        thread. Later submits are refused."""
+        thread. Later submits are refused. With KV snapshots on, the idle conversations'
+        KV is written first (the compute thread does it on its way out)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=60)
             self._thread = None
         with self._lock:
             for r in list(self._by_id.values()):
@@ -302,8 +307,12 @@ class Engine:
                     self._reap_cancelled()
                     plan = self.scheduler.schedule()
                     self._publish_state(force=self._members_changed or not plan.requests)
+                if self.snapshots is not None:  # evicted KV is still in its slot: save it now
+                    self._save_evicted()
                 for c in plan.kv_copies:  # before the forward pass, in order
                     be.copy_slot(self.kv, c.src, c.dst, c.n_tokens)
+                if self.snapshots is not None and plan.admitted:
+                    self._restore_admitted(plan)
                 copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()
@@ -321,6 +330,57 @@ class Engine:
                     victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
                         self._fail(r, f"internal error: {type(e).__name__}: {e}")
+        if self.snapshots is not None:
+            self._save_on_stop()
+
+    # -- KV snapshots (kv_persistence.py): three calls, all on the compute thread -----------
+    def _open_snapshots(self) -> KVPersistence | None:
+        """The snapshot folder of this model when --kv-snapshots is on; a folder that
+        cannot be used turns them off with one log line (the engine serves without)."""
+        cfg = self.cfg
+        if not cfg.kv_snapshot_dir:
+            return None
+        args = self.lm.model.args
+        shape = KVShape("float32", args.n_layer, args.n_kv_head, args.head_dim)
+        try:
+            return KVPersistence.open(Path(cfg.kv_snapshot_dir), self.lm.path, shape, cfg.kv_snapshot_memory,
+                                      self.lm.model.backend, self.kv, cfg.kv_snapshot_min_tokens,
+                                      self.metrics.record_snapshots)
+        except Exception as e:  # noqa: BLE001 - e.g. an unwritable cache folder
+            log.warning("KV snapshots off: %s", e)
+            return None
+
+    def _save_evicted(self) -> None:
+        for where, tokens in self.pool.take_evicted():
+            self.snapshots.save(where, tokens)
+
+    def _restore_admitted(self, plan: StepPlan) -> None:
+        """Restore the prefixes of requests admitted this step from snapshots where they
+        beat the resident cache, then shorten their rows in the plan to what is left."""
+        changed = False
+        for r in plan.admitted:
+            try:
+                n = self.snapshots.restore(r.slot, r.prompt_ids, r.reused)
+            except Exception:  # noqa: BLE001 - positions past `reused` are prefilled again anyway
+                log.exception("KV snapshot restore failed; the prompt is prefilled")
+                continue
+            if n > r.reused:
+                self.pool.slots[r.slot].tokens = list(r.prompt_ids[:n])
+                r.reused = r.computed = n
+                changed = True
+        if changed:
+            plan.n_tokens = [min(n, r.n_known - r.computed) for r, n in zip(plan.requests, plan.n_tokens)]
+
+    def _save_on_stop(self) -> None:
+        """Graceful stop: snapshot every idle conversation's KV, then wait for the writes."""
+        try:
+            self._save_evicted()
+            for s in self.pool.slots:
+                if s.tokens and not s.busy:
+                    self.snapshots.save(s.index, s.tokens)
+        except Exception:  # noqa: BLE001 - a failed export must not hang the stop
+            log.exception("KV snapshots at stop failed")
+        self.snapshots.close(timeout=50)
 
     def _step(self, plan: StepPlan) -> None:
         tokens, slots, positions, logit_rows, sampled = [], [], [], [], []

@@ -42,6 +42,7 @@ class GGUFHeader:
     type_elements: dict[str, int]
     data_end: int | None
     file_size: int
+    data_start: int = 0  # where the tensor data begins: bytes 0..data_start are the whole header
 
     @property
     def truncated(self) -> bool:
@@ -122,7 +123,7 @@ def _parse(buf: mmap.mmap, size: int) -> GGUFHeader:
         alignment = _DEFAULT_ALIGNMENT
     data_start = -(-cur.pos // alignment) * alignment
     type_elements, data_end = _tensor_extent(tensors, data_start)
-    return GGUFHeader(version, metadata, type_elements, data_end, size)
+    return GGUFHeader(version, metadata, type_elements, data_end, size, data_start)
 
 
 def _tensor_extent(tensors: list[tuple[int, int, int]], data_start: int) -> tuple[dict[str, int], int | None]:

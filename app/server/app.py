@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -110,7 +111,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 # -- the app ------------------------------------------------------------------------------------
 def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_body: int = MAX_BODY,
                logger: logging.Logger | None = None, limits: Limits | None = None,
-               public_url: str | None = None) -> Starlette:
+               public_url: str | None = None, state_dir: Path | None = None) -> Starlette:
     """The ASGI app serving `engine` (or `/health` 503 until `app.state.panechat.attach(engine)`).
 
     token: require `Authorization: Bearer <token>` on /v1/* and /metrics, and `token` in
@@ -118,10 +119,11 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
     logger: where the per-request lines go (default logging.getLogger("panechat.server"),
     which prints nothing unless configured). limits: timeouts and caps (limits.Limits).
     public_url: the address browsers reach the server at (default: from the bind address);
-    pages from other origins than it and loopback are refused."""
+    pages from other origins than it and loopback are refused. state_dir: where the
+    websocket conversations persist (conversation_db.py; None: in memory only)."""
     lg = logger or log
     limits = limits or Limits()
-    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory)
+    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory, state_dir=state_dir)
     state.registry = make_registry(state)
     routes = [
         Route("/health", health, methods=["GET"]),

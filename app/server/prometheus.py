@@ -90,6 +90,11 @@ def engine_families(stats: "dict[str, EngineStats]"):
                   lambda s: s.reused_tokens)
     yield counter("panechat_steps", "Forward steps run", lambda s: s.steps)
     yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", lambda s: s.evictions)
+    yield counter("panechat_kv_snapshots_written", "KV snapshots written to disk (evicted or idle at stop)",
+                  lambda s: s.kv_snapshots_written)
+    yield counter("panechat_kv_snapshots_restored",
+                  "Requests whose prompt prefix KV was read from a snapshot instead of prefilled",
+                  lambda s: s.kv_snapshots_restored)
     yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
                   lambda s: s.refused)
     yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", lambda s: s.requests_total)

@@ -24,12 +24,14 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
 from ...backends.errors import one_line
 from ...engine.default_model import resolve_model_path
 from ..engine_factory import build_models, engine_config
+from ..store import data_dir
 from .app import MAX_BODY, create_app
 from .state import ServerState
 from .limits import Guard, Limits, Listener, raise_fd_limit, run_server
@@ -141,6 +143,7 @@ class ServerThread:
                 self._thread.join(timeout)
             self._thread = None
         self._sock.close()
+        self.state.close()
 
     @property
     def running(self) -> bool:
@@ -176,6 +179,14 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
     return lines
 
 
+def state_folder(flag: str | None) -> Path | None:
+    """--state-dir: where `/ws` conversations persist; default the panechat data folder
+    ($PANECHAT_DATA_DIR, else the platform's), "none": memory only."""
+    if flag is not None and flag.strip().lower() == "none":
+        return None
+    return Path(flag).expanduser() if flag else data_dir()
+
+
 def serve(args: argparse.Namespace) -> int:
     """`panechat serve`: listen at once (/health answers 503 while the model loads), load
     the model in the background, then serve until SIGTERM or Ctrl-C, which drain the
@@ -191,7 +202,8 @@ def serve(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     token = getattr(args, "token", None)
-    app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None))
+    app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None),
+                     state_dir=state_folder(getattr(args, "state_dir", None)))
     state: ServerState = app.state.panechat
     guard: Guard = app.state.guard
     sock = _bind(args.host, args.port)
@@ -237,4 +249,5 @@ def serve(args: argparse.Namespace) -> int:
         if result["engine"] is not None:
             result["engine"].stop()
         sock.close()
+        state.close()
     return result["rc"]

@@ -13,12 +13,14 @@ import hmac
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
 from ..engine_errors import ShuttingDown
 from . import errors
+from .conversation_db import ConversationDB, ConversationDBError
 from .conversations import ConversationStore
 from .errors import APIError
 
@@ -46,7 +48,7 @@ class ServerState:
     (handlers call `done`), and `sockets` the open websocket connections."""
 
     def __init__(self, engine: "Engine | ModelSet | None", token: str | None, max_body: int,
-                 logger: logging.Logger, history_memory: int = 256 << 20):
+                 logger: logging.Logger, history_memory: int = 256 << 20, state_dir: Path | None = None):
         self.models: "ModelSet | None" = None
         self._catalog: tuple[float, list["ModelEntry"]] | None = None
         if engine is not None:
@@ -55,7 +57,8 @@ class ServerState:
         self.max_body = max_body
         self.log = logger
         self.load_error: str | None = None
-        self.conversations = ConversationStore(max_bytes=history_memory)
+        self.conversation_db = _open_db(state_dir, logger)
+        self.conversations = ConversationStore(max_bytes=history_memory, db=self.conversation_db)
         self.terminals = 0
         self.terminal_ids = itertools.count(1)
         self.started = time.time()
@@ -156,6 +159,12 @@ class ServerState:
             raise ShuttingDown("the server is shutting down; retry shortly (on another instance, "
                                "or this one once restarted)", self.drain_until - time.monotonic() + 1)
 
+    def close(self) -> None:
+        """The server has stopped: close the conversation store's file (every change is
+        already in it)."""
+        if self.conversation_db is not None:
+            self.conversation_db.close()
+
     def done(self, gen: "Generation") -> None:
         """The handler of `gen` has sent its client the end (or the client left)."""
         self.inflight.discard(gen)
@@ -187,6 +196,18 @@ class ServerState:
         gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
         self.inflight.add(gen)
         return gen
+
+
+def _open_db(state_dir: Path | None, logger: logging.Logger) -> ConversationDB | None:
+    """The conversation store in `state_dir` (None: memory only); one that cannot be used
+    is said in one log line and the server keeps conversations in memory."""
+    if state_dir is None:
+        return None
+    try:
+        return ConversationDB(state_dir, logger)
+    except ConversationDBError as e:
+        logger.warning("%s; conversations are kept in memory only", e)
+        return None
 
 
 def state_of(request) -> ServerState:
