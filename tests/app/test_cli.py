@@ -50,6 +50,26 @@ def test_run_json_contract(tmp_path):
     assert streamed.returncode == 0 and streamed.stdout.strip()
 
 
+def test_run_reports_the_time_to_the_first_token_on_stderr(model_path):
+    """One start-up line on stderr: the model, the backend and `ready in N s`, the time from
+    the process's start to the first token (at least the time to import and load, so more
+    than the weights' preparation it names); --quiet drops it, stdout holds only the reply."""
+    import re
+
+    p = cli("run", "-n", "4", "--json", "hi")
+    assert p.returncode == 0, p.stderr
+    json.loads(p.stdout)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    m = re.fullmatch(rf"panechat: {re.escape(model_path.name)} \(llama\) on \w+: ready in (\d+\.\d\d) s "
+                     r"\(first token; weights prepared in (\d+\.\d\d) s\)", lines[0])
+    assert m, lines[0]
+    ready, weights = float(m.group(1)), float(m.group(2))
+    assert 0 < weights < ready < 120
+    quiet = cli("run", "-n", "2", "--quiet", "hi")
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip()
+
+
 def _bad_files(tmp_path: Path, model_path: Path) -> dict[str, Path]:
     text = tmp_path / "notes.gguf"
     text.write_text("hello, I am not a model")
