@@ -291,4 +291,6 @@ def _verdict(header: GGUFHeader) -> dict:
         return dict(reason="no general.architecture in the header")
     if arch not in SUPPORTED_ARCHITECTURES:
         return dict(reason=f"unsupported architecture '{arch}'")
+    if header.unread_types:
+        return dict(reason=f"tensor type {', '.join(header.unread_types)} not read by panechat")
     return dict(loadable=True)
