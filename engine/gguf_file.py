@@ -98,8 +98,10 @@ def type_size(name: str) -> tuple[int, int] | None:
 def parse_header(buf: Any, size: int, *, arrays: bool = True) -> ParsedHeader:
     """Parse the GGUF header in `buf` (a mapped file of `size` bytes). `arrays=False` skips
     array values (a listing needs only scalars). Raises GGUFFormatError."""
-    if size < 8 or buf[:4] != b"GGUF":
-        raise GGUFFormatError("not a GGUF file (bad magic)" if size >= 4 else "not a GGUF file (too small)")
+    if size < 4:
+        raise GGUFFormatError("not a GGUF file (too small)")
+    if buf[:4] != b"GGUF":
+        raise GGUFFormatError("not a GGUF file (bad magic)")
     cur = _Cursor(buf, size, "<")
     version = cur.scalar("I")
     if version & 0xFFFF == 0 and version >> 16:  # a big-endian file read little-endian

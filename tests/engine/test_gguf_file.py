@@ -115,3 +115,18 @@ def test_opening_needs_no_gguf_package(tiny, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_big_endian_file_reads_the_same_values(tmp_path):
+    w_le, w_be = (gguf.GGUFWriter(str(tmp_path / f"{e}.gguf"), "llama", endianess=getattr(gguf.GGUFEndian, e))
+                  for e in ("LITTLE", "BIG"))
+    a = np.arange(64, dtype=np.float32).reshape(2, 32) / 7
+    for w in (w_le, w_be):
+        w.add_context_length(4096)
+        w.add_token_scores([0.5, -1.25])
+        w.add_tensor("t", a)  # the writer swaps the bytes of a big-endian file
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    le, be = GGUFFile.open(tmp_path / "LITTLE.gguf"), GGUFFile.open(tmp_path / "BIG.gguf")
+    assert le.metadata == be.metadata and be.metadata["tokenizer.ggml.scores"] == [0.5, -1.25]
+    assert be.tensor("t").blocks.dtype.byteorder == ">"  # stored swapped, read as values
+    assert np.array_equal(le.tensor("t").dequantize(), a) and np.array_equal(be.tensor("t").dequantize(), a)
