@@ -184,7 +184,7 @@ class GGUFFile:
 def _tensors(header: ParsedHeader, buf: mmap.mmap, size: int) -> tuple[dict[str, GGUFTensor], dict[str, str]]:
     """Every tensor as a GGUFTensor over the mapped bytes, and the unread ones' types.
     Raises GGUFFormatError for data past the end of the file or rows of partial blocks."""
-    data = np.frombuffer(buf, np.uint8)  # read-only, no copy; keeps the map alive
+    data = np.ndarray((size,), np.uint8, buffer=buf)  # read-only, no copy; its base is the map
     order = header.order
     tensors: dict[str, GGUFTensor] = {}
     unread: dict[str, str] = {}
