@@ -60,8 +60,13 @@ class GGUFTensor:
         return self._dequantize(self.blocks[np.asarray(rows)]).reshape(len(rows), self.shape[-1])
 
     def _dequantize(self, blocks: np.ndarray) -> np.ndarray:
-        if self.qtype in ("F32", "F16"):  # stored as floats: no gguf import on the start-up path
+        # The types of the start-up path (float norms, a Q8_0 embedding table) without
+        # importing gguf, with gguf's arithmetic: q * d in float32 (gguf.quants.Q8_0).
+        if self.qtype in ("F32", "F16"):
             return np.ascontiguousarray(blocks, dtype=np.float32)
+        if self.qtype == "Q8_0":
+            b = np.asarray(blocks, np.uint8).reshape(-1, 34)
+            return b[:, 2:].view(np.int8).astype(np.float32) * b[:, :2].view(np.float16).astype(np.float32)
         from gguf import GGMLQuantizationType, quants  # deferred: importing gguf costs ~0.3 s
 
         try:
