@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                          parents=[model, context, _parent(_max_tokens_option, defaults={"max_tokens": 256}), json_out])
     run.add_argument("--system", "-s", help="system prompt")
     run.add_argument("--messages", metavar="FILE", help="JSON list of {role, content} messages")
+    run.add_argument("--raw", action="store_true",
+                     help="complete PROMPT as raw text: no chat template (base models); BOS as the model file says")
     run.add_argument("--temperature", "-t", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
@@ -138,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--quiet", "-q", action="store_true",
                      help="no start-up line on stderr (model, backend, time to the first token)")
-    run.add_argument("prompt", nargs="?", help="the user message")
+    run.add_argument("prompt", nargs="?", help="the user message (with --raw: the text to complete)")
 
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")

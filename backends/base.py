@@ -101,15 +101,17 @@ class Backend(ABC):
         """Copy the first n_tokens cached positions of slot src into slot dst."""
 
     def rope_tables(self, rope_dim: int, base: float, max_pos: int,
-                    freq_factors: np.ndarray | None = None) -> tuple[Array, Array]:
+                    freq_factors: np.ndarray | None = None, mscale: float = 1.0) -> tuple[Array, Array]:
         """Rotary (cos, sin) tables [max_pos, rope_dim/2], computed once at load (float64
-        angles, stored float32 on the device); the model owns them."""
+        angles, stored float32 on the device); the model owns them. Pair i turns by
+        base^(-2i/rope_dim) / freq_factors[i] per position; cos and sin are times `mscale`
+        (RoPE scaling, engine/rope_scaling.py)."""
         inv = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
         if freq_factors is not None:
             inv = inv / freq_factors.astype(np.float64)
         angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # (P, rope_dim/2)
-        return (self.asarray(np.cos(angles).astype(np.float32)),
-                self.asarray(np.sin(angles).astype(np.float32)))
+        return (self.asarray((np.cos(angles) * mscale).astype(np.float32)),
+                self.asarray((np.sin(angles) * mscale).astype(np.float32)))
 
     @abstractmethod
     def self_check(self) -> str | None:

@@ -59,6 +59,15 @@ class GGUFTensor:
         `dequantize()[rows]`, without dequantizing the others (blocks never span rows)."""
         return self._dequantize(self.blocks[np.asarray(rows)]).reshape(len(rows), self.shape[-1])
 
+    def row_range(self, start: int, stop: int) -> "GGUFTensor":
+        """Rows start..stop of a 2-D tensor as stored, a view of the same blocks (a row of
+        ggml blocks is contiguous and blocks never span rows): a fused weight split this
+        way is, bit for bit, the separate matrices, with no copy and no float32."""
+        if len(self.shape) != 2 or not 0 <= start < stop <= self.shape[0]:
+            raise TensorError(f"tensor {self.name} of shape {self.shape} has no rows {start}..{stop}")
+        return GGUFTensor(f"{self.name}[{start}:{stop}]", (stop - start, self.shape[1]), self.qtype,
+                          self.blocks[start:stop])
+
     def _dequantize(self, blocks: np.ndarray) -> np.ndarray:
         # The types of the start-up path (float norms, a Q8_0 embedding table) without
         # importing gguf, with gguf's arithmetic: q * d in float32 (gguf.quants.Q8_0).

@@ -206,6 +206,23 @@ class Engine:
         _validate_messages(messages)
         return self.lm.prompt_ids(messages)
 
+    def completion_ids(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) as token ids, BOS per the file's flags; raises
+        ValueError for a non-string, empty or invalid-Unicode `text`."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("empty prompt: give the text to complete")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the prompt is not valid Unicode (lone surrogate)") from None
+        return self.lm.completion_ids(text)
+
+    @property
+    def chat_stops(self) -> tuple[str, ...]:
+        """Stop strings every chat reply gets from the template (the ChatML fallback's turn
+        markers; none for a file's own template): a chat submit passes them with its own."""
+        return self.lm.template.stop_strings
+
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:

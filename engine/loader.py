@@ -32,6 +32,11 @@ class LoadedModel:
         text = self.template.render(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
+    def completion_ids(self, text: str) -> list[int]:
+        """A raw prompt, no template: tokenized as llama.cpp's completion does (BOS as the
+        file's add_bos_token flag says, special tokens parsed)."""
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True)
+
 
 def load_tokenizer(gf: GGUFFile) -> Tokenizer:
     """The file's tokenizer; raises ModelFileError (one line) when unsupported."""

@@ -78,6 +78,7 @@ class BackendInfo:
     ctx: int | None = None
     max_concurrent: int | None = None
     batching: bool | None = None
+    chat_template: str = ""  # "gguf", "chatml-fallback" (a base model), "" when the server does not say
     url: str = ""
 
 

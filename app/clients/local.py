@@ -31,7 +31,8 @@ class LocalStream(ChatStream):
         """Tokenize off the loop, then queue; sets `gen`, or `error` with the reason."""
         try:
             ids = await asyncio.to_thread(self.engine.prompt_ids, self.messages)
-            gen = self.engine.submit(prompt_ids=ids, params=self.params, conversation=self.conversation)
+            gen = self.engine.submit(prompt_ids=ids, params=self.params, conversation=self.conversation,
+                                     stop=self.engine.chat_stops)
         except Exception as e:  # refusals (app/engine_errors.py), incl. the engine stopping meanwhile
             refusal = classify(e)
             if refusal is None:
@@ -84,7 +85,8 @@ class LocalBackend(ChatBackend):
         e = self.engine
         be = e.lm.model.backend
         self.info = BackendInfo(kind="local", model=e.lm.name, backend=be.name, detail=be.describe(),
-                                ctx=e.ctx, max_concurrent=e.cfg.max_concurrent, batching=e.batching)
+                                ctx=e.ctx, max_concurrent=e.cfg.max_concurrent, batching=e.batching,
+                                chat_template=e.lm.template.kind)
         return self.info
 
     async def close(self) -> None:

@@ -83,7 +83,7 @@ class RemoteBackend(ChatBackend):
         self.info = BackendInfo(
             kind="remote", model=str(frame.get("model", "")), backend=str(frame.get("backend", "")).split(" ")[0],
             detail=str(frame.get("backend", "")), ctx=frame.get("ctx"), max_concurrent=frame.get("max_concurrent"),
-            batching=frame.get("batching"), url=self.profile)
+            batching=frame.get("batching"), url=self.profile, chat_template=str(frame.get("chat_template", "")))
         self.terminal = frame.get("terminal")
         self._ws = ws
         self._opened.clear()

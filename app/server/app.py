@@ -21,6 +21,7 @@ from starlette.routing import Route, WebSocketRoute
 from . import errors
 from .errors import APIError
 from .limits import Guard, Limits
+from .completions_api import completions
 from .openai_api import chat_completions, get_model, list_models
 from .prometheus import CONTENT_TYPE, make_registry, render
 from .request_log import RequestLog, set_log_detail
@@ -124,8 +125,10 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/models", list_models, methods=["GET"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
         WebSocketRoute("/ws", websocket_endpoint),
     ]
     app = Starlette(routes=routes, exception_handlers={

@@ -129,16 +129,27 @@ class ServerState:
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
                      conversation: str | None = None) -> "Generation":
-        """Render and tokenize `messages` off the event loop, then queue the generation.
-        The caller owns it until it calls `done(gen)` (in a `finally`).
+        """Render and tokenize `messages` off the event loop, then queue the generation
+        (with the template's own stop strings besides `stop`). The caller owns it until it
+        calls `done(gen)` (in a `finally`).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
+        engine = self.require_engine()
+        return await self._submit(lambda: engine.prompt_ids(messages), params,
+                                  [*stop, *engine.chat_stops], conversation)
+
+    async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = ()) -> "Generation":
+        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
+        engine = self.require_engine()
+        return await self._submit(lambda: engine.completion_ids(text), params, list(stop), None)
+
+    async def _submit(self, prompt_ids, params, stop: list[str], conversation: str | None) -> "Generation":
         self.check_admitting()
         engine = self.require_engine()
-        prompt_ids = await asyncio.to_thread(engine.prompt_ids, messages)
+        ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
-        gen = engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
+        gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
         self.inflight.add(gen)
         return gen
 

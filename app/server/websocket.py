@@ -265,7 +265,7 @@ class Connection:
             "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME, "model": engine.lm.name,
             "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
             "max_concurrent": engine.cfg.max_concurrent, "batching": engine.batching,
-            "terminal": self.terminal,
+            "chat_template": engine.lm.template.kind, "terminal": self.terminal,
         })
 
     async def on_open(self, frame: dict) -> None:

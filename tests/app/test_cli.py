@@ -70,6 +70,40 @@ def test_run_reports_the_time_to_the_first_token_on_stderr(model_path):
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip()
 
 
+def test_run_raw_completes_the_prompt_without_a_template(tokenizer):
+    """`run --raw`: the prompt is the text as given (no template, so exactly its own
+    tokens; the default model's flags say no BOS), and greedy decoding continues it."""
+    prompt = "1, 2, 3, 4, 5,"
+    p = cli("run", "--raw", "--json", "-n", "6", prompt)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["prompt_tokens"] == len(tokenizer.encode(prompt, add_bos=False, parse_special=True))
+    assert out["text"].startswith(" 6, 7")
+    chat = json.loads(cli("run", "--json", "-n", "1", prompt).stdout)  # the templated prompt is longer
+    assert chat["prompt_tokens"] > out["prompt_tokens"] + 5
+
+
+def test_run_raw_on_a_base_model_follows_llamacpp(gemma_path, gemma_golden):
+    """gemma-3-270m is a base model (no chat template; its flags add BOS): `run --raw`
+    gives llama.cpp's prompt tokens and greedy tokens (the case where llama.cpp's top-1
+    margin is >= 2.7 at every step compared)."""
+    case = next(c for c in gemma_golden["completion"] if c["prompt"] == "1, 2, 3, 4, 5,")
+    p = cli("run", "--raw", "--json", "-n", "8", "--model", str(gemma_path), case["prompt"], timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["prompt_tokens"] == len(case["prompt_ids"])
+    assert out["token_ids"] == case["tokens"][:8]
+
+
+@pytest.mark.parametrize("args,expect", [(["--raw", "--system", "be terse", "hi"], "drop --system/--messages"),
+                                         (["--raw"], "empty prompt")])
+def test_run_raw_mistakes_exit_2_with_one_line(args, expect):
+    p = cli("run", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], p.stderr
+
+
 def _bad_files(tmp_path: Path, model_path: Path) -> dict[str, Path]:
     text = tmp_path / "notes.gguf"
     text.write_text("hello, I am not a model")

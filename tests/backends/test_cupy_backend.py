@@ -372,7 +372,7 @@ def test_float_weight_kinds(tiny):
 # the backend's host code with emulated kernels
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("qtype,tied", QTYPES)
 def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
     path, weights = tiny(arch, qtype, tied)

@@ -235,4 +235,17 @@ def test_an_unreadable_store_is_a_line_not_an_error(home, tiny, monkeypatch):
 def test_supported_architectures_are_the_loaders(home):
     from panechat.engine.model_args import ROPE_STYLE
 
-    assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2", "qwen3", "gemma3"}
+    assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2", "qwen3", "gemma3",
+                                                                              "phi3"}
+
+
+def test_a_rope_scaling_the_loader_refuses_is_listed_as_the_reason(home, tmp_path):
+    from ..tiny_gguf import write_tiny_gguf
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_gguf(folder / "dyn.gguf", "llama", rope_type="dynamic", rope_scale=2.0)
+    write_tiny_gguf(folder / "yarn.gguf", "qwen3", rope_type="yarn", rope_scale=2.0)
+    entries = {e.name: e for e in find_models([folder], shipped=())}
+    assert entries["dyn"].reason == "unsupported RoPE scaling type 'dynamic'" and not entries["dyn"].loadable
+    assert entries["yarn"].loadable

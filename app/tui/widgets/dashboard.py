@@ -23,6 +23,8 @@ from ..perf import UI_COST
 
 BARS = " ▁▂▃▄▅▆▇█"
 WRAPPING = {"dash-backend", "dash-model", "dash-share"}  # may take several lines; the rest take one
+# the model line names a chat template only when it is not the file's own (a base model)
+_TEMPLATE_NOTE = {"chatml-fallback": "\ntemplate: chatml (fallback)"}
 REFRESH_HZ = 4
 WINDOW_S = 60
 
@@ -173,7 +175,8 @@ class Dashboard(Vertical, can_focus=False):
         kind = {"local": "local engine", "remote": "panechat server", "openai": "OpenAI API"}.get(info.kind, info.kind)
         where = f" {info.url}" if info.url else ""
         self._show("dash-backend", f"{kind}{where}" + (f" · {info.backend}" if info.backend else ""))
-        self._show("dash-model", info.model or self.status_line)
+        self._show("dash-model", (info.model + _TEMPLATE_NOTE.get(info.chat_template, "")) if info.model
+                   else self.status_line)
         if self._shown.get("detail") != info.detail:
             self._shown["detail"] = info.detail
             self.query_one("#dash-backend").tooltip = info.detail or None
