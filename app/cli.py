@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--quiet", "-q", action="store_true",
+                     help="no start-up line on stderr (model, backend, time to the first token)")
     run.add_argument("prompt", nargs="?", help="the user message (with --raw: the text to complete)")
 
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])

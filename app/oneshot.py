@@ -12,8 +12,9 @@ from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
 from ..engine.events import FinishEvent, TokenEvent
 from ..engine.gguf_file import GGUFFile
-from ..engine.loader import load_model, load_tokenizer
+from ..engine.loader import LoadedModel, load_model, load_tokenizer
 from ..engine.sampling import SamplingParams
+from .startup_clock import since_start
 from .usage import UsageError
 
 
@@ -68,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
             gen = engine.submit(prompt_ids=engine.completion_ids(raw), params=params)
         else:
             gen = engine.submit(messages, params=params, stop=engine.chat_stops)
+        first = True
         for ev in gen.events():
+            if first and not args.quiet:  # the first token (or the end) has come
+                first = False
+                print(startup_line(lm, since_start()), file=sys.stderr, flush=True)
             if isinstance(ev, TokenEvent) and not args.json:
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
@@ -86,6 +91,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def startup_line(lm: LoadedModel, ready_s: float) -> str:
+    """The one start-up line of `run` (stderr): what loaded, on what, and the time from the
+    process's start to the first token."""
+    m = lm.model
+    return (f"panechat: {lm.name} ({m.args.architecture}) on {m.backend.name}: ready in {ready_s:.2f} s "
+            f"(first token; weights prepared in {m.load_seconds:.2f} s)")
 
 
 def tokenize(args: argparse.Namespace) -> int:

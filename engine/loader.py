@@ -50,6 +50,7 @@ def load_model(path: str | Path, backend: str | Backend = "auto", max_positions:
     """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
     gf = GGUFFile.open(path)
     args = ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
+    gf.check_types()  # then tensor types panechat does not read
     be = get_backend(backend) if isinstance(backend, str) else backend
     why = be.unsupported(args)  # and what the backend lacks, before the tokenizer's seconds
     if why:

@@ -294,4 +294,6 @@ def _verdict(header: GGUFHeader) -> dict:
     scaling = header.metadata.get(f"{arch}.rope.scaling.type", "linear")
     if scaling not in ROPE_SCALING_TYPES:
         return dict(reason=f"unsupported RoPE scaling type '{scaling}'")
+    if header.unread_types:
+        return dict(reason=f"tensor type {', '.join(header.unread_types)} not read by panechat")
     return dict(loadable=True)

@@ -178,6 +178,19 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     return stored
 
 
+def set_row_length(path: Path, tensor: str, value: int) -> None:
+    """Rewrite the innermost dimension (the row length) of 2-D `tensor` in the header of the
+    little-endian GGUF at `path`: a damaged file whose tensor data no longer fits its type."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    name = tensor.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack_from("<I", data, at)[0] == 2  # n_dims
+    struct.pack_into("<Q", data, at + 4, value)
+    path.write_bytes(bytes(data))
+
+
 def reference_logits(weights: dict[str, np.ndarray], arch: str, tokens: list[int],
                      max_pos: int = 64) -> np.ndarray:
     """float64 logits [T, vocab] for a whole sequence, straight from the equations, for a
