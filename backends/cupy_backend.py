@@ -34,6 +34,7 @@ import numpy as np
 from .errors import BackendUnavailable, one_line
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
+from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
 from .self_check import AttentionCase, CheckPlan
@@ -142,6 +143,8 @@ class CupyBackend(ArrayBackend):
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
         self._info = self._device_info(cp)
+        graphs = os.environ.get("PANECHAT_CUDA_GRAPHS", "1") != "0"
+        self.graphs = StepGraphs(cp, GraphCapture(cp)) if graphs else None
 
     @classmethod
     def emulated_on_cpu(cls, float_weights: str = "f16") -> "CupyBackend":
@@ -155,6 +158,7 @@ class CupyBackend(ArrayBackend):
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
         self._info = "numpy emulation of the CUDA kernels on the CPU"
+        self.graphs = StepGraphs(np, ReplayByRerun())  # the padding and bucket logic, no CUDA graph
         return self
 
     @staticmethod
@@ -214,6 +218,24 @@ class CupyBackend(ArrayBackend):
         gate, up = self._f32(gate), self._f32(up)
         out = self.xp.empty_like(gate)
         return self.kernels.silu_mul(gate, up, out)
+
+    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> ArrayKV:
+        """The KV store with one spare slot past `n_slots`: the rows that pad a decode step up
+        to its graph's bucket write and read there (cupy_step_graphs)."""
+        kv = ArrayKV(self.xp, n_slots + 1, n_layer, n_kv, ctx, head_dim)
+        kv.spare_slot = n_slots
+        return kv
+
+    def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Any, slots: np.ndarray,
+                        positions: np.ndarray) -> Any:
+        """The decode step through its bucket's CUDA graph (cupy_step_graphs); eagerly when
+        graphs are off, failed to capture, or the batch is past the largest bucket."""
+        spare = getattr(kv, "spare_slot", None)
+        if self.graphs is not None and spare is not None:
+            out = self.graphs.run(kv, owner, body, self._f32(x), slots, positions, spare)
+            if out is not None:
+                return out
+        return body(x, self.asarray(slots), self.asarray(positions))
 
     def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
         xp = self.xp
@@ -296,10 +318,10 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
             kvs.append(kv)
         init_k = rng.standard_normal((S, G, C, D), dtype=np.float32)
         init_v = rng.standard_normal((S, G, C, D), dtype=np.float32)
-        kvs[0].k[0][...] = backend.asarray(init_k)
-        kvs[0].v[0][...] = backend.asarray(init_v)
-        kvs[1].k[0][...] = init_k
-        kvs[1].v[0][...] = init_v
+        kvs[0].k[0][:S] = backend.asarray(init_k)  # [:S]: past it, the spare slot (zeros)
+        kvs[0].v[0][:S] = backend.asarray(init_v)
+        kvs[1].k[0][:S] = init_k
+        kvs[1].v[0][:S] = init_v
         pairs = rng.choice(S * C, R, replace=False)  # distinct (slot, position) per row
         slots, poss = (pairs // C).astype(np.int32), (pairs % C).astype(np.int32)
         poss[0] = C - 1  # the longest key range

@@ -137,16 +137,38 @@ class Model:
                    rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
-        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
+        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`.
+
+        A decode-shaped batch (every row's logits wanted, in row order) goes through
+        `Backend.run_decode_step`, which may replay a captured CUDA graph of the layers and
+        head (CuPy); the result is the same bit for bit."""
         a, be = self.args, self.backend
         be.begin_step()
-        slots = be.asarray(batch.slots)
-        positions = be.asarray(batch.positions)
         R = len(batch.tokens)
-        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         x = be.embed(self.token_embd, batch.tokens)  # (R, D)
         if a.embed_scale != 1.0:
             x = x * np.float32(a.embed_scale)
+        rows = np.asarray(batch.logit_rows, dtype=np.int64)
+        if len(rows) == R and np.array_equal(rows, np.arange(R)):
+            logits = be.run_decode_step(kv, self, lambda x, s, p: self.layers_and_head(kv, x, s, p, None),
+                                        x, batch.slots, batch.positions)
+        else:
+            logits = self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
+                                          be.asarray(rows))
+        logits = be.to_numpy(logits)
+        if a.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
+            cap = np.float32(a.final_logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any) -> Any:
+        """The device part of a step: every layer over x [R, D] (rows at `slots`,
+        `positions`, on the backend), then the output norm and head for `rows` (None: all
+        rows) -> logits on the backend. Launches the same kernels for the same shapes
+        whatever the values, so a backend may capture it as a graph."""
+        a, be = self.args, self.backend
+        R = x.shape[0]
+        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         for i, L in enumerate(self.layers):
             h = be.rms_norm(x, L.attn_norm, a.rms_eps)
             q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
@@ -160,13 +182,8 @@ class Model:
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
             h = be.linear(ffn_act(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down)
             x = x + _normed(be, h, L.post_ffw_norm, a.rms_eps)
-        rows = be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))
-        h = be.rms_norm(x[rows], self.output_norm, a.rms_eps)
-        logits = be.to_numpy(be.linear(h, self.output))
-        if a.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
-            cap = np.float32(a.final_logit_softcap)
-            logits = np.tanh(logits / cap) * cap
-        return logits
+        h = be.rms_norm(x if rows is None else x[rows], self.output_norm, a.rms_eps)
+        return be.linear(h, self.output)
 
 
 def _rope_per_layer(a: ModelArgs, be: Backend, max_pos: int, freqs: np.ndarray | None) -> list:
