@@ -50,6 +50,15 @@ class Backend(ABC):
         """Called once at the start of every forward pass, on the thread that runs it
         (the CPU backend adapts its thread count here)."""
 
+    samples_on_device = False  # True: `sample_rows` picks tokens where the logits are
+
+    def sample_rows(self, logits: Array, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Pick one token per row of logits [R, V] on the device (temperature 0: greedy),
+        each row from its own logits, seed and step alone -> host int32 [R, 2] (token, bad:
+        the logits were not finite). Only backends with `samples_on_device`."""
+        raise NotImplementedError(f"{self.name} samples on the host")
+
     # -- the forward pass's operations -------------------------------------------------
     def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Array, slots: np.ndarray,
                         positions: np.ndarray) -> Array:

@@ -34,6 +34,7 @@ import numpy as np
 from .errors import BackendUnavailable, one_line
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
+from .cupy_kernels.sampling import sampling_table
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
@@ -109,6 +110,7 @@ class CupyBackend(ArrayBackend):
     """CuPy arrays on the current CUDA device (CUDA_VISIBLE_DEVICES picks it)."""
 
     name = "cupy"
+    samples_on_device = True
     # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
     # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
     # one at 128
@@ -237,6 +239,17 @@ class CupyBackend(ArrayBackend):
                 return out
         return body(x, self.asarray(slots), self.asarray(positions))
 
+    def sample_rows(self, logits: Any, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Tokens picked by the sample_rows kernel (greedy, temperature, top-k, top-p, min-p,
+        Philox keyed by seed and step); only [R, 2] int32 comes back to the host."""
+        xp = self.xp
+        logits = self._f32(logits)
+        f, k, ss = sampling_table(temperature, top_p, min_p, top_k, seeds, steps)
+        out = xp.empty((logits.shape[0], 2), xp.int32)
+        self.kernels.sample_rows(logits, xp.empty_like(logits), xp.asarray(f), xp.asarray(k), xp.asarray(ss), out)
+        return self.to_numpy(out)
+
     def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
         xp = self.xp
         self.kernels.kv_write(self._f32(k), self._f32(v), kv.k[layer], kv.v[layer],
@@ -335,4 +348,17 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         same(name, got, want)
         same(name + " K cache", kvs[0].k[0], kvs[1].k[0])
         same(name + " V cache", kvs[0].v[0], kvs[1].v[0])
+    R, V = 6, 3000
+    logits = rng.standard_normal((R, V), dtype=np.float32) * 3
+    logits[1, [5, 900]] = 20.0  # a tie
+    logits[2, 7] = np.nan
+    f, k, ss = sampling_table([0.0, 0.0, 0.9, 0.7, 1.3, 0.5], [1.0, 1.0, 1.0, 0.9, 0.95, 1.0],
+                              [0.0, 0.0, 0.0, 0.0, 0.05, 0.0], [0, 0, 0, 50, 0, 1], [1, 2, 3, 4, 2**40 + 5, 6],
+                              [0, 1, 2, 3, 4, 5])
+    got = backend.to_numpy(backend.kernels.sample_rows(
+        backend.asarray(logits), backend.xp.empty((R, V), backend.xp.float32), backend.asarray(f),
+        backend.asarray(k), backend.asarray(ss), backend.xp.empty((R, 2), backend.xp.int32)))
+    want = emu.kernels.sample_rows(logits, np.empty((R, V), np.float32), f, k, ss, np.empty((R, 2), np.int32))
+    if not np.array_equal(got, want):
+        problems.append(f"sample_rows: {got.tolist()} != {want.tolist()}")
     return problems

@@ -142,6 +142,25 @@ class Model:
         A decode-shaped batch (every row's logits wanted, in row order) goes through
         `Backend.run_decode_step`, which may replay a captured CUDA graph of the layers and
         head (CuPy); the result is the same bit for bit."""
+        logits = self.backend.to_numpy(self._device_logits(kv, batch))
+        if self.args.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
+            cap = np.float32(self.args.final_logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether `forward_tokens` can pick the tokens where the logits are."""
+        return self.backend.samples_on_device and not self.args.final_logit_softcap > 0
+
+    def forward_tokens(self, kv: Any, batch: Batch, temperature: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Like `forward`, but each logit row is sampled on the device (`Backend.sample_rows`,
+        per-row parameters) and only int32 [L, 2] (token, bad) comes back."""
+        return self.backend.sample_rows(self._device_logits(kv, batch), temperature, top_p, min_p, top_k,
+                                        seeds, steps)
+
+    def _device_logits(self, kv: Any, batch: Batch) -> Any:
         a, be = self.args, self.backend
         be.begin_step()
         R = len(batch.tokens)
@@ -150,16 +169,10 @@ class Model:
             x = x * np.float32(a.embed_scale)
         rows = np.asarray(batch.logit_rows, dtype=np.int64)
         if len(rows) == R and np.array_equal(rows, np.arange(R)):
-            logits = be.run_decode_step(kv, self, lambda x, s, p: self.layers_and_head(kv, x, s, p, None),
-                                        x, batch.slots, batch.positions)
-        else:
-            logits = self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
-                                          be.asarray(rows))
-        logits = be.to_numpy(logits)
-        if a.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
-            cap = np.float32(a.final_logit_softcap)
-            logits = np.tanh(logits / cap) * cap
-        return logits
+            return be.run_decode_step(kv, self, lambda x, s, p: self.layers_and_head(kv, x, s, p, None),
+                                      x, batch.slots, batch.positions)
+        return self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
+                                    be.asarray(rows))
 
     def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any) -> Any:
         """The device part of a step: every layer over x [R, D] (rows at `slots`,

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .constants import KSPLIT, NT, OCTET, QBLOCK, WARP, WARPS, cdiv
+from .sampling import uniform
 from .source import SOURCE, kernel_signatures
 
 _F32 = np.float32
@@ -185,12 +186,93 @@ def emulate_attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, slots: np.n
     return out
 
 
+def _argmax(x: np.ndarray) -> int:
+    return int(np.argmax(x))  # NaN first, then the largest, ties to the lowest index
+
+
+def _chunk_sums(p: np.ndarray, t: np.float32) -> np.ndarray:
+    """Each thread's sequential sum of its chunk's p >= t -> [NT]."""
+    V = p.size
+    ch = -(-V // NT)
+    pad = np.zeros(NT * ch, np.float32)
+    pad[:V] = np.where(p >= t, p, _F32(0.0))
+    return np.add.accumulate(pad.reshape(NT, ch), axis=1, dtype=np.float32)[:, -1]
+
+
+def emulate_sample_row(x: np.ndarray, temp: float, top_p: float, min_p: float, top_k: int,
+                       seed_step: np.ndarray) -> tuple[int, int]:
+    """(token, bad) for one row of logits, as sample_rows computes it."""
+    x = np.asarray(x, np.float32)
+    V = x.size
+    bi = _argmax(x)
+    bv = x[bi]
+    temp, top_p, min_p = _F32(temp), _F32(top_p), _F32(min_p)
+    if not np.isfinite(bv):
+        return bi, 1
+    if temp == 0:
+        return bi, 0
+    with np.errstate(over="ignore", under="ignore"):
+        d = x / temp - bv / temp
+        p = np.where(d < _F32(-87.0), _F32(0.0), expf_pc(np.maximum(d, _F32(-87.0)))).astype(np.float32)
+    p[p < min_p] = 0.0
+    if 0 < top_k < V:
+        lo, hi = 0, 0x3F800000
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            if int((p >= np.uint32(mid).view(np.float32)).sum()) >= top_k:
+                lo = mid
+            else:
+                hi = mid - 1
+        p[p < np.uint32(lo).view(np.float32)] = 0.0
+    if top_p < 1:
+        target = top_p * block_sum256(_chunk_sums(p, _F32(0.0)))
+        lo, hi = 0, 0x3F800000
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            if block_sum256(_chunk_sums(p, np.uint32(mid).view(np.float32))) >= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        p[p < np.uint32(lo).view(np.float32)] = 0.0
+    cs = _chunk_sums(p, _F32(0.0))
+    total = np.add.accumulate(cs, dtype=np.float32)[-1]
+    ss = np.asarray(seed_step, np.uint32)
+    target = uniform(int(ss[0]) | (int(ss[1]) << 32), int(ss[2])) * total
+    ch = -(-V // NT)
+    run = _F32(0.0)
+    for c in range(NT):
+        nxt = run + cs[c]
+        if nxt > target:
+            last = -1
+            for i in range(min(V, c * ch), min(V, c * ch + ch)):
+                if p[i] > 0:
+                    last = i
+                    run = run + p[i]
+                    if run > target:
+                        return i, 0
+            return (last if last >= 0 else bi), 0
+        run = nxt
+    return bi, 0
+
+
+def emulate_sample_rows(logits: np.ndarray, fparams: np.ndarray, top_k: np.ndarray,
+                        seed_step: np.ndarray) -> np.ndarray:
+    """int32 [R, 2] (token, bad) for logits [R, V]."""
+    R = logits.shape[0]
+    out = np.zeros((R, 2), np.int32)
+    for r in range(R):
+        out[r] = emulate_sample_row(logits[r], fparams[r, 0], fparams[r, 1], fparams[r, 2], int(top_k[r]),
+                                    seed_step[r])
+    return out
+
+
 _NP_OF_CTYPE = {
     "float": (np.float32,),
     "unsigned short": (np.float16, np.uint16),
     "signed char": (np.int8,),
     "int": (np.int32,),
     "long long": (np.int64,),
+    "unsigned int": (np.uint32,),
 }
 
 
@@ -302,6 +384,13 @@ def _emu_softmax_v(name, grid, args):
             ov[r, h], scv[rr, h, :P] = emulate_softmax_v(scv[rr, h, :P], vcv[s, h // (H // G), :P])
 
 
+def _emu_sample_rows(name, grid, args):
+    logits, prob, fparams, top_k, seed_step, out, V = args
+    R, V = int(grid[0]), int(V)
+    out.reshape(-1, 2)[:R] = emulate_sample_rows(logits.reshape(-1, V)[:R], fparams.reshape(-1, 4),
+                                                 top_k, seed_step.reshape(-1, 3))
+
+
 _EMULATORS = {
     "linear": _emu_linear,
     "rms_norm": _emu_rms,
@@ -309,4 +398,5 @@ _EMULATORS = {
     "kv_write": _emu_kv_write,
     "attn_scores": _emu_scores,
     "attn_softmax_v": _emu_softmax_v,
+    "sample_rows": _emu_sample_rows,
 }

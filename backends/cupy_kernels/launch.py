@@ -125,3 +125,11 @@ class Kernels:
             self.launch("attn_softmax_v", (n * H,),
                         (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0)))
         return out
+
+    def sample_rows(self, logits: Any, prob: Any, fparams: Any, top_k: Any, seed_step: Any, out: Any) -> Any:
+        """(token, bad) int32 [R, 2] for logits [R, V] (the sample_rows contract in source.py);
+        `prob` [R, V] float32 is scratch, the other inputs come from sampling.sampling_table."""
+        R, V = logits.shape
+        if R:
+            self.launch("sample_rows", (R,), (logits, prob, fparams, top_k, seed_step, out, np.int32(V)))
+        return out
