@@ -119,7 +119,8 @@ class CupyBackend(ArrayBackend):
         linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
                 ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
         norm_widths=(300,),
-        attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,))))
+        attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
+                   AttentionCase(4, 2, 80, 40, 6, (5, 37), window=21)))
 
     def __init__(self, float_weights: str | None = None):
         cp = _import_cupy()
@@ -256,17 +257,18 @@ class CupyBackend(ArrayBackend):
                               xp.ascontiguousarray(slots, dtype=xp.int32),
                               xp.ascontiguousarray(positions, dtype=xp.int32))
 
+    def gelu_mul(self, gate: Any, up: Any) -> Any:
+        gate, up = self._f32(gate), self._f32(up)
+        out = self.xp.empty_like(gate)
+        return self.kernels.gelu_mul(gate, up, out)
+
     def unsupported(self, args: Any) -> str | None:
-        if args.sliding_window:
-            return f"sliding-window attention not yet supported on {self.name}"
-        if args.ffn_act != "silu":
+        if args.ffn_act not in ("silu", "gelu_tanh"):
             return f"the {args.ffn_act} feed-forward not yet supported on {self.name}"
         return None
 
     def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
                slots: Any, positions: Any, scale: float, window: int = 0) -> Any:
-        if window:
-            raise ValueError(f"sliding-window attention not yet supported on {self.name}")
         xp = self.xp
         q = self._f32(q)
         slots = xp.ascontiguousarray(slots, dtype=xp.int32)
@@ -275,7 +277,7 @@ class CupyBackend(ArrayBackend):
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
         self.write_kv(kv, layer, k, v, slots, positions)
         out = xp.empty_like(q)
-        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out)
+        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out, window)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -289,7 +291,8 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[str]:
     """Run every kernel (each linear variant: row tiles 1..16, 1 and 4 columns per warp,
-    the any-K kernel; RMS norm; SiLU; the KV write; attention) on `backend` and on the
+    the any-K kernel; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
+    window; device sampling) on `backend` and on the
     numpy emulation with the same inputs; return one line per result that is not bit for
     bit identical (empty: the device computes exactly the documented contract)."""
     emu = CupyBackend.emulated_on_cpu(backend.float_weights)
@@ -324,7 +327,9 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
                         rng.standard_normal(6000, dtype=np.float32) * 4])
     u = rng.standard_normal(g.size, dtype=np.float32)
     same("silu_mul", backend.silu_mul(backend.asarray(g), backend.asarray(u)), emu.silu_mul(g, u))
-    for S, G, C, D, H, R in ((4, 2, 80, 40, 6, 7), (3, 1, 300, 128, 2, 5), (2, 2, 700, 64, 8, 9)):
+    same("gelu_mul", backend.gelu_mul(backend.asarray(g), backend.asarray(u)), emu.gelu_mul(g, u))
+    for S, G, C, D, H, R, W in ((4, 2, 80, 40, 6, 7, 0), (3, 1, 300, 128, 2, 5, 0), (2, 2, 700, 64, 8, 9, 0),
+                                (3, 2, 300, 64, 4, 6, 100)):
         kvs = []
         for be in (backend, emu):
             kv = be.new_kv(S, 1, G, C, D)
@@ -341,10 +346,10 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         q = rng.standard_normal((R, H, D), dtype=np.float32) * 2
         k = rng.standard_normal((R, G, D), dtype=np.float32)
         v = rng.standard_normal((R, G, D), dtype=np.float32)
-        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R}"
+        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R} window={W}"
         got = backend.attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
-                             backend.asarray(slots), backend.asarray(poss), D ** -0.5)
-        want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5)
+                             backend.asarray(slots), backend.asarray(poss), D ** -0.5, W)
+        want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W)
         same(name, got, want)
         same(name + " K cache", kvs[0].k[0], kvs[1].k[0])
         same(name + " V cache", kvs[0].v[0], kvs[1].v[0])

@@ -138,6 +138,18 @@ def emulate_silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (g / (_F32(1.0) + e)) * np.asarray(u, np.float32)
 
 
+_GELU_C0, _GELU_C1 = _F32(0.7978845608028654), _F32(0.044715)
+
+
+def emulate_gelu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g = np.asarray(g, np.float32)
+    with np.errstate(over="ignore"):
+        inner = _GELU_C0 * (g + ((_GELU_C1 * g) * g) * g)
+        e = expf_pc(np.minimum(_F32(2.0) * inner, _F32(88.0)))
+    t = _F32(1.0) - _F32(2.0) / (e + _F32(1.0))
+    return ((_F32(0.5) * g) * (_F32(1.0) + t)) * np.asarray(u, np.float32)
+
+
 def emulate_scores(q: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
     """q [..., D] against keys [..., P, D] -> scores [..., P] (attn_scores' order)."""
     D = q.shape[-1]
@@ -173,17 +185,23 @@ def emulate_softmax_v(scores: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray,
 
 
 def emulate_attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, slots: np.ndarray,
-                      pos: np.ndarray, scale: float) -> np.ndarray:
+                      pos: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
     R, H, D = q.shape
     G = kc.shape[1]
     out = np.empty_like(q)
     for r in range(R):
         P, s = int(pos[r]) + 1, int(slots[r])
+        t0 = _window_start(P, window)
         for h in range(H):
             g = h // (H // G)
-            sc = emulate_scores(q[r, h], kc[s, g, :P], scale)
-            out[r, h] = emulate_softmax_v(sc, vc[s, g, :P])[0]
+            sc = emulate_scores(q[r, h], kc[s, g, t0:P], scale)
+            out[r, h] = emulate_softmax_v(sc, vc[s, g, t0:P])[0]
     return out
+
+
+def _window_start(P: int, window: int) -> int:
+    """The first key a row at position P - 1 attends to (attention kernels' t0)."""
+    return max(0, P - window) if window > 0 else 0
 
 
 def _argmax(x: np.ndarray) -> int:
@@ -354,8 +372,13 @@ def _emu_kv_write(name, grid, args):
         vcv[slot[r], :, pos[r], :] = vv[r]
 
 
+def _emu_gelu(name, grid, args):
+    g, u, y, n = args
+    y.reshape(-1)[: int(n)] = emulate_gelu_mul(g.reshape(-1)[: int(n)], u.reshape(-1)[: int(n)])
+
+
 def _emu_scores(name, grid, args):
-    q, kc, slot, pos, sc, H, G, C, D, scale, r0 = args
+    q, kc, slot, pos, sc, H, G, C, D, scale, r0, window = args
     H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
     if grid[0] % H or grid[1] != KSPLIT:
         raise ValueError(f"{name}: grid {grid}")
@@ -366,11 +389,12 @@ def _emu_scores(name, grid, args):
         r = r0 + rr
         P, s = int(pos[r]) + 1, int(slot[r])
         for h in range(H):
-            scv[rr, h, :P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), :P], float(scale))
+            t0 = _window_start(P, int(window))
+            scv[rr, h, t0:P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), t0:P], float(scale))
 
 
 def _emu_softmax_v(name, grid, args):
-    sc, vc, slot, pos, o, H, G, C, D, r0 = args
+    sc, vc, slot, pos, o, H, G, C, D, r0, window = args
     H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
     if grid[0] % H:
         raise ValueError(f"{name}: grid {grid}")
@@ -381,7 +405,8 @@ def _emu_softmax_v(name, grid, args):
         r = r0 + rr
         P, s = int(pos[r]) + 1, int(slot[r])
         for h in range(H):
-            ov[r, h], scv[rr, h, :P] = emulate_softmax_v(scv[rr, h, :P], vcv[s, h // (H // G), :P])
+            t0 = _window_start(P, int(window))
+            ov[r, h], scv[rr, h, t0:P] = emulate_softmax_v(scv[rr, h, t0:P], vcv[s, h // (H // G), t0:P])
 
 
 def _emu_sample_rows(name, grid, args):
@@ -395,6 +420,7 @@ _EMULATORS = {
     "linear": _emu_linear,
     "rms_norm": _emu_rms,
     "silu_mul": _emu_silu,
+    "gelu_mul": _emu_gelu,
     "kv_write": _emu_kv_write,
     "attn_scores": _emu_scores,
     "attn_softmax_v": _emu_softmax_v,

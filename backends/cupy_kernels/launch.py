@@ -96,6 +96,12 @@ class Kernels:
             self.launch("silu_mul", (min(cdiv(n, NT), 4096),), (g, u, out, np.int64(n)))
         return out
 
+    def gelu_mul(self, g: Any, u: Any, out: Any) -> Any:
+        n = int(g.size)
+        if n:
+            self.launch("gelu_mul", (min(cdiv(n, NT), 4096),), (g, u, out, np.int64(n)))
+        return out
+
     def kv_write(self, k: Any, v: Any, kc: Any, vc: Any, slots: Any, pos: Any) -> None:
         R, G, D = k.shape
         S, G2, C, D2 = kc.shape
@@ -107,8 +113,10 @@ class Kernels:
             self.launch("kv_write", (min(cdiv(n, NT), 4096),),
                         (k, v, kc, vc, slots, pos, i32(R), i32(G), i32(C), i32(D)))
 
-    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any) -> Any:
-        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] -> out [R, H, D]."""
+    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any,
+                  window: int = 0) -> Any:
+        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] (with a sliding
+        `window` > 0: the last `window` of them) -> out [R, H, D]."""
         R, H, D = q.shape
         S, G, C, D2 = kc.shape
         if D2 != D or H % G or D > MAX_HEAD_DIM or out.shape != q.shape:
@@ -121,9 +129,9 @@ class Kernels:
         for r0 in range(0, R, rows):
             n = min(rows, R - r0)
             self.launch("attn_scores", (n * H, KSPLIT),
-                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0)))
+                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0), i32(window)))
             self.launch("attn_softmax_v", (n * H,),
-                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0)))
+                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0), i32(window)))
         return out
 
     def sample_rows(self, logits: Any, prob: Any, fparams: Any, top_k: Any, seed_step: Any, out: Any) -> Any:

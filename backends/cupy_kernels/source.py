@@ -226,6 +226,23 @@ extern "C" __global__ void __launch_bounds__(NT) silu_mul(
     }
 }
 
+// ---- gelu(g) * u, elementwise (GELU's tanh form, gemma's FFN) ---------------------------
+// i = 0.7978845608028654 * (g + ((0.044715 * g) * g) * g); tanh(i) = 1 - 2 / (expf_pc(min(2i, 88)) + 1);
+// y = ((0.5 * g) * (1 + tanh(i))) * u
+extern "C" __global__ void __launch_bounds__(NT) gelu_mul(
+        const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
+        long long n) {
+    const long long stride = (long long)gridDim.x * NT;
+    for (long long i = (long long)blockIdx.x * NT + threadIdx.x; i < n; i += stride) {
+        const float a = g[i];
+        const float c = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, a), a), a);
+        const float in = __fmul_rn(0.7978845608028654f, __fadd_rn(a, c));
+        const float e = expf_pc(fminf(__fmul_rn(2.0f, in), 88.0f));
+        const float t = __fsub_rn(1.0f, __fdiv_rn(2.0f, __fadd_rn(e, 1.0f)));
+        y[i] = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, a), __fadd_rn(1.0f, t)), u[i]);
+    }
+}
+
 // ---- KV store: k, v [R, G, D] -> caches [S, G, C, D] at (slot[r], :, pos[r], :) --------
 extern "C" __global__ void __launch_bounds__(NT) kv_write(
         const float* __restrict__ k, const float* __restrict__ v,
@@ -252,10 +269,11 @@ extern "C" __global__ void __launch_bounds__(NT) kv_write(
 extern "C" __global__ void __launch_bounds__(NT) attn_scores(
         const float* __restrict__ q, const float* __restrict__ kc,
         const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ sc,
-        int H, int G, int C, int D, float scale, int r0) {
+        int H, int G, int C, int D, float scale, int r0, int window) {
     const int rh = blockIdx.x;
     const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
     const int P = pos[r] + 1;
+    const int t0 = window > 0 ? max(0, P - window) : 0;  // sliding window: keys t0 .. P-1
     const int g = h / (H / G);
     const int lane = threadIdx.x & 31;
     const float* qr = q + ((size_t)r * H + h) * D;
@@ -264,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_scores(
     float qv[MAX_HEAD_DIM / 32];
 #pragma unroll
     for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) qv[i] = (lane + 32 * i < D) ? qr[lane + 32 * i] : 0.0f;
-    for (int t = blockIdx.y * WARPS + (threadIdx.x >> 5); t < P; t += WARPS * KSPLIT) {
+    for (int t = t0 + blockIdx.y * WARPS + (threadIdx.x >> 5); t < P; t += WARPS * KSPLIT) {
         const float* kt = kb + (size_t)t * D;
         float acc = 0.0f;
 #pragma unroll
@@ -279,20 +297,21 @@ extern "C" __global__ void __launch_bounds__(NT) attn_scores(
 extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
         float* sc, const float* __restrict__ vc,
         const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ o,
-        int H, int G, int C, int D, int r0) {
+        int H, int G, int C, int D, int r0, int window) {
     __shared__ float red[WARPS];
     __shared__ float part[NT];
     const int rh = blockIdx.x;
     const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
     const int P = pos[r] + 1;
+    const int t0 = window > 0 ? max(0, P - window) : 0;  // sliding window: keys t0 .. P-1
     const int g = h / (H / G);
     const int tid = threadIdx.x;
     float* e = sc + (size_t)rh * C;
     float mx = __int_as_float(0xff800000);  // -inf
-    for (int t = tid; t < P; t += NT) mx = fmaxf(mx, e[t]);
+    for (int t = t0 + tid; t < P; t += NT) mx = fmaxf(mx, e[t]);
     mx = block_max(mx, red);
     float sum = 0.0f;
-    for (int t = tid; t < P; t += NT) {
+    for (int t = t0 + tid; t < P; t += NT) {
         const float v = expf_pc(__fsub_rn(e[t], mx));
         e[t] = v;
         sum = __fadd_rn(sum, v);
@@ -303,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
     if (tid < S * D) {
         const int s = tid / D, d = tid - s * D;
         float acc = 0.0f;
-        for (int t = s; t < P; t += S) acc = __fmaf_rn(e[t], vb[(size_t)t * D + d], acc);
+        for (int t = t0 + s; t < P; t += S) acc = __fmaf_rn(e[t], vb[(size_t)t * D + d], acc);
         part[tid] = acc;
     }
     __syncthreads();
@@ -522,7 +541,7 @@ OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 KERNEL_NAMES = tuple(
     [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
     + [linear_kernel_name(k, 0, 0) for k in ("f32", "f16")]
-    + ["rms_norm", "silu_mul", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
+    + ["rms_norm", "silu_mul", "gelu_mul", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
 )
 
 

@@ -392,13 +392,17 @@ def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
             assert np.array_equal(got, base), f"chunk {chunk}"
 
 
-def test_sliding_window_models_are_refused_at_load_in_one_line(tiny):
-    """gemma3's sliding-window layers have no CUDA kernel yet: loading says so, once."""
-    from panechat.engine.gguf_file import ModelFileError
-
-    path, _ = tiny("gemma3", "F32")
-    with pytest.raises(ModelFileError, match="sliding-window attention not yet supported on cupy$"):
-        Model.load(GGUFFile.open(path), CupyBackend.emulated_on_cpu(), max_positions=64)
+def test_gemma3_sliding_window_and_gelu_run_on_the_emulated_backend(tiny):
+    """gemma3 (GELU feed-forward; layers 0-4 and 6 slide over 5 keys): the emulated kernels
+    against the float64 reference, chunked prefill bit-identical, and batch invariance."""
+    path, weights = tiny("gemma3", "F32")
+    model = Model.load(GGUFFile.open(path), CupyBackend.emulated_on_cpu(), max_positions=64)
+    tokens = np.random.default_rng(2).integers(0, model.args.vocab_size, 14).tolist()
+    ref = reference_logits(weights, "gemma3", tokens)
+    whole = forward_chunks(model, tokens, 14)
+    assert np.abs(whole - ref).max() / np.abs(ref).max() < 2e-6
+    assert np.array_equal(forward_chunks(model, tokens, 3), whole)
+    _invariance(model, steps=2)
 
 
 def _invariance(model: Model, steps: int = 3) -> None:
