@@ -62,11 +62,11 @@ class Backend(ABC):
     # -- the forward pass's operations -------------------------------------------------
     def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Array, slots: np.ndarray,
                         positions: np.ndarray) -> Array:
-        """Run `body(x, slots, positions)` (the layers and head of a decode step, every row's
-        logits wanted; slots and positions host int32 [R]) -> logits on the device. A
+        """Run `body(kv, x, slots, positions)` (the layers and head of a decode step, every
+        row's logits wanted; slots and positions host int32 [R]) -> logits on the device. A
         backend may replay a captured graph of `body` instead (CuPy; `owner` keys it, with
         `kv`); the result must be the same bit for bit."""
-        return body(x, self.asarray(slots), self.asarray(positions))
+        return body(kv, x, self.asarray(slots), self.asarray(positions))
 
     def embed(self, table: GGUFTensor, ids: np.ndarray) -> Array:
         """Rows of the embedding `table` [V, D] (as stored) for host token ids [R] -> float32

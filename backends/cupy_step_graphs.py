@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-StepBody = Callable[[Any, Any, Any], Any]  # (x [B, D], slots [B], positions [B]) -> logits [B, V]
+StepBody = Callable[[Any, Any, Any, Any], Any]  # (kv, x [B, D], slots [B], positions [B]) -> logits [B, V]
 
 
 def bucket_for(rows: int) -> int | None:
@@ -136,8 +136,9 @@ class StepGraphs:
         if pad:
             entry.x[R:] = 0.0
         if entry.replay is None:
+            kv_ref = weakref.ref(kv)  # the entry must not keep its key (the KV store) alive
             try:
-                entry.replay = self.capturer.capture(lambda: body(entry.x, entry.slots, entry.positions))
+                entry.replay = self.capturer.capture(lambda: body(kv_ref(), entry.x, entry.slots, entry.positions))
             except Exception as e:  # no graphs on this device / driver: eager from now on
                 self.enabled = False
                 self.disabled_because = f"{type(e).__name__}: {e}"

@@ -169,10 +169,12 @@ class Model:
             x = x * np.float32(a.embed_scale)
         rows = np.asarray(batch.logit_rows, dtype=np.int64)
         if len(rows) == R and np.array_equal(rows, np.arange(R)):
-            return be.run_decode_step(kv, self, lambda x, s, p: self.layers_and_head(kv, x, s, p, None),
-                                      x, batch.slots, batch.positions)
+            return be.run_decode_step(kv, self, self._all_rows, x, batch.slots, batch.positions)
         return self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
                                     be.asarray(rows))
+
+    def _all_rows(self, kv: Any, x: Any, slots: Any, positions: Any) -> Any:
+        return self.layers_and_head(kv, x, slots, positions, None)
 
     def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any) -> Any:
         """The device part of a step: every layer over x [R, D] (rows at `slots`,

@@ -94,3 +94,22 @@ def test_capture_failure_falls_back_to_eager_and_says_so_once(qwen, caplog):
     assert b.shape == (1, model.args.vocab_size)
     assert not be.graphs.enabled and "stream is capturing" in be.graphs.disabled_because
     assert sum("CUDA graphs off" in r.message for r in caplog.records) == 1
+
+
+def test_a_dropped_kv_store_takes_its_graphs_with_it(qwen):
+    """The graphs are keyed weakly by the KV store and never reference it, so a store
+    nobody uses any more is freed at once (on a GPU: its memory), graphs and all."""
+    import gc
+    import weakref
+
+    model = Model.load(qwen, CupyBackend.emulated_on_cpu(), max_positions=32)
+    kv = _prefilled(model, 3)
+    _decode(model, kv, [0, 1])
+    gone = weakref.ref(kv)
+    gc.disable()  # no cycle collector: plain reference counting must free it
+    try:
+        del kv
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert len(model.backend.graphs._by_kv) == 0
