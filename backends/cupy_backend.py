@@ -9,7 +9,8 @@ Weights live on the GPU:
                     the floats gguf dequantizes (q*d is exact in float32, + m rounds once).
   F32               float32, exact.
   F16               float16, exact.
-  anything else     (BF16, K-quants, Q5_x, ...) dequantized on the host, then float16
+  BF16              as stored (uint16), widened exactly in registers.
+  anything else     (K-quants, Q5_x, ...) dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
@@ -45,7 +46,8 @@ F16_MAX = 65504.0
 
 @dataclass
 class CupyWeight:
-    """A prepared [n, k] weight. kind 'f32' / 'f16': w is the matrix; 'q8': w is int8 q,
+    """A prepared [n, k] weight. kind 'f32' / 'f16' / 'bf16' (uint16 bits): w is the matrix;
+    'q8': w is int8 q,
     scales float32 [n, k/32], mins float32 [n, k/32] or None."""
 
     kind: str
@@ -72,6 +74,8 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
         return CupyWeight("q8", n, k, q, d, m)
     if t.qtype == "F16" and float_weights != "f32":
         return CupyWeight("f16", n, k, np.ascontiguousarray(t.blocks, dtype=np.float16))  # as stored
+    if t.qtype == "BF16" and len(t.shape) == 2:  # as stored, widened exactly in registers
+        return CupyWeight("bf16", n, k, np.ascontiguousarray(t.blocks).view(np.uint16).reshape(n, k))
     w = t.dequantize()
     if t.qtype == "F32" or float_weights == "f32":
         return CupyWeight("f32", n, k, w)
@@ -117,6 +121,7 @@ class CupyBackend(ArrayBackend):
     check_plan = CheckPlan(
         batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
         linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
+                ("BF16", 70, 96), ("BF16", 33, 44),
                 ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
         norm_widths=(300,),
         attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
@@ -187,7 +192,7 @@ class CupyBackend(ArrayBackend):
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
         return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1 as int8 + float32 scales, F32 float32, "
-                f"others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
+                f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 
     # -- weights ---------------------------------------------------------------------
@@ -238,7 +243,7 @@ class CupyBackend(ArrayBackend):
             out = self.graphs.run(kv, owner, body, self._f32(x), slots, positions, spare)
             if out is not None:
                 return out
-        return body(x, self.asarray(slots), self.asarray(positions))
+        return body(kv, x, self.asarray(slots), self.asarray(positions))
 
     def sample_rows(self, logits: Any, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
                     top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -309,7 +314,7 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
 
     linear_cases = [(1, 40, 64), (2, 70, 96), (3, 33, 288), (4, 9000, 64), (8, 70, 4096),
                     (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77)]
-    for qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0"):
+    for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0"):
         for M, N, K in linear_cases:
             if qtype in BLOCK_BYTES and K % 32:
                 continue

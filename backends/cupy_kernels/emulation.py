@@ -91,6 +91,8 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         return np.asarray(w, np.float32)
     if kind == "f16":
         return np.asarray(w).view(np.float16).astype(np.float32)
+    if kind == "bf16":
+        return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     N, K = w.shape
     q = np.asarray(w).view(np.int8).reshape(N, K // QBLOCK, QBLOCK).astype(np.float32)
     out = q * np.asarray(scales, np.float32)[:, :, None]

@@ -99,6 +99,21 @@ struct WF16 {
     __device__ __forceinline__ float at(int n, int k) const { return h2f(__ldg(w + (size_t)n * K + k)); }
 };
 
+// bfloat16 as stored (uint16): the float32 with these 16 high bits, exactly.
+struct WBF16 {
+    const unsigned short* w;
+    int K;
+    __device__ __forceinline__ static float b2f(unsigned int b) { return __uint_as_float(b << 16); }
+    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+        o[0] = b2f(u.x & 0xffffu); o[1] = b2f(u.x >> 16);
+        o[2] = b2f(u.y & 0xffffu); o[3] = b2f(u.y >> 16);
+        o[4] = b2f(u.z & 0xffffu); o[5] = b2f(u.z >> 16);
+        o[6] = b2f(u.w & 0xffffu); o[7] = b2f(u.w >> 16);
+    }
+    __device__ __forceinline__ float at(int n, int k) const { return b2f(__ldg(w + (size_t)n * K + k)); }
+};
+
 // int8 q [N, K] with float32 d (and m) [N, K/32]: w = q * d (exact) [+ m, rounded once].
 struct WQ8 {
     const signed char* q;
@@ -500,6 +515,7 @@ extern "C" __global__ void __launch_bounds__(NT) sample_rows(
 _LINEAR_SIGNATURES = {
     "f32": ("const float* __restrict__ w", "WF32 ww{w, K};"),
     "f16": ("const unsigned short* __restrict__ w", "WF16 ww{w, K};"),
+    "bf16": ("const unsigned short* __restrict__ w", "WBF16 ww{w, K};"),
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
            "WQ8 ww{q, d, m, K, has_m};"),
 }
@@ -540,7 +556,7 @@ OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 
 KERNEL_NAMES = tuple(
     [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
-    + [linear_kernel_name(k, 0, 0) for k in ("f32", "f16")]
+    + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k != "q8"]
     + ["rms_norm", "silu_mul", "gelu_mul", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
 )
 

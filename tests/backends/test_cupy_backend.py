@@ -40,7 +40,7 @@ from panechat.engine.model import Model
 from ..model_runs import forward_chunks, run_batched
 from ..tiny_gguf import reference_logits
 
-QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
+QTYPES = [("F32", True), ("F16", False), ("BF16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
 PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],
            [28, 198, 66, 11, 216, 28, 56, 48, 49]]
 EXTRA = [[57, 52, 20], [19, 9, 30, 33, 31, 26, 12]]
@@ -359,12 +359,16 @@ def test_float_weight_kinds(tiny):
     w32 = np.random.default_rng(0).standard_normal((8, 16), dtype=np.float32)
     assert prepare_weight(GGUFTensor.from_array(w32, "F32")).kind == "f32"
     assert np.array_equal(prepare_weight(GGUFTensor.from_array(w32, "F32")).w, w32)
-    assert prepare_weight(GGUFTensor.from_array(w32, "BF16")).kind == "f16"  # other types: float16 ...
+    bf = GGUFTensor.from_array(w32, "BF16")  # BF16: as stored, widened exactly
+    pb = prepare_weight(bf)
+    assert pb.kind == "bf16" and pb.w.dtype == np.uint16 and np.array_equal(ck.dequantize("bf16", pb.w),
+                                                                            bf.dequantize())
     q6_k = GGUFTensor("w", (8, 256), "Q6_K", np.zeros((8, 210), np.uint8))  # 210-byte blocks of 256
+    assert prepare_weight(q6_k).kind == "f16"  # other types: float16 ...
     assert prepare_weight(q6_k, float_weights="f32").kind == "f32"  # ... unless asked
-    big = w32.copy()
+    big = np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32)
     big[0, 0] = 1e5
-    assert prepare_weight(GGUFTensor.from_array(big, "BF16")).kind == "f32"  # ... or out of float16's range
+    assert prepare_weight(GGUFTensor.from_array(big, "Q5_0")).kind == "f32"  # ... or out of float16's range
     assert isinstance(prepare_weight(GGUFTensor.from_array(w32, "F32")), CupyWeight)
 
 
