@@ -10,7 +10,9 @@ Weights live on the GPU:
   F32               float32, exact.
   F16               float16, exact.
   BF16              as stored (uint16), widened exactly in registers.
-  anything else     (K-quants, Q5_x, ...) dequantized on the host, then float16
+  Q4_K, Q5_K, Q6_K, int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
+  Q5_0, Q5_1        (cupy_widen.py): exactly the floats gguf dequantizes.
+  anything else     dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
@@ -37,6 +39,7 @@ from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
+from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
 from .self_check import AttentionCase, CheckPlan
@@ -56,6 +59,7 @@ class CupyWeight:
     w: Any
     scales: Any = None
     mins: Any = None
+    group: int = 32  # weights per scale (q8): 32, or 16 for Q6_K
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +76,9 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
+    if can_widen(t.qtype, t.shape):  # K-quants, Q5_x: int8 codes + float32 scale/min, exact
+        q, d, m, g = widen(t.blocks, t.qtype, n, k)
+        return CupyWeight("q8", n, k, q, d, m, g)
     if t.qtype == "F16" and float_weights != "f32":
         return CupyWeight("f16", n, k, np.ascontiguousarray(t.blocks, dtype=np.float16))  # as stored
     if t.qtype == "BF16" and len(t.shape) == 2:  # as stored, widened exactly in registers
@@ -191,7 +198,7 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1 as int8 + float32 scales, F32 float32, "
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 
@@ -201,7 +208,7 @@ class CupyBackend(ArrayBackend):
         xp = self.xp
         return CupyWeight(h.kind, h.n, h.k, xp.asarray(h.w),
                           None if h.scales is None else xp.asarray(h.scales),
-                          None if h.mins is None else xp.asarray(h.mins))
+                          None if h.mins is None else xp.asarray(h.mins), h.group)
 
     def nbytes(self, w: Any) -> int:
         return int(w.nbytes)
@@ -313,12 +320,16 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
             problems.append(f"{name}: {n} of {got.size} values differ, up to {_ulps(got, want)} ulp")
 
     linear_cases = [(1, 40, 64), (2, 70, 96), (3, 33, 288), (4, 9000, 64), (8, 70, 4096),
-                    (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77)]
-    for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0"):
+                    (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77),
+                    (5, 40, 512), (16, 9000, 256)]
+    for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
         for M, N, K in linear_cases:
-            if qtype in BLOCK_BYTES and K % 32:
+            if (qtype in BLOCK_BYTES or qtype in WIDENED) and K % 32 or qtype.endswith("_K") and K % 256:
                 continue
-            t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+            if qtype.endswith("_K"):
+                t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
+            else:
+                t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
             x = rng.standard_normal((M, K), dtype=np.float32)
             pw, ew = backend.linear_weight(t), emu.linear_weight(t)
             same(f"linear {qtype} M={M} N={N} K={K}", backend.linear(backend.asarray(x), pw),

@@ -85,7 +85,7 @@ def emulate_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
-               mins: np.ndarray | None = None) -> np.ndarray:
+               mins: np.ndarray | None = None, group: int = QBLOCK) -> np.ndarray:
     """The float32 weights a linear kernel of `kind` multiplies (exactly)."""
     if kind == "f32":
         return np.asarray(w, np.float32)
@@ -94,7 +94,7 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
     if kind == "bf16":
         return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     N, K = w.shape
-    q = np.asarray(w).view(np.int8).reshape(N, K // QBLOCK, QBLOCK).astype(np.float32)
+    q = np.asarray(w).view(np.int8).reshape(N, K // group, group).astype(np.float32)
     out = q * np.asarray(scales, np.float32)[:, :, None]
     if mins is not None:
         out = out + np.asarray(mins, np.float32)[:, :, None]
@@ -341,8 +341,9 @@ def _emu_linear(name, grid, args):
     kind = parts[1]
     tm, nc = (1, 1) if parts[2] == "s" else (int(parts[2]), int(parts[3]))
     if kind == "q8":
-        x, q, d, m, out, M, N, K, has_m = args
-        w = dequantize("q8", q, d, m if has_m else None)
+        x, q, d, m, out, M, N, K, has_m, gshift = args
+        w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
+                       m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
     else:
         x, w0, out, M, N, K = args
         w = dequantize(kind, w0)

@@ -69,7 +69,7 @@ class Kernels:
             tm, nc = row_tile(M), col_tile(N)
             grid = (cdiv(M, tm), cdiv(N, WARPS * nc))
         elif w.kind == "q8":
-            raise ValueError("linear: q8 weights need K % 32 == 0 and a 16-byte aligned x")
+            raise ValueError("linear: q8 weights need K a multiple of their group and a 16-byte aligned x")
         else:  # the any-K kernel: same arithmetic, scalar loads, one row per block
             tm, nc = 0, 0
             grid = (M, cdiv(N, WARPS))
@@ -78,7 +78,9 @@ class Kernels:
         i32 = np.int32
         if w.kind == "q8":
             mins = w.mins if w.mins is not None else w.scales
-            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None))
+            group = getattr(w, "group", 32)
+            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
+                    i32(group.bit_length() - 1))
         else:
             args = (x, w.w, out, i32(M), i32(N), i32(K))
         self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)

@@ -114,20 +114,22 @@ struct WBF16 {
     __device__ __forceinline__ float at(int n, int k) const { return b2f(__ldg(w + (size_t)n * K + k)); }
 };
 
-// int8 q [N, K] with float32 d (and m) [N, K/32]: w = q * d (exact) [+ m, rounded once].
+// int8 q [N, K] with float32 d (and m) [N, K/G], G = 1 << gs (32, or 16 for Q6_K):
+// w = q * d [+ m, rounded once]. An octet never straddles two groups.
 struct WQ8 {
     const signed char* q;
     const float* d;
     const float* m;
     int K;
     int has_m;
+    int gs;
     __device__ __forceinline__ float deq(int qv, float dd, float mm) const {
         const float w = __fmul_rn((float)qv, dd);
         return has_m ? __fadd_rn(w, mm) : w;
     }
     __device__ __forceinline__ void octet(int n, int g, float* o) const {
         const uint2 u = __ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g));
-        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        const size_t b = (size_t)n * (K >> gs) + ((8 * g) >> gs);
         const float dd = __ldg(d + b);
         const float mm = has_m ? __ldg(m + b) : 0.0f;
 #pragma unroll
@@ -137,7 +139,7 @@ struct WQ8 {
         }
     }
     __device__ __forceinline__ float at(int n, int k) const {
-        const size_t b = (size_t)n * (K >> 5) + (k >> 5);
+        const size_t b = (size_t)n * (K >> gs) + (k >> gs);
         return deq((int)__ldg(q + (size_t)n * K + k), __ldg(d + b), has_m ? __ldg(m + b) : 0.0f);
     }
 };
@@ -517,7 +519,7 @@ _LINEAR_SIGNATURES = {
     "f16": ("const unsigned short* __restrict__ w", "WF16 ww{w, K};"),
     "bf16": ("const unsigned short* __restrict__ w", "WBF16 ww{w, K};"),
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
-           "WQ8 ww{q, d, m, K, has_m};"),
+           "WQ8 ww{q, d, m, K, has_m, gshift};"),
 }
 
 
@@ -529,7 +531,7 @@ def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
 def _linear_wrappers() -> str:
     out = []
     for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
-        extra = ", int has_m" if kind == "q8" else ""
+        extra = ", int has_m, int gshift" if kind == "q8" else ""
         variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
         if kind != "q8":  # q8 needs K % 32 == 0: always the vector kernels
             variants.append((0, 0))

@@ -348,6 +348,28 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
         assert np.array_equal(deq.view(np.uint32), w.view(np.uint32)), name
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_kquant_and_q5_weights_are_widened_exactly(qtype):
+    """K-quants and Q5_x: int8 codes + float32 scale (and min) per group, exactly the
+    floats gguf dequantizes, and the emulated kernel computes with exactly those."""
+    from panechat.backends.cupy_widen import random_blocks
+
+    rng = np.random.default_rng(3)
+    if qtype.endswith("_K"):
+        t = GGUFTensor("w", (40, 512), qtype, random_blocks(rng, qtype, 40, 512))
+    else:
+        t = GGUFTensor.from_array(rng.standard_normal((40, 512), dtype=np.float32), qtype)
+    pw = prepare_weight(t)
+    assert pw.kind == "q8" and pw.w.dtype == np.int8 and pw.group == (16 if qtype == "Q6_K" else 32)
+    assert pw.nbytes < t.dequantize().astype(np.float16).nbytes * 0.8  # less than a float16 copy
+    want = t.dequantize()
+    got = ck.dequantize("q8", pw.w, pw.scales, pw.mins, pw.group)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    be = CupyBackend.emulated_on_cpu()
+    x = rng.standard_normal((3, 512), dtype=np.float32)
+    assert np.array_equal(be.linear(x, be.linear_weight(t)), ck.emulate_linear(x, want))
+
+
 def test_float_weight_kinds(tiny):
     path, _ = tiny("llama", "F16", tied=False)
     gf = GGUFFile.open(path)
@@ -363,12 +385,12 @@ def test_float_weight_kinds(tiny):
     pb = prepare_weight(bf)
     assert pb.kind == "bf16" and pb.w.dtype == np.uint16 and np.array_equal(ck.dequantize("bf16", pb.w),
                                                                             bf.dequantize())
-    q6_k = GGUFTensor("w", (8, 256), "Q6_K", np.zeros((8, 210), np.uint8))  # 210-byte blocks of 256
-    assert prepare_weight(q6_k).kind == "f16"  # other types: float16 ...
-    assert prepare_weight(q6_k, float_weights="f32").kind == "f32"  # ... unless asked
-    big = np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32)
-    big[0, 0] = 1e5
-    assert prepare_weight(GGUFTensor.from_array(big, "Q5_0")).kind == "f32"  # ... or out of float16's range
+    q2_k = GGUFTensor("w", (8, 256), "Q2_K", np.zeros((8, 84), np.uint8))  # 84-byte blocks of 256
+    assert prepare_weight(q2_k).kind == "f16"  # other types: float16 ...
+    assert prepare_weight(q2_k, float_weights="f32").kind == "f32"  # ... unless asked
+    big = np.full((8, 84), 0xFF, np.uint8)  # Q2_K codes and scales all ones, d = 60000: w = 2.7e6
+    big[:, 80:84] = np.array([60000.0, 0.0], np.float16).view(np.uint8)
+    assert prepare_weight(GGUFTensor("w", (8, 256), "Q2_K", big)).kind == "f32"  # ... or out of float16's range
     assert isinstance(prepare_weight(GGUFTensor.from_array(w32, "F32")), CupyWeight)
 
 
