@@ -269,6 +269,14 @@ class CupyBackend(ArrayBackend):
                               xp.ascontiguousarray(slots, dtype=xp.int32),
                               xp.ascontiguousarray(positions, dtype=xp.int32))
 
+    def rope(self, x: Any, positions: Any, style: str, tables: tuple[Any, Any]) -> Any:
+        """One `rope` kernel launch (the same per-element arithmetic as ArrayBackend.rope)."""
+        xp = self.xp
+        x = self._f32(x)
+        out = xp.empty_like(x)
+        return self.kernels.rope(x, out, tables[0], tables[1], xp.ascontiguousarray(positions, dtype=xp.int32),
+                                 style == "neox")
+
     def gelu_mul(self, gate: Any, up: Any) -> Any:
         gate, up = self._f32(gate), self._f32(up)
         out = self.xp.empty_like(gate)
@@ -344,6 +352,12 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
     u = rng.standard_normal(g.size, dtype=np.float32)
     same("silu_mul", backend.silu_mul(backend.asarray(g), backend.asarray(u)), emu.silu_mul(g, u))
     same("gelu_mul", backend.gelu_mul(backend.asarray(g), backend.asarray(u)), emu.gelu_mul(g, u))
+    for style, (R, H, D, rd) in (("neox", (5, 3, 64, 64)), ("normal", (4, 2, 128, 128)), ("neox", (3, 2, 80, 32))):
+        x = rng.standard_normal((R, H, D), dtype=np.float32) * 3
+        pos = rng.integers(0, 100, R).astype(np.int32)
+        tabs, etabs = backend.rope_tables(rd, 10000.0, 100), emu.rope_tables(rd, 10000.0, 100)
+        same(f"rope {style} R={R} H={H} D={D} rope_dim={rd}",
+             backend.rope(backend.asarray(x), backend.asarray(pos), style, tabs), emu.rope(x, pos, style, etabs))
     for S, G, C, D, H, R, W in ((4, 2, 80, 40, 6, 7, 0), (3, 1, 300, 128, 2, 5, 0), (2, 2, 700, 64, 8, 9, 0),
                                 (3, 2, 300, 64, 4, 6, 100)):
         kvs = []

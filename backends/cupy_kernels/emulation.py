@@ -380,6 +380,32 @@ def _emu_gelu(name, grid, args):
     y.reshape(-1)[: int(n)] = emulate_gelu_mul(g.reshape(-1)[: int(n)], u.reshape(-1)[: int(n)])
 
 
+def emulate_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: np.ndarray, neox: bool) -> np.ndarray:
+    """x [R, H, D] -> the rope kernel's result (each product rounded, then the sum)."""
+    half = cos.shape[1]
+    c = cos[pos][:, None, :]
+    s = sin[pos][:, None, :]
+    out = x.copy()
+    if neox:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half:2 * half] = b * c + a * s
+    else:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * c - b * s
+        out[..., 1:2 * half:2] = b * c + a * s
+    return out
+
+
+def _emu_rope(name, grid, args):
+    x, y, cs, sn, pos, n, HD, D, half, neox = args
+    D, HD, half = int(D), int(HD), int(half)
+    R = int(n) // HD
+    xv = x.reshape(-1)[: int(n)].reshape(R, HD // D, D)
+    y.reshape(-1)[: int(n)] = emulate_rope(xv, cs.reshape(-1, half), sn.reshape(-1, half),
+                                           pos.reshape(-1)[:R], bool(neox)).reshape(-1)
+
+
 def _emu_scores(name, grid, args):
     q, kc, slot, pos, sc, H, G, C, D, scale, r0, window = args
     H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
@@ -424,6 +450,7 @@ _EMULATORS = {
     "rms_norm": _emu_rms,
     "silu_mul": _emu_silu,
     "gelu_mul": _emu_gelu,
+    "rope": _emu_rope,
     "kv_write": _emu_kv_write,
     "attn_scores": _emu_scores,
     "attn_softmax_v": _emu_softmax_v,

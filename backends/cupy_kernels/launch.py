@@ -104,6 +104,17 @@ class Kernels:
             self.launch("gelu_mul", (min(cdiv(n, NT), 4096),), (g, u, out, np.int64(n)))
         return out
 
+    def rope(self, x: Any, out: Any, cos: Any, sin: Any, pos: Any, neox: bool) -> Any:
+        """Rotary embedding of x [R, H, D] at pos [R] (int32) with tables [max_pos, half]."""
+        R, H, D = x.shape
+        half = int(cos.shape[1])
+        n = R * H * D
+        if n:
+            self.launch("rope", (min(cdiv(n, NT), 4096),),
+                        (x, out, cos, sin, pos, np.int64(n), np.int32(H * D), np.int32(D), np.int32(half),
+                         np.int32(bool(neox))))
+        return out
+
     def kv_write(self, k: Any, v: Any, kc: Any, vc: Any, slots: Any, pos: Any) -> None:
         R, G, D = k.shape
         S, G2, C, D2 = kc.shape

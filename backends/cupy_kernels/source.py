@@ -260,6 +260,31 @@ extern "C" __global__ void __launch_bounds__(NT) gelu_mul(
     }
 }
 
+// ---- rotary embedding: x [R, H, D] at positions pos[r], tables cos/sin [max_pos, half] ----
+// neox: element d < half pairs with d + half; normal: 2i with 2i + 1. For a pair (a, b) at
+// frequency i: a' = a*cos - b*sin, b' = b*cos + a*sin (each product rounded, then the sum);
+// elements past 2*half are copied. One launch for all rows and heads (was ~12 CuPy ops).
+extern "C" __global__ void __launch_bounds__(NT) rope(
+        const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ cs,
+        const float* __restrict__ sn, const int* __restrict__ pos, long long n, int HD, int D,
+        int half, int neox) {
+    const long long stride = (long long)gridDim.x * NT;
+    for (long long e = (long long)blockIdx.x * NT + threadIdx.x; e < n; e += stride) {
+        const int d = (int)(e % D);
+        const int r = (int)(e / HD);
+        const float v = x[e];
+        if (d >= 2 * half) { y[e] = v; continue; }
+        int i, other;
+        bool first;
+        if (neox) { first = d < half; i = first ? d : d - half; other = first ? d + half : d - half; }
+        else { first = (d & 1) == 0; i = d >> 1; other = first ? d + 1 : d - 1; }
+        const float c = cs[(size_t)pos[r] * half + i], s = sn[(size_t)pos[r] * half + i];
+        const float w = x[e - d + other];
+        y[e] = first ? __fsub_rn(__fmul_rn(v, c), __fmul_rn(w, s))   // a' = a*cos - b*sin
+                     : __fadd_rn(__fmul_rn(v, c), __fmul_rn(w, s));  // b' = b*cos + a*sin
+    }
+}
+
 // ---- KV store: k, v [R, G, D] -> caches [S, G, C, D] at (slot[r], :, pos[r], :) --------
 extern "C" __global__ void __launch_bounds__(NT) kv_write(
         const float* __restrict__ k, const float* __restrict__ v,
@@ -559,7 +584,7 @@ OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 KERNEL_NAMES = tuple(
     [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
     + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k != "q8"]
-    + ["rms_norm", "silu_mul", "gelu_mul", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
+    + ["rms_norm", "silu_mul", "gelu_mul", "rope", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
 )
 
 

@@ -348,6 +348,24 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
         assert np.array_equal(deq.view(np.uint32), w.view(np.uint32)), name
 
 
+@pytest.mark.parametrize("style,rope_dim", [("neox", 64), ("normal", 64), ("neox", 32), ("normal", 16)])
+def test_rope_kernel_is_the_elementwise_rope(style, rope_dim):
+    """The one-launch rope kernel (emulated) == ArrayBackend.rope's numpy arithmetic, bit
+    for bit, partial rotary dims included; and it is one launch."""
+    from panechat.backends.array_backend import ArrayBackend
+
+    be = CupyBackend.emulated_on_cpu()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 3, 64), dtype=np.float32) * 4
+    pos = rng.integers(0, 200, 7).astype(np.int32)
+    tabs = be.rope_tables(rope_dim, 10000.0, 200)
+    be.kernels.module.launches.clear()
+    got = be.rope(x, pos, style, tabs)
+    assert [n for n, _ in be.kernels.module.launches] == ["rope"]
+    want = ArrayBackend.rope(be, x, pos, style, tabs)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_kquant_and_q5_weights_are_widened_exactly(qtype):
     """K-quants and Q5_x: int8 codes + float32 scale (and min) per group, exactly the
