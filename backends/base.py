@@ -77,6 +77,11 @@ class Backend(ABC):
     def linear(self, x: Array, w: Any) -> Array:
         """x [R, K] @ w.T -> [R, N], each output row independent of the others."""
 
+    def linear_add(self, x: Array, w: Any, add: Array) -> Array:
+        """linear(x, w) + add, with add [R, N] (a residual) or [N] (a bias): bit for bit
+        `linear(x, w) + add` (the add rounds once); a backend may fuse it into the matmul."""
+        return self.linear(x, w) + add
+
     @abstractmethod
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         """x / sqrt(mean(x^2) + eps) * weight, per row."""

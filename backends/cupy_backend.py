@@ -222,6 +222,12 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
         return self.kernels.linear(x, w, out)
 
+    def linear_add(self, x: Any, w: CupyWeight, add: Any) -> Any:
+        """The matmul with the residual or bias added by the same kernel (one launch)."""
+        x = self._f32(x)
+        out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        return self.kernels.linear(x, w, out, self._f32(add))
+
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         x = self._f32(x)
         D = x.shape[-1]

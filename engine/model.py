@@ -186,17 +186,17 @@ class Model:
         ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         for i, L in enumerate(self.layers):
             h = be.rms_norm(x, L.attn_norm, a.rms_eps)
-            q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
-            k = _biased(be.linear(h, L.attn_k), L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
-            v = _biased(be.linear(h, L.attn_v), L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
+            q = _biased(be, h, L.attn_q, L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
+            k = _biased(be, h, L.attn_k, L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
+            v = _biased(be, h, L.attn_v, L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
             q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
             k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
             o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
-            o = be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
-            x = x + _normed(be, o, L.post_attention_norm, a.rms_eps)
+            x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
+                          a.rms_eps)
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
-            h = be.linear(ffn_act(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down)
-            x = x + _normed(be, h, L.post_ffw_norm, a.rms_eps)
+            x = _residual(be, x, ffn_act(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down,
+                          L.post_ffw_norm, a.rms_eps)
         h = be.rms_norm(x if rows is None else x[rows], self.output_norm, a.rms_eps)
         return be.linear(h, self.output)
 
@@ -224,8 +224,17 @@ def _normed(be: Backend, x, weight, eps: float):
     return x if weight is None else be.rms_norm(x, weight, eps)
 
 
-def _biased(y, bias):
-    return y if bias is None else y + bias
+def _biased(be: Backend, h, w, bias):
+    """h @ w.T (+ bias): `linear_add` fuses the bias where the backend can."""
+    return be.linear(h, w) if bias is None else be.linear_add(h, w, bias)
+
+
+def _residual(be: Backend, x, h, w, post_norm, eps: float):
+    """x + (h @ w.T, RMS-normed by `post_norm` when there is one); without a post norm the
+    residual add goes into the matmul (`linear_add`), the same bits."""
+    if post_norm is None:
+        return be.linear_add(h, w, x)
+    return x + be.rms_norm(be.linear(h, w), post_norm, eps)
 
 
 def _check_shape(name: str, a: GGUFTensor, want: tuple[int, ...], gf: GGUFFile) -> None:

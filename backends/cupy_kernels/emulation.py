@@ -341,16 +341,19 @@ def _emu_linear(name, grid, args):
     kind = parts[1]
     tm, nc = (1, 1) if parts[2] == "s" else (int(parts[2]), int(parts[3]))
     if kind == "q8":
-        x, q, d, m, out, M, N, K, has_m, gshift = args
+        x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode = args
         w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
                        m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
     else:
-        x, w0, out, M, N, K = args
+        x, w0, out, M, N, K, add, add_mode = args
         w = dequantize(kind, w0)
     M, N, K = int(M), int(N), int(K)
     if tuple(grid) != (cdiv(M, tm), cdiv(N, WARPS * nc)):
         raise ValueError(f"{name}: grid {grid} does not cover M={M}, N={N}")
-    out.reshape(M, N)[...] = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+    y = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+    if int(add_mode):  # the residual [M, N] or the bias [N], added once after the sum
+        y = y + (add.reshape(M, N) if int(add_mode) == 1 else add.reshape(N))
+    out.reshape(M, N)[...] = y
 
 
 def _emu_rms(name, grid, args):

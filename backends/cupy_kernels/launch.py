@@ -57,8 +57,9 @@ class Kernels:
         self.fn(name)(grid, (NT,), args)
 
     # -- the operations ----------------------------------------------------------------
-    def linear(self, x: Any, w: Any, out: Any) -> Any:
-        """out[M, N] = x[M, K] @ W.T for a prepared weight `w` (kind, n, k, arrays)."""
+    def linear(self, x: Any, w: Any, out: Any, add: Any = None) -> Any:
+        """out[M, N] = x[M, K] @ W.T (+ add: [M, N] a residual, or [N] a bias) for a prepared
+        weight `w` (kind, n, k, arrays)."""
         M, K = x.shape
         N = w.n
         if K != w.k or out.shape != (M, N):
@@ -76,13 +77,21 @@ class Kernels:
         if grid[1] > 65535:
             raise ValueError(f"linear: N={N} too large for one launch")
         i32 = np.int32
+        if add is None:
+            tail = (out, i32(0))
+        elif tuple(add.shape) == (M, N):
+            tail = (add, i32(1))
+        elif tuple(add.shape) == (N,):
+            tail = (add, i32(2))
+        else:
+            raise ValueError(f"linear: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
         if w.kind == "q8":
             mins = w.mins if w.mins is not None else w.scales
             group = getattr(w, "group", 32)
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
-                    i32(group.bit_length() - 1))
+                    i32(group.bit_length() - 1)) + tail
         else:
-            args = (x, w.w, out, i32(M), i32(N), i32(K))
+            args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
         self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)
         return out
 

@@ -149,9 +149,12 @@ struct WQ8 {
 // rows m0 .. m0+TM-1 (m0 = blockIdx.x * TM). Lane l owns the octets g = l, l+32, ... and
 // runs one fma chain per output element over them in increasing k.
 // VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads.
+// add_mode 1: out = sum + add[m, n] (a residual), 2: out = sum + add[n] (a bias), the add
+// rounded once after the reduction: what a separate `y + add` computes, one launch fewer.
 template <int TM, int NC, class W>
 __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W& w,
-                                           float* __restrict__ out, int M, int N, int K) {
+                                           float* __restrict__ out, int M, int N, int K,
+                                           const float* __restrict__ add, int add_mode) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
     const int m0 = blockIdx.x * TM;
@@ -191,7 +194,10 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const float s = warp_sum(acc[r][c]);
-            if (lane == 0 && m0 + r < M && n0 + c < N) out[(size_t)(m0 + r) * N + n0 + c] = s;
+            if (lane == 0 && m0 + r < M && n0 + c < N) {
+                const size_t o = (size_t)(m0 + r) * N + n0 + c;
+                out[o] = add_mode ? __fadd_rn(s, add[add_mode == 1 ? o : (size_t)(n0 + c)]) : s;
+            }
         }
 }
 
@@ -199,7 +205,8 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 // lane l takes k with (k / 8) % 32 == l in increasing k, the partial octet last.
 template <class W>
 __device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const W& w,
-                                              float* __restrict__ out, int M, int N, int K) {
+                                              float* __restrict__ out, int M, int N, int K,
+                                              const float* __restrict__ add, int add_mode) {
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.y * WARPS + (threadIdx.x >> 5);
     const int m = blockIdx.x;
@@ -211,7 +218,10 @@ __device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const
         for (int j = 0; j < j1; ++j) acc = __fmaf_rn(__ldg(xr + 8 * g + j), w.at(n, 8 * g + j), acc);
     }
     const float s = warp_sum(acc);
-    if (lane == 0) out[(size_t)m * N + n] = s;
+    if (lane == 0) {
+        const size_t o = (size_t)m * N + n;
+        out[o] = add_mode ? __fadd_rn(s, add[add_mode == 1 ? o : (size_t)n]) : s;
+    }
 }
 
 // ---- RMS norm: one block per row ------------------------------------------------------
@@ -561,11 +571,12 @@ def _linear_wrappers() -> str:
         if kind != "q8":  # q8 needs K % 32 == 0: always the vector kernels
             variants.append((0, 0))
         for tm, nc in variants:
-            call = f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K);" if tm else "linear_scalar(x, ww, out, M, N, K);"
+            call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode);" if tm
+                    else "linear_scalar(x, ww, out, M, N, K, add, add_mode);")
             out.append(
                 f'extern "C" __global__ void __launch_bounds__(NT) {linear_kernel_name(kind, tm, nc)}(\n'
                 f"        const float* __restrict__ x, {wparams}, float* __restrict__ out,\n"
-                f"        int M, int N, int K{extra}) {{\n"
+                f"        int M, int N, int K{extra}, const float* __restrict__ add, int add_mode) {{\n"
                 f"    {make}\n"
                 f"    {call}\n"
                 f"}}\n"

@@ -294,9 +294,10 @@ def test_launch_arguments_are_checked_against_the_c_signature():
     with pytest.raises(ValueError):
         f((2,), (128,), (x, np.zeros(8, np.float32), x, np.int32(8), np.float32(1e-5)))
     with pytest.raises(ValueError):  # a grid that does not cover the matrix
-        mod.get_function("linear_f32_1_1")((1, 1), (256,), (x, np.zeros((70, 8), np.float32),
-                                                         np.zeros((2, 70), np.float32),
-                                                         np.int32(2), np.int32(70), np.int32(8)))
+        out = np.zeros((2, 70), np.float32)
+        mod.get_function("linear_f32_1_1")((1, 1), (256,), (x, np.zeros((70, 8), np.float32), out,
+                                                         np.int32(2), np.int32(70), np.int32(8),
+                                                         out, np.int32(0)))
 
 
 def test_kernel_variant_choice():
@@ -346,6 +347,28 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
         assert (pw.mins is not None) == (qtype == "Q4_1")
         deq = ck.dequantize("q8", pw.w, pw.scales, pw.mins)
         assert np.array_equal(deq.view(np.uint32), w.view(np.uint32)), name
+
+
+@pytest.mark.parametrize("qtype,K", [("F16", 96), ("F32", 44), ("Q8_0", 64), ("Q6_K", 256)])
+def test_linear_add_is_one_launch_and_the_separate_add(qtype, K):
+    """The residual [M, N] and bias [N] adds fused into the matmul kernel (vector and
+    any-K kernels, every weight kind) == linear(x, w) + add, bit for bit, in one launch."""
+    from panechat.backends.cupy_widen import random_blocks
+
+    be = CupyBackend.emulated_on_cpu()
+    rng = np.random.default_rng(6)
+    N = 40
+    if qtype == "Q6_K":
+        t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
+    else:
+        t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    w = be.linear_weight(t)
+    x = rng.standard_normal((5, K), dtype=np.float32)
+    for add in (rng.standard_normal((5, N), dtype=np.float32), rng.standard_normal(N, dtype=np.float32)):
+        be.kernels.module.launches.clear()
+        got = be.linear_add(x, w, add)
+        assert len(be.kernels.module.launches) == 1
+        assert np.array_equal(got.view(np.uint32), (be.linear(x, w) + add).view(np.uint32))
 
 
 @pytest.mark.parametrize("style,rope_dim", [("neox", 64), ("normal", 64), ("neox", 32), ("normal", 16)])
