@@ -12,8 +12,8 @@ What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
   2. every CUDA kernel variant against the numpy emulation of its documented arithmetic,
      bit for bit (backends/cupy_kernels/);
   3. the backend's start-up self_check() (rows alone vs in batches, bit for bit);
-  4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, and
-     head_dim 128): GPU logits == emulated backend bit for bit; vs the numpy backend and
+  4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, BF16, and
+     head_dim 128) and gemma3 (sliding window, GELU): GPU logits == emulated backend bit for bit; vs the numpy backend and
      the float64 reference within REL_TOL; same greedy tokens as the numpy backend;
   5. batch invariance on the device: check_model_invariance, and 4 sequences decoded alone
      vs together with 2 extra sequences in shuffled row order, every logit bit for bit;
@@ -378,9 +378,11 @@ def tiny_models(rep: Report, be, tmp: Path) -> list:
     cases = [(a, q, t, {}) for a in ("llama", "qwen2")
              for q, t in (("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True))]
     cases.append(("llama", "Q8_0", True, dict(n_embd=256, n_head=2, n_kv=1, n_ff=160)))  # head_dim 128
+    cases.append(("llama", "BF16", False, {}))  # BF16 resident as stored (issue 15)
+    cases.append(("gemma3", "F32", True, dict(n_layer=7, head_dim=32, window=5)))  # window + GELU
     models = []
     for arch, qtype, tied, shape in cases:
-        label = f"{arch} {qtype}{' hd128' if shape else ''}"
+        label = f"{arch} {qtype}{' hd128' if shape and arch != 'gemma3' else ''}"
         try:
             path = tmp / f"tiny-{arch}-{qtype}-{len(shape)}.gguf"
             weights = write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3, **shape)
