@@ -350,6 +350,17 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
             pw, ew = backend.linear_weight(t), emu.linear_weight(t)
             same(f"linear {qtype} M={M} N={N} K={K}", backend.linear(backend.asarray(x), pw),
                  emu.linear(x, ew))
+    for qtype, M, N, K in (("F16", 5, 70, 96), ("Q8_0", 17, 8200, 64), ("F32", 3, 50, 77), ("Q6_K", 2, 40, 256)):
+        if qtype == "Q6_K":
+            t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
+        else:
+            t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        pw, ew = backend.linear_weight(t), emu.linear_weight(t)
+        for what, add in (("residual", rng.standard_normal((M, N), dtype=np.float32)),
+                          ("bias", rng.standard_normal(N, dtype=np.float32))):
+            same(f"linear_add {what} {qtype} M={M} N={N} K={K}",
+                 backend.linear_add(backend.asarray(x), pw, backend.asarray(add)), emu.linear_add(x, ew, add))
     for R, D in ((5, 300), (3, 4096), (1, 64)):
         x = rng.standard_normal((R, D), dtype=np.float32) * 3
         wt = rng.standard_normal(D, dtype=np.float32)
