@@ -50,7 +50,24 @@ class Backend(ABC):
         """Called once at the start of every forward pass, on the thread that runs it
         (the CPU backend adapts its thread count here)."""
 
+    samples_on_device = False  # True: `sample_rows` picks tokens where the logits are
+
+    def sample_rows(self, logits: Array, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Pick one token per row of logits [R, V] on the device (temperature 0: greedy),
+        each row from its own logits, seed and step alone -> host int32 [R, 2] (token, bad:
+        the logits were not finite). Only backends with `samples_on_device`."""
+        raise NotImplementedError(f"{self.name} samples on the host")
+
     # -- the forward pass's operations -------------------------------------------------
+    def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Array, slots: np.ndarray,
+                        positions: np.ndarray) -> Array:
+        """Run `body(kv, x, slots, positions)` (the layers and head of a decode step, every
+        row's logits wanted; slots and positions host int32 [R]) -> logits on the device. A
+        backend may replay a captured graph of `body` instead (CuPy; `owner` keys it, with
+        `kv`); the result must be the same bit for bit."""
+        return body(kv, x, self.asarray(slots), self.asarray(positions))
+
     def embed(self, table: GGUFTensor, ids: np.ndarray) -> Array:
         """Rows of the embedding `table` [V, D] (as stored) for host token ids [R] -> float32
         [R, D] on the device; only those rows are dequantized."""
@@ -59,6 +76,11 @@ class Backend(ABC):
     @abstractmethod
     def linear(self, x: Array, w: Any) -> Array:
         """x [R, K] @ w.T -> [R, N], each output row independent of the others."""
+
+    def linear_add(self, x: Array, w: Any, add: Array) -> Array:
+        """linear(x, w) + add, with add [R, N] (a residual) or [N] (a bias): bit for bit
+        `linear(x, w) + add` (the add rounds once); a backend may fuse it into the matmul."""
+        return self.linear(x, w) + add
 
     @abstractmethod
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:

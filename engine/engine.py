@@ -35,7 +35,7 @@ from .loader import LoadedModel
 from .metrics import EngineMetrics, retry_after_estimate
 from .model import Batch
 from .request import Request, RequestState
-from .sampling import SamplingError, SamplingParams, make_sampler
+from .sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
 from .scheduler import QueueFull, Scheduler, StepPlan
 from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
@@ -398,7 +398,12 @@ class Engine:
                 sampled.append(r)
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64))
-        logits = self.lm.model.forward(self.kv, batch)
+        model, logits, picks = self.lm.model, None, None
+        if sampled and model.samples_on_device:  # only token ids cross to the host
+            picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]))
+        else:
+            logits = model.forward(self.kv, batch)
         now = time.perf_counter()
         with self._lock:
             for r in plan.requests:
@@ -409,7 +414,8 @@ class Engine:
                         self._fail_row(r, e)
             for i, r in enumerate(sampled):
                 try:  # whatever goes wrong with this row is this row's alone
-                    self._accept(r, r.sampler(logits[i]), now)
+                    tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
+                    self._accept(r, tok, now)
                 except Exception as e:
                     self._fail_row(r, e)
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)

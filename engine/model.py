@@ -163,36 +163,68 @@ class Model:
                    rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
-        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
+        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`.
+
+        A decode-shaped batch (every row's logits wanted, in row order) goes through
+        `Backend.run_decode_step`, which may replay a captured CUDA graph of the layers and
+        head (CuPy); the result is the same bit for bit."""
+        logits = self.backend.to_numpy(self._device_logits(kv, batch))
+        if self.args.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
+            cap = np.float32(self.args.final_logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether `forward_tokens` can pick the tokens where the logits are."""
+        return self.backend.samples_on_device and not self.args.final_logit_softcap > 0
+
+    def forward_tokens(self, kv: Any, batch: Batch, temperature: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Like `forward`, but each logit row is sampled on the device (`Backend.sample_rows`,
+        per-row parameters) and only int32 [L, 2] (token, bad) comes back."""
+        return self.backend.sample_rows(self._device_logits(kv, batch), temperature, top_p, min_p, top_k,
+                                        seeds, steps)
+
+    def _device_logits(self, kv: Any, batch: Batch) -> Any:
         a, be = self.args, self.backend
         be.begin_step()
-        slots = be.asarray(batch.slots)
-        positions = be.asarray(batch.positions)
         R = len(batch.tokens)
-        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         x = be.embed(self.token_embd, batch.tokens)  # (R, D)
         if a.embed_scale != 1.0:
             x = x * np.float32(a.embed_scale)
+        rows = np.asarray(batch.logit_rows, dtype=np.int64)
+        if len(rows) == R and np.array_equal(rows, np.arange(R)):
+            return be.run_decode_step(kv, self, self._all_rows, x, batch.slots, batch.positions)
+        return self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
+                                    be.asarray(rows))
+
+    def _all_rows(self, kv: Any, x: Any, slots: Any, positions: Any) -> Any:
+        return self.layers_and_head(kv, x, slots, positions, None)
+
+    def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any) -> Any:
+        """The device part of a step: every layer over x [R, D] (rows at `slots`,
+        `positions`, on the backend), then the output norm and head for `rows` (None: all
+        rows) -> logits on the backend. Launches the same kernels for the same shapes
+        whatever the values, so a backend may capture it as a graph."""
+        a, be = self.args, self.backend
+        R = x.shape[0]
+        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         for i, L in enumerate(self.layers):
             h = be.rms_norm(x, L.attn_norm, a.rms_eps)
-            q = _biased(be.linear(h, L.attn_q), L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
-            k = _biased(be.linear(h, L.attn_k), L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
-            v = _biased(be.linear(h, L.attn_v), L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
+            q = _biased(be, h, L.attn_q, L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
+            k = _biased(be, h, L.attn_k, L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
+            v = _biased(be, h, L.attn_v, L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
             q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
             k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
             o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
-            o = be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
-            x = x + _normed(be, o, L.post_attention_norm, a.rms_eps)
+            x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
+                          a.rms_eps)
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
-            h = be.linear(ffn_act(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down)
-            x = x + _normed(be, h, L.post_ffw_norm, a.rms_eps)
-        rows = be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))
-        h = be.rms_norm(x[rows], self.output_norm, a.rms_eps)
-        logits = be.to_numpy(be.linear(h, self.output))
-        if a.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
-            cap = np.float32(a.final_logit_softcap)
-            logits = np.tanh(logits / cap) * cap
-        return logits
+            x = _residual(be, x, ffn_act(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up)), L.ffn_down,
+                          L.post_ffw_norm, a.rms_eps)
+        h = be.rms_norm(x if rows is None else x[rows], self.output_norm, a.rms_eps)
+        return be.linear(h, self.output)
 
 
 def _rope_freq_factors(gf: GGUFFile, a: ModelArgs, max_pos: int) -> np.ndarray | None:
@@ -230,8 +262,17 @@ def _normed(be: Backend, x, weight, eps: float):
     return x if weight is None else be.rms_norm(x, weight, eps)
 
 
-def _biased(y, bias):
-    return y if bias is None else y + bias
+def _biased(be: Backend, h, w, bias):
+    """h @ w.T (+ bias): `linear_add` fuses the bias where the backend can."""
+    return be.linear(h, w) if bias is None else be.linear_add(h, w, bias)
+
+
+def _residual(be: Backend, x, h, w, post_norm, eps: float):
+    """x + (h @ w.T, RMS-normed by `post_norm` when there is one); without a post norm the
+    residual add goes into the matmul (`linear_add`), the same bits."""
+    if post_norm is None:
+        return be.linear_add(h, w, x)
+    return x + be.rms_norm(be.linear(h, w), post_norm, eps)
 
 
 def _check_shape(name: str, a: GGUFTensor, want: tuple[int, ...], gf: GGUFFile) -> None:
