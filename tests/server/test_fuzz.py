@@ -126,6 +126,10 @@ def test_fuzz_websocket_frames(live):
         frames.append(f)
 
     collect()
+    # one send that passes the frame checks and fails deep in parameter validation, whatever
+    # the generated examples hold (the examples' own coverage of it varied between runs)
+    frames.append({"type": "send", "conversation": "c-fuzz", "request": "deep-probe", "content": "hi",
+                   "params": {"top_p": 1.5, "max_tokens": 2}})
 
     seen: list = []
 
