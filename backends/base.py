@@ -60,6 +60,12 @@ class Backend(ABC):
     def linear(self, x: Array, w: Any) -> Array:
         """x [R, K] @ w.T -> [R, N], each output row independent of the others."""
 
+    def linear_many(self, x: Array, ws: tuple) -> tuple:
+        """``tuple(self.linear(x, w) for w in ws)``: products sharing their input (q, k, v;
+        gate, up). A backend may compute them in one call (fewer kernel launches a step);
+        each result must equal `linear`'s bit for bit."""
+        return tuple(self.linear(x, w) for w in ws)
+
     @abstractmethod
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
         """x / sqrt(mean(x^2) + eps) * weight, per row."""
