@@ -12,13 +12,18 @@ block), the fixed halving tree, no K tail (K is a multiple of 32). Only *where* 
 floats come from depends on M, never how an element is computed, so a row's bits are the
 same at every batch size and position:
 
-* M <= REG_MAX_ROWS (decode): register tiles of up to 4 rows x 6 columns take each pair
+* M <= REG_MAX_ROWS (decode): register tiles (1 row x 6 columns, or 4 rows x 3 columns:
+  a 4 x 6 tile with its 8 x vectors spills and measured 1.7x slower) take each pair
   straight from the loader; weights stream from memory once per step, in their stored
   bytes (a Q4_x weight is 4.5-5 bits), prefetched a tile ahead.
 * larger M (batched decode, prefill): each task dequantizes its panel of output columns
   once into a float32 scratch (a few KB, in L1/L2, freed after the task) and runs the
   float32 tiles of `numpy_kernels` over every row, so a weight is decoded once per step
   whatever the batch, and a quantized product costs about what a float32 one does.
+
+numba's on-disk cache keys a kernel on its own module's file only: after editing this
+module, delete backends/__pycache__/quant_kernels.*.nbi and *.nbc (the kernels that
+inline it), or the old machine code is loaded.
 """
 
 from __future__ import annotations
@@ -65,12 +70,12 @@ def _mac2(a, xl, xh, lh):
 
 
 @njit(inline="always", **_JIT)
-def _rtile_4x6(x, w, wd, wdm, out, m, n, load2, pf, bpp):
-    """out[m:m+4, n:n+6], weights dequantized in registers, each pair used by 4 rows."""
+def _rtile_4x3(x, w, wd, wdm, out, m, n, load2, pf, bpp):
+    """out[m:m+4, n:n+3], weights dequantized in registers, each pair used by 4 rows
+    (12 accumulators and 8 x vectors: a 4x6 tile would not fit the 32 registers)."""
     K = x.shape[1]
     x0, x1, x2, x3 = m * K, (m + 1) * K, (m + 2) * K, (m + 3) * K
-    a00 = a01 = a02 = a03 = a04 = a05 = a10 = a11 = a12 = a13 = a14 = a15 = vzero()
-    a20 = a21 = a22 = a23 = a24 = a25 = a30 = a31 = a32 = a33 = a34 = a35 = vzero()
+    a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = a30 = a31 = a32 = vzero()
     for k in range(0, K, PAIR):
         _prefetch_next_tile(w, n, k, pf, bpp)
         k2 = k + LANES
@@ -82,16 +87,15 @@ def _rtile_4x6(x, w, wd, wdm, out, m, n, load2, pf, bpp):
         a01, a11, a21, a31 = _mac2(a01, l0, h0, p), _mac2(a11, l1, h1, p), _mac2(a21, l2, h2, p), _mac2(a31, l3, h3, p)
         p = load2(w, wd, wdm, n + 2, k)
         a02, a12, a22, a32 = _mac2(a02, l0, h0, p), _mac2(a12, l1, h1, p), _mac2(a22, l2, h2, p), _mac2(a32, l3, h3, p)
-        p = load2(w, wd, wdm, n + 3, k)
-        a03, a13, a23, a33 = _mac2(a03, l0, h0, p), _mac2(a13, l1, h1, p), _mac2(a23, l2, h2, p), _mac2(a33, l3, h3, p)
-        p = load2(w, wd, wdm, n + 4, k)
-        a04, a14, a24, a34 = _mac2(a04, l0, h0, p), _mac2(a14, l1, h1, p), _mac2(a24, l2, h2, p), _mac2(a34, l3, h3, p)
-        p = load2(w, wd, wdm, n + 5, k)
-        a05, a15, a25, a35 = _mac2(a05, l0, h0, p), _mac2(a15, l1, h1, p), _mac2(a25, l2, h2, p), _mac2(a35, l3, h3, p)
-    _store6(out, m, n, a00, a01, a02, a03, a04, a05)
-    _store6(out, m + 1, n, a10, a11, a12, a13, a14, a15)
-    _store6(out, m + 2, n, a20, a21, a22, a23, a24, a25)
-    _store6(out, m + 3, n, a30, a31, a32, a33, a34, a35)
+    _store3(out, m, n, a00, a01, a02)
+    _store3(out, m + 1, n, a10, a11, a12)
+    _store3(out, m + 2, n, a20, a21, a22)
+    _store3(out, m + 3, n, a30, a31, a32)
+
+
+@njit(inline="always", **_JIT)
+def _store3(out, m, n, a0, a1, a2):
+    out[m, n], out[m, n + 1], out[m, n + 2] = vsum(a0), vsum(a1), vsum(a2)
 
 
 @njit(inline="always", **_JIT)
@@ -131,7 +135,8 @@ def _register_panel(x, w, wd, wdm, out, n0, n1, load2, bpp):
     m = 0
     if _WIDE and M == 4:
         for n in range(n0, n6, TILE_N):
-            _rtile_4x6(x, w, wd, wdm, out, 0, n, load2, True, bpp)
+            _rtile_4x3(x, w, wd, wdm, out, 0, n, load2, True, bpp)
+            _rtile_4x3(x, w, wd, wdm, out, 0, n + 3, load2, False, bpp)
         m = 4
     for mr in range(m, M):
         for n in range(n0, n6, TILE_N):

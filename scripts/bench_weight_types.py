@@ -21,6 +21,22 @@ from panechat.backends.gguf_tensor import GGUFTensor
 from panechat.backends.numpy_backend import NumpyBackend
 
 
+_KQUANT = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes, f16 d (dmin)
+
+
+def _tensor(rng: np.random.Generator, w: np.ndarray, qtype: str) -> GGUFTensor:
+    """`w` as `qtype` by gguf's writer; K-quants (which it cannot write) as random codes
+    with small positive f16 scales."""
+    if qtype not in _KQUANT:
+        return GGUFTensor.from_array(w, qtype)
+    size, f16_at = _KQUANT[qtype]
+    n, k = w.shape
+    b = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for o in f16_at:
+        b[..., o:o + 2] = rng.uniform(0.001, 0.01, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    return GGUFTensor("w", (n, k), qtype, b.reshape(n, -1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=576)
@@ -34,7 +50,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     be = NumpyBackend()
     w = rng.standard_normal((a.n, a.k), dtype=np.float32) * 0.05
-    kept = {t: be.linear_weight(GGUFTensor.from_array(w, t)) for t in types}
+    kept = {t: be.linear_weight(_tensor(rng, w, t)) for t in types}
     xs = {m: rng.standard_normal((m, a.k), dtype=np.float32) for m in ms}
     times = {(t, m): [] for t in types for m in ms}
     for t in types:  # compile / warm
