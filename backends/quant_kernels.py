@@ -85,6 +85,25 @@ def vload_bits(typingctx, arr, i, shift, mask):
 
 
 @intrinsic
+def vload_nibbles(typingctx, arr, i):
+    """(low nibbles, high nibbles) of the bytes ``arr.flat[i : i + 16]`` as two float32
+    vectors (uint8 C-array; exact): each byte widened to 32 bits once, then masked and
+    shifted there (x86 has no 8-bit vector shift)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)):
+        return None
+    pair = types.UniTuple(f32vec, 2)
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        q = builder.zext(builder.load(builder.bitcast(p, _U8VEC.as_pointer()), align=1, typ=_U8VEC), _I32VEC)
+        lo = builder.uitofp(builder.and_(q, _splat32(0x0F)), _VEC)
+        hi = builder.uitofp(builder.lshr(q, _splat32(4)), _VEC)
+        return context.make_tuple(builder, sig.return_type, [lo, hi])
+
+    return pair(arr, i), codegen
+
+
+@intrinsic
 def vload_s8(typingctx, arr, i):
     """float32 vector of the bytes ``arr.flat[i : i + 16]`` read as int8 (uint8 C-array; exact)."""
     if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)):
@@ -283,8 +302,8 @@ def _pair_q4_0(w, wd, wdm, n, k):
     rb = (k >> 5) * 18
     base = n * w.shape[1] + rb + 2
     d, eight = vsplat(_f16_at(w, n, rb)), vsplat(np.float32(-8.0))
-    return (vmul(vadd(vload_bits(w, base, 0, 0x0F), eight), d),
-            vmul(vadd(vload_bits(w, base, 4, 0x0F), eight), d))
+    lo, hi = vload_nibbles(w, base)
+    return vmul(vadd(lo, eight), d), vmul(vadd(hi, eight), d)
 
 
 @njit(inline="always", **_JIT)
@@ -293,7 +312,8 @@ def _pair_q4_1(w, wd, wdm, n, k):
     rb = (k >> 5) * 20
     base = n * w.shape[1] + rb + 4
     d, m = vsplat(_f16_at(w, n, rb)), vsplat(_f16_at(w, n, rb + 2))
-    return vadd(vmul(vload_bits(w, base, 0, 0x0F), d), m), vadd(vmul(vload_bits(w, base, 4, 0x0F), d), m)
+    lo, hi = vload_nibbles(w, base)
+    return vadd(vmul(lo, d), m), vadd(vmul(hi, d), m)
 
 
 @njit(inline="always", **_JIT)
