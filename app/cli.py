@@ -13,6 +13,7 @@ from ..backends import BACKENDS
 from ..backends.errors import BackendUnavailable, one_line
 from ..engine.config import EngineConfig
 from ..engine.gguf_file import ModelFileError
+from ..engine.model_names import ModelDoesNotFit, UnknownModel, parse_model_list
 from .models_cmd import add_models_parser, models
 from .usage import UsageError
 
@@ -23,16 +24,29 @@ _ENGINE = EngineConfig()  # the engine flags' defaults; EngineConfig.validate() 
 #: before or after the subcommand (`panechat --model X run` = `panechat run --model X`), so
 #: only the top level sets its default (see _parent).
 SHARED_DEFAULTS = {
-    "model": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
+    "model": None, "models": None, "models_memory": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
     **{name: getattr(_ENGINE, name) for name in
-       ("ctx_size", "max_concurrent", "kv_sessions", "max_queue", "prefill_chunk", "straggler_ms")},
+       ("ctx_size", "max_concurrent", "kv_sessions", "max_queue", "prefill_chunk", "straggler_ms",
+        "kv_snapshot_memory")},
+    "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
 
 
+class _ModelsAction(argparse.Action):
+    """--model given several times or as a comma list: `models` keeps them all in order,
+    `model` the first (the default model; the only one `run`, `tokenize` and `bench` use)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        models = parse_model_list([*(getattr(namespace, "models", None) or []), values])
+        namespace.models, namespace.model = models, (models[0] if models else None)
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", metavar="PATH|NAME",
-                   help="GGUF model file, or a name `panechat models` lists (default: the installed SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "-m", metavar="PATH|NAME", action=_ModelsAction,
+                   help="GGUF model file, or a name `panechat models` lists (default: the installed "
+                        "SmolLM2-135M-Instruct); the TUI and serve take several (repeat it, or a comma "
+                        "list): all are loaded, the first is the default")
     p.add_argument("--backend", choices=BACKENDS, help=f"array backend (default: {_D['backend']})")
 
 
@@ -45,9 +59,20 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-sessions", type=int, metavar="N", help="KV cache slots (default 2 x max-concurrent)")
     p.add_argument("--max-queue", type=int, metavar="N", help=f"waiting requests before refusing (default {_D['max_queue']})")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
+    p.add_argument("--models-memory", type=byte_size, metavar="SIZE",
+                   help="memory for the models held at once (weights + KV), e.g. 2G; a model that does not "
+                        "fit unloads the least recently used idle one (never the first), or is refused "
+                        "(default: no limit)")
     p.add_argument("--straggler-ms", type=float, metavar="MS",
                    help="wait this long after an idle engine wakes so near-simultaneous requests share the "
                         f"first step (default {_D['straggler_ms']:g})")
+    p.add_argument("--kv-snapshots", choices=("on", "off"),
+                   help="write an evicted or idle conversation's KV to the cache folder ($XDG_CACHE_HOME/"
+                        "panechat/kv) and read it back instead of re-prefilling, also after a restart "
+                        f"(default {_D['kv_snapshots']})")
+    p.add_argument("--kv-snapshot-memory", type=byte_size, metavar="SIZE",
+                   help="disk space for KV snapshots, e.g. 2G; past it the least recently used go "
+                        f"(default {_D['kv_snapshot_memory'] >> 30}G)")
 
 
 def _listen_options(p: argparse.ArgumentParser) -> None:
@@ -131,18 +156,25 @@ def build_parser() -> argparse.ArgumentParser:
                          parents=[model, context, _parent(_max_tokens_option, defaults={"max_tokens": 256}), json_out])
     run.add_argument("--system", "-s", help="system prompt")
     run.add_argument("--messages", metavar="FILE", help="JSON list of {role, content} messages")
+    run.add_argument("--raw", action="store_true",
+                     help="complete PROMPT as raw text: no chat template (base models); BOS as the model file says")
     run.add_argument("--temperature", "-t", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("prompt", nargs="?", help="the user message")
+    run.add_argument("--quiet", "-q", action="store_true",
+                     help="no start-up line on stderr (model, backend, time to the first token)")
+    run.add_argument("prompt", nargs="?", help="the user message (with --raw: the text to complete)")
 
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")
 
-    sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
-                   parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
+                           parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help="folder where websocket conversations persist across restarts (default: the "
+                            "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")
 
     add_models_parser(sub, parents=[json_out])
 
@@ -163,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if len(args.models or ()) > 1 and args.command not in (None, "serve"):
+            raise UsageError(f"`panechat {args.command}` uses one model; give --model once "
+                             "(several models: the TUI and `panechat serve`)")
         return _dispatch(args)
     except KeyboardInterrupt:
         return 130
@@ -202,6 +237,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _user_error(e: Exception) -> str | None:
     """The one-line message for a user mistake, or None for a real bug."""
-    if isinstance(e, (UsageError, ModelFileError, BackendUnavailable, ValueError, OSError)):
+    if isinstance(e, (UsageError, ModelFileError, BackendUnavailable, ValueError, OSError, UnknownModel,
+                      ModelDoesNotFit)):
         return one_line(e)
     return None

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 
 from ..engine.engine import EngineStopped, PromptTooLong, QueueFull
+from ..engine.gguf_file import ModelFileError
+from ..engine.model_names import ModelDoesNotFit, UnknownModel
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ ENGINE_STOPPED = Refusal("engine_stopped", 503, "server_error", "engine_stopped"
 SHUTTING_DOWN = Refusal("shutting_down", 503, "server_error", "shutting_down", None, "shutting_down",
                         retry_after=1)
 
+# the model a request names (several models in one process: engine/model_set.py)
+UNKNOWN_MODEL = Refusal("unknown_model", 404, "not_found_error", "model_not_found", "model", "unknown_model")
+MODEL_DOES_NOT_FIT = Refusal("model_does_not_fit", 503, "server_error", "models_memory", "model", "models_memory")
+MODEL_UNUSABLE = Refusal("model_unusable", 400, "invalid_request_error", "model_not_loadable", "model",
+                         "model_not_loadable")
+
 
 class ShuttingDown(RuntimeError):
     """The server is draining before it exits: it starts no new generation.
@@ -57,6 +65,12 @@ def classify(e: BaseException) -> Refusal | None:
         return QUEUE_FULL
     if isinstance(e, EngineStopped):
         return ENGINE_STOPPED
+    if isinstance(e, UnknownModel):
+        return UNKNOWN_MODEL
+    if isinstance(e, ModelDoesNotFit):
+        return MODEL_DOES_NOT_FIT
+    if isinstance(e, ModelFileError):
+        return MODEL_UNUSABLE
     if isinstance(e, ValueError):
         return BAD_INPUT
     return None

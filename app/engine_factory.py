@@ -8,7 +8,9 @@ import sys
 
 from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
+from ..engine.kv_snapshot_store import default_root
 from ..engine.loader import load_model
+from ..engine.model_set import ModelSet
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -18,11 +20,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given)
 
 
+def kv_snapshot_dir(args: argparse.Namespace) -> str | None:
+    """Where the engine keeps KV snapshots: the user cache folder with `--kv-snapshots on`
+    (the default of serve and the TUI), None (off) otherwise."""
+    return str(default_root()) if getattr(args, "kv_snapshots", "off") == "on" else None
+
+
 def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     """Load the model named by --model (or the default) on --backend and start the engine.
 
     Prints the start-up lines to stderr unless quiet."""
-    cfg = engine_config(args)
+    cfg = dataclasses.replace(engine_config(args), kv_snapshot_dir=kv_snapshot_dir(args))
     lm = load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
                     max_positions=cfg.ctx_size)
     engine = Engine(lm, cfg).start()  # runs the invariance self-check on the compute thread
@@ -30,3 +38,23 @@ def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
         for line in engine.startup_lines():
             print(line, file=sys.stderr)
     return engine
+
+
+def build_models(args: argparse.Namespace, *, quiet: bool = False) -> ModelSet:
+    """The models --model names (several: all preloaded, the first the default; none: the
+    default model) on --backend within --models-memory. Models asked for later load on
+    first use; each load prints its start-up lines to stderr unless quiet."""
+    def report(name: str, engine: Engine) -> None:
+        if not quiet:
+            for line in engine.startup_lines():
+                print(line, file=sys.stderr)
+
+    models = ModelSet(engine_config(args), getattr(args, "backend", "auto"), getattr(args, "models_memory", None),
+                      on_load=report)
+    try:
+        for spec in getattr(args, "models", None) or [getattr(args, "model", None)]:
+            models.get(spec)
+    except BaseException:
+        models.stop()
+        raise
+    return models

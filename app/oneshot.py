@@ -1,4 +1,5 @@
-"""`panechat run` and `panechat tokenize`: one reply or one tokenization, then exit."""
+"""`panechat run` and `panechat tokenize`: one reply (or, with --raw, the completion of a
+raw prompt) or one tokenization, then exit."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from ..engine.default_model import resolve_model_path
 from ..engine.engine import Engine, EngineConfig
 from ..engine.events import FinishEvent, TokenEvent
 from ..engine.gguf_file import GGUFFile
-from ..engine.loader import load_model, load_tokenizer
+from ..engine.loader import LoadedModel, load_model, load_tokenizer
 from ..engine.sampling import SamplingParams
+from .startup_clock import since_start
 from .usage import UsageError
 
 
@@ -43,8 +45,18 @@ def read_messages(args: argparse.Namespace) -> list[dict]:
     return messages
 
 
+def raw_prompt(args: argparse.Namespace) -> str:
+    """The text `run --raw` completes; the chat-only options are refused."""
+    if args.system or args.messages:
+        raise UsageError("--raw completes PROMPT as it is; drop --system/--messages (they need the chat template)")
+    if not args.prompt:
+        raise UsageError("empty prompt: give the text to complete, e.g. panechat run --raw \"Once upon a time\"")
+    return args.prompt
+
+
 def run(args: argparse.Namespace) -> int:
-    messages = read_messages(args)
+    raw = raw_prompt(args) if args.raw else None
+    messages = None if args.raw else read_messages(args)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
@@ -53,8 +65,15 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(resolve_model_path(args.model), args.backend, max_positions=cfg.ctx_size)
     engine = Engine(lm, cfg).start()
     try:
-        gen = engine.submit(messages, params=params)
+        if raw is not None:  # no template; BOS per the file's add_bos_token (llama.cpp's completion)
+            gen = engine.submit(prompt_ids=engine.completion_ids(raw), params=params)
+        else:
+            gen = engine.submit(messages, params=params, stop=engine.chat_stops)
+        first = True
         for ev in gen.events():
+            if first and not args.quiet:  # the first token (or the end) has come
+                first = False
+                print(startup_line(lm, since_start()), file=sys.stderr, flush=True)
             if isinstance(ev, TokenEvent) and not args.json:
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
@@ -72,6 +91,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def startup_line(lm: LoadedModel, ready_s: float) -> str:
+    """The one start-up line of `run` (stderr): what loaded, on what, and the time from the
+    process's start to the first token."""
+    m = lm.model
+    return (f"panechat: {lm.name} ({m.args.architecture}) on {m.backend.name}: ready in {ready_s:.2f} s "
+            f"(first token; weights prepared in {m.load_seconds:.2f} s)")
 
 
 def tokenize(args: argparse.Namespace) -> int:

@@ -73,6 +73,10 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (profile, position)
     );
     """,
+    # 3: the model a conversation talks to ('' = the default model), so a restart reopens it on it
+    """
+    ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 
@@ -196,6 +200,7 @@ class Conversation:
     seed: int | None = None
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    model: str = ""  # the model's name ('' = the backend's default model)
 
 
 @dataclass
@@ -343,31 +348,32 @@ class Store:
         """A new conversation (a fresh id unless `conv_id`, e.g. a server's conversation)."""
         conv = Conversation(id=conv_id or f"c-{uuid.uuid4().hex[:12]}", title=title or "New chat", **settings)
         self._write(lambda db: db.execute(
-            "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated, model) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (conv.id, conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed,
-             conv.created, conv.updated)))
+             conv.created, conv.updated, conv.model)))
         return conv
 
     def get_conversation(self, conv_id: str) -> Conversation | None:
         rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated "
+            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model "
             "FROM conversations WHERE id = ?", (conv_id,))
         return Conversation(*rows[0]) if rows else None
 
     def list_conversations(self) -> list[Conversation]:
         rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated "
+            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model "
             "FROM conversations ORDER BY updated DESC")
         return [Conversation(*r) for r in rows]
 
     def save_conversation(self, conv: Conversation) -> None:
-        """Write back title, system prompt and sampling settings."""
+        """Write back title, system prompt, sampling settings and model."""
         conv.updated = time.time()
         self._write(lambda db: db.execute(
             "UPDATE conversations SET title = ?, system = ?, temperature = ?, max_tokens = ?, seed = ?, "
-            "updated = ? WHERE id = ?",
-            (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.id)))
+            "updated = ?, model = ? WHERE id = ?",
+            (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.model,
+             conv.id)))
 
     def delete_conversation(self, conv_id: str) -> None:
         self._write(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)))

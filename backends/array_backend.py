@@ -76,5 +76,18 @@ class ArrayBackend(Backend):
             kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
             kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
 
+    def kv_export(self, kv: ArrayKV, where: int, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        host = self.to_numpy
+        return [(np.array(host(kv.k[i][where, :, :n_tokens]), copy=True),
+                 np.array(host(kv.v[i][where, :, :n_tokens]), copy=True)) for i in range(len(kv.k))]
+
+    def kv_import(self, kv: ArrayKV, where: int, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        if len(arrays) != len(kv.k):
+            raise ValueError(f"KV arrays for {len(arrays)} layers, the cache has {len(kv.k)}")
+        for i, (k, v) in enumerate(arrays):
+            n = k.shape[1]
+            kv.k[i][where, :, :n] = self.xp.asarray(k, dtype=kv.k[i].dtype)
+            kv.v[i][where, :, :n] = self.xp.asarray(v, dtype=kv.v[i].dtype)
+
     def self_check(self) -> str | None:
         return check_batch_invariance(self, self.check_plan)

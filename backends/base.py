@@ -50,7 +50,24 @@ class Backend(ABC):
         """Called once at the start of every forward pass, on the thread that runs it
         (the CPU backend adapts its thread count here)."""
 
+    samples_on_device = False  # True: `sample_rows` picks tokens where the logits are
+
+    def sample_rows(self, logits: Array, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Pick one token per row of logits [R, V] on the device (temperature 0: greedy),
+        each row from its own logits, seed and step alone -> host int32 [R, 2] (token, bad:
+        the logits were not finite). Only backends with `samples_on_device`."""
+        raise NotImplementedError(f"{self.name} samples on the host")
+
     # -- the forward pass's operations -------------------------------------------------
+    def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Array, slots: np.ndarray,
+                        positions: np.ndarray) -> Array:
+        """Run `body(kv, x, slots, positions)` (the layers and head of a decode step, every
+        row's logits wanted; slots and positions host int32 [R]) -> logits on the device. A
+        backend may replay a captured graph of `body` instead (CuPy; `owner` keys it, with
+        `kv`); the result must be the same bit for bit."""
+        return body(kv, x, self.asarray(slots), self.asarray(positions))
+
     def embed(self, table: GGUFTensor, ids: np.ndarray) -> Array:
         """Rows of the embedding `table` [V, D] (as stored) for host token ids [R] -> float32
         [R, D] on the device; only those rows are dequantized."""
@@ -65,6 +82,11 @@ class Backend(ABC):
         gate, up). A backend may compute them in one call (fewer kernel launches a step);
         each result must equal `linear`'s bit for bit."""
         return tuple(self.linear(x, w) for w in ws)
+
+    def linear_add(self, x: Array, w: Any, add: Array) -> Array:
+        """linear(x, w) + add, with add [R, N] (a residual) or [N] (a bias): bit for bit
+        `linear(x, w) + add` (the add rounds once); a backend may fuse it into the matmul."""
+        return self.linear(x, w) + add
 
     @abstractmethod
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
@@ -106,16 +128,28 @@ class Backend(ABC):
     def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
         """Copy the first n_tokens cached positions of slot src into slot dst."""
 
+    @abstractmethod
+    def kv_export(self, kv: Any, where: Any, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The cached K and V of positions 0..n_tokens-1 of `where` (a slot index in today's
+        slot layout; a block list in a paged one), per layer, as host copies [n_kv,
+        n_tokens, head_dim] in the KV dtype: bytes that `kv_import` puts back bit for bit."""
+
+    @abstractmethod
+    def kv_import(self, kv: Any, where: Any, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write `kv_export`'s per-layer (K, V) arrays into positions 0..n-1 of `where`."""
+
     def rope_tables(self, rope_dim: int, base: float, max_pos: int,
-                    freq_factors: np.ndarray | None = None) -> tuple[Array, Array]:
+                    freq_factors: np.ndarray | None = None, mscale: float = 1.0) -> tuple[Array, Array]:
         """Rotary (cos, sin) tables [max_pos, rope_dim/2], computed once at load (float64
-        angles, stored float32 on the device); the model owns them."""
+        angles, stored float32 on the device); the model owns them. Pair i turns by
+        base^(-2i/rope_dim) / freq_factors[i] per position; cos and sin are times `mscale`
+        (RoPE scaling, engine/rope_scaling.py)."""
         inv = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
         if freq_factors is not None:
             inv = inv / freq_factors.astype(np.float64)
         angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # (P, rope_dim/2)
-        return (self.asarray(np.cos(angles).astype(np.float32)),
-                self.asarray(np.sin(angles).astype(np.float32)))
+        return (self.asarray((np.cos(angles) * mscale).astype(np.float32)),
+                self.asarray((np.sin(angles) * mscale).astype(np.float32)))
 
     @abstractmethod
     def self_check(self) -> str | None:

@@ -60,6 +60,14 @@ class ThreadGovernor:
         self._last: tuple[float, float, float] | None = None  # (wall, busy, own) at the last look
         self._next = 0.0
 
+    def prime(self) -> None:
+        """Take the first reading now (at start-up), so that the first step's `tick()`
+        already knows the load: on a busy machine the first step, which also loads the
+        kernels, then starts on the threads the other processes leave free."""
+        counters = self._read()
+        if counters is not None:
+            self._last = (self._clock(), counters[0], self._own())
+
     def tick(self) -> int:
         now = self._clock()
         if now < self._next:

@@ -9,7 +9,10 @@ Weights live on the GPU:
                     the floats gguf dequantizes (q*d is exact in float32, + m rounds once).
   F32               float32, exact.
   F16               float16, exact.
-  anything else     (BF16, K-quants, Q5_x, ...) dequantized on the host, then float16
+  BF16              as stored (uint16), widened exactly in registers.
+  Q4_K, Q5_K, Q6_K, int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
+  Q5_0, Q5_1        (cupy_widen.py): exactly the floats gguf dequantizes.
+  anything else     dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
@@ -34,6 +37,9 @@ import numpy as np
 from .errors import BackendUnavailable, one_line
 from .array_backend import ArrayBackend, ArrayKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
+from .cupy_kernels.sampling import sampling_table
+from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
+from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
 from .self_check import AttentionCase, CheckPlan
@@ -43,7 +49,8 @@ F16_MAX = 65504.0
 
 @dataclass
 class CupyWeight:
-    """A prepared [n, k] weight. kind 'f32' / 'f16': w is the matrix; 'q8': w is int8 q,
+    """A prepared [n, k] weight. kind 'f32' / 'f16' / 'bf16' (uint16 bits): w is the matrix;
+    'q8': w is int8 q,
     scales float32 [n, k/32], mins float32 [n, k/32] or None."""
 
     kind: str
@@ -52,6 +59,7 @@ class CupyWeight:
     w: Any
     scales: Any = None
     mins: Any = None
+    group: int = 32  # weights per scale (q8): 32, or 16 for Q6_K
 
     @property
     def nbytes(self) -> int:
@@ -68,8 +76,13 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
+    if can_widen(t.qtype, t.shape):  # K-quants, Q5_x: int8 codes + float32 scale/min, exact
+        q, d, m, g = widen(t.blocks, t.qtype, n, k)
+        return CupyWeight("q8", n, k, q, d, m, g)
     if t.qtype == "F16" and float_weights != "f32":
         return CupyWeight("f16", n, k, np.ascontiguousarray(t.blocks, dtype=np.float16))  # as stored
+    if t.qtype == "BF16" and len(t.shape) == 2:  # as stored, widened exactly in registers
+        return CupyWeight("bf16", n, k, np.ascontiguousarray(t.blocks).view(np.uint16).reshape(n, k))
     w = t.dequantize()
     if t.qtype == "F32" or float_weights == "f32":
         return CupyWeight("f32", n, k, w)
@@ -108,15 +121,18 @@ class CupyBackend(ArrayBackend):
     """CuPy arrays on the current CUDA device (CUDA_VISIBLE_DEVICES picks it)."""
 
     name = "cupy"
+    samples_on_device = True
     # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
     # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
     # one at 128
     check_plan = CheckPlan(
         batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
         linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
+                ("BF16", 70, 96), ("BF16", 33, 44),
                 ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
         norm_widths=(300,),
-        attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,))))
+        attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
+                   AttentionCase(4, 2, 80, 40, 6, (5, 37), window=21)))
 
     def __init__(self, float_weights: str | None = None):
         cp = _import_cupy()
@@ -142,6 +158,8 @@ class CupyBackend(ArrayBackend):
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
         self._info = self._device_info(cp)
+        graphs = os.environ.get("PANECHAT_CUDA_GRAPHS", "1") != "0"
+        self.graphs = StepGraphs(cp, GraphCapture(cp)) if graphs else None
 
     @classmethod
     def emulated_on_cpu(cls, float_weights: str = "f16") -> "CupyBackend":
@@ -155,6 +173,7 @@ class CupyBackend(ArrayBackend):
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
         self._info = "numpy emulation of the CUDA kernels on the CPU"
+        self.graphs = StepGraphs(np, ReplayByRerun())  # the padding and bucket logic, no CUDA graph
         return self
 
     @staticmethod
@@ -179,8 +198,8 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1 as int8 + float32 scales, F32 float32, "
-                f"others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
+                f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 
     # -- weights ---------------------------------------------------------------------
@@ -189,7 +208,7 @@ class CupyBackend(ArrayBackend):
         xp = self.xp
         return CupyWeight(h.kind, h.n, h.k, xp.asarray(h.w),
                           None if h.scales is None else xp.asarray(h.scales),
-                          None if h.mins is None else xp.asarray(h.mins))
+                          None if h.mins is None else xp.asarray(h.mins), h.group)
 
     def nbytes(self, w: Any) -> int:
         return int(w.nbytes)
@@ -203,6 +222,12 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
         return self.kernels.linear(x, w, out)
 
+    def linear_add(self, x: Any, w: CupyWeight, add: Any) -> Any:
+        """The matmul with the residual or bias added by the same kernel (one launch)."""
+        x = self._f32(x)
+        out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        return self.kernels.linear(x, w, out, self._f32(add))
+
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         x = self._f32(x)
         D = x.shape[-1]
@@ -215,23 +240,61 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty_like(gate)
         return self.kernels.silu_mul(gate, up, out)
 
+    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> ArrayKV:
+        """The KV store with one spare slot past `n_slots`: the rows that pad a decode step up
+        to its graph's bucket write and read there (cupy_step_graphs)."""
+        kv = ArrayKV(self.xp, n_slots + 1, n_layer, n_kv, ctx, head_dim)
+        kv.spare_slot = n_slots
+        return kv
+
+    def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Any, slots: np.ndarray,
+                        positions: np.ndarray) -> Any:
+        """The decode step through its bucket's CUDA graph (cupy_step_graphs); eagerly when
+        graphs are off, failed to capture, or the batch is past the largest bucket."""
+        spare = getattr(kv, "spare_slot", None)
+        if self.graphs is not None and spare is not None:
+            out = self.graphs.run(kv, owner, body, self._f32(x), slots, positions, spare)
+            if out is not None:
+                return out
+        return body(kv, x, self.asarray(slots), self.asarray(positions))
+
+    def sample_rows(self, logits: Any, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Tokens picked by the sample_rows kernel (greedy, temperature, top-k, top-p, min-p,
+        Philox keyed by seed and step); only [R, 2] int32 comes back to the host."""
+        xp = self.xp
+        logits = self._f32(logits)
+        f, k, ss = sampling_table(temperature, top_p, min_p, top_k, seeds, steps)
+        out = xp.empty((logits.shape[0], 2), xp.int32)
+        self.kernels.sample_rows(logits, xp.empty_like(logits), xp.asarray(f), xp.asarray(k), xp.asarray(ss), out)
+        return self.to_numpy(out)
+
     def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
         xp = self.xp
         self.kernels.kv_write(self._f32(k), self._f32(v), kv.k[layer], kv.v[layer],
                               xp.ascontiguousarray(slots, dtype=xp.int32),
                               xp.ascontiguousarray(positions, dtype=xp.int32))
 
+    def rope(self, x: Any, positions: Any, style: str, tables: tuple[Any, Any]) -> Any:
+        """One `rope` kernel launch (the same per-element arithmetic as ArrayBackend.rope)."""
+        xp = self.xp
+        x = self._f32(x)
+        out = xp.empty_like(x)
+        return self.kernels.rope(x, out, tables[0], tables[1], xp.ascontiguousarray(positions, dtype=xp.int32),
+                                 style == "neox")
+
+    def gelu_mul(self, gate: Any, up: Any) -> Any:
+        gate, up = self._f32(gate), self._f32(up)
+        out = self.xp.empty_like(gate)
+        return self.kernels.gelu_mul(gate, up, out)
+
     def unsupported(self, args: Any) -> str | None:
-        if args.sliding_window:
-            return f"sliding-window attention not yet supported on {self.name}"
-        if args.ffn_act != "silu":
+        if args.ffn_act not in ("silu", "gelu_tanh"):
             return f"the {args.ffn_act} feed-forward not yet supported on {self.name}"
         return None
 
     def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
                slots: Any, positions: Any, scale: float, window: int = 0) -> Any:
-        if window:
-            raise ValueError(f"sliding-window attention not yet supported on {self.name}")
         xp = self.xp
         q = self._f32(q)
         slots = xp.ascontiguousarray(slots, dtype=xp.int32)
@@ -240,7 +303,7 @@ class CupyBackend(ArrayBackend):
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
         self.write_kv(kv, layer, k, v, slots, positions)
         out = xp.empty_like(q)
-        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out)
+        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out, window)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -254,7 +317,8 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[str]:
     """Run every kernel (each linear variant: row tiles 1..16, 1 and 4 columns per warp,
-    the any-K kernel; RMS norm; SiLU; the KV write; attention) on `backend` and on the
+    the any-K kernel; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
+    window; device sampling) on `backend` and on the
     numpy emulation with the same inputs; return one line per result that is not bit for
     bit identical (empty: the device computes exactly the documented contract)."""
     emu = CupyBackend.emulated_on_cpu(backend.float_weights)
@@ -271,15 +335,32 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
 
     linear_cases = [(1, 40, 64), (2, 70, 96), (3, 33, 288), (4, 9000, 64), (8, 70, 4096),
                     (16, 40, 320), (17, 8200, 32), (33, 65, 192), (64, 24, 1536), (3, 50, 77)]
-    for qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0"):
-        for M, N, K in linear_cases:
-            if qtype in BLOCK_BYTES and K % 32:
+    # the types sharing the q8 / 16-bit kernels above: fewer cases (the emulation is slow),
+    # still both column tiles, the any-K kernel (BF16) and the 16-weight groups (Q6_K)
+    few = [(1, 40, 512), (5, 8200, 256), (17, 33, 256), (3, 50, 77)]
+    for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
+        for M, N, K in (linear_cases if qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0") else few):
+            if (qtype in BLOCK_BYTES or qtype in WIDENED) and K % 32 or qtype.endswith("_K") and K % 256:
                 continue
-            t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+            if qtype.endswith("_K"):
+                t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
+            else:
+                t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
             x = rng.standard_normal((M, K), dtype=np.float32)
             pw, ew = backend.linear_weight(t), emu.linear_weight(t)
             same(f"linear {qtype} M={M} N={N} K={K}", backend.linear(backend.asarray(x), pw),
                  emu.linear(x, ew))
+    for qtype, M, N, K in (("F16", 5, 70, 96), ("Q8_0", 17, 8200, 64), ("F32", 3, 50, 77), ("Q6_K", 2, 40, 256)):
+        if qtype == "Q6_K":
+            t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
+        else:
+            t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        pw, ew = backend.linear_weight(t), emu.linear_weight(t)
+        for what, add in (("residual", rng.standard_normal((M, N), dtype=np.float32)),
+                          ("bias", rng.standard_normal(N, dtype=np.float32))):
+            same(f"linear_add {what} {qtype} M={M} N={N} K={K}",
+                 backend.linear_add(backend.asarray(x), pw, backend.asarray(add)), emu.linear_add(x, ew, add))
     for R, D in ((5, 300), (3, 4096), (1, 64)):
         x = rng.standard_normal((R, D), dtype=np.float32) * 3
         wt = rng.standard_normal(D, dtype=np.float32)
@@ -289,28 +370,49 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
                         rng.standard_normal(6000, dtype=np.float32) * 4])
     u = rng.standard_normal(g.size, dtype=np.float32)
     same("silu_mul", backend.silu_mul(backend.asarray(g), backend.asarray(u)), emu.silu_mul(g, u))
-    for S, G, C, D, H, R in ((4, 2, 80, 40, 6, 7), (3, 1, 300, 128, 2, 5), (2, 2, 700, 64, 8, 9)):
+    same("gelu_mul", backend.gelu_mul(backend.asarray(g), backend.asarray(u)), emu.gelu_mul(g, u))
+    for style, (R, H, D, rd) in (("neox", (5, 3, 64, 64)), ("normal", (4, 2, 128, 128)), ("neox", (3, 2, 80, 32))):
+        x = rng.standard_normal((R, H, D), dtype=np.float32) * 3
+        pos = rng.integers(0, 100, R).astype(np.int32)
+        tabs, etabs = backend.rope_tables(rd, 10000.0, 100), emu.rope_tables(rd, 10000.0, 100)
+        same(f"rope {style} R={R} H={H} D={D} rope_dim={rd}",
+             backend.rope(backend.asarray(x), backend.asarray(pos), style, tabs), emu.rope(x, pos, style, etabs))
+    for S, G, C, D, H, R, W in ((4, 2, 80, 40, 6, 7, 0), (3, 1, 300, 128, 2, 5, 0), (2, 2, 700, 64, 8, 9, 0),
+                                (3, 2, 300, 64, 4, 6, 100)):
         kvs = []
         for be in (backend, emu):
             kv = be.new_kv(S, 1, G, C, D)
             kvs.append(kv)
         init_k = rng.standard_normal((S, G, C, D), dtype=np.float32)
         init_v = rng.standard_normal((S, G, C, D), dtype=np.float32)
-        kvs[0].k[0][...] = backend.asarray(init_k)
-        kvs[0].v[0][...] = backend.asarray(init_v)
-        kvs[1].k[0][...] = init_k
-        kvs[1].v[0][...] = init_v
+        kvs[0].k[0][:S] = backend.asarray(init_k)  # [:S]: past it, the spare slot (zeros)
+        kvs[0].v[0][:S] = backend.asarray(init_v)
+        kvs[1].k[0][:S] = init_k
+        kvs[1].v[0][:S] = init_v
         pairs = rng.choice(S * C, R, replace=False)  # distinct (slot, position) per row
         slots, poss = (pairs // C).astype(np.int32), (pairs % C).astype(np.int32)
         poss[0] = C - 1  # the longest key range
         q = rng.standard_normal((R, H, D), dtype=np.float32) * 2
         k = rng.standard_normal((R, G, D), dtype=np.float32)
         v = rng.standard_normal((R, G, D), dtype=np.float32)
-        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R}"
+        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R} window={W}"
         got = backend.attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
-                             backend.asarray(slots), backend.asarray(poss), D ** -0.5)
-        want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5)
+                             backend.asarray(slots), backend.asarray(poss), D ** -0.5, W)
+        want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W)
         same(name, got, want)
         same(name + " K cache", kvs[0].k[0], kvs[1].k[0])
         same(name + " V cache", kvs[0].v[0], kvs[1].v[0])
+    R, V = 6, 3000
+    logits = rng.standard_normal((R, V), dtype=np.float32) * 3
+    logits[1, [5, 900]] = 20.0  # a tie
+    logits[2, 7] = np.nan
+    f, k, ss = sampling_table([0.0, 0.0, 0.9, 0.7, 1.3, 0.5], [1.0, 1.0, 1.0, 0.9, 0.95, 1.0],
+                              [0.0, 0.0, 0.0, 0.0, 0.05, 0.0], [0, 0, 0, 50, 0, 1], [1, 2, 3, 4, 2**40 + 5, 6],
+                              [0, 1, 2, 3, 4, 5])
+    got = backend.to_numpy(backend.kernels.sample_rows(
+        backend.asarray(logits), backend.xp.empty((R, V), backend.xp.float32), backend.asarray(f),
+        backend.asarray(k), backend.asarray(ss), backend.xp.empty((R, 2), backend.xp.int32)))
+    want = emu.kernels.sample_rows(logits, np.empty((R, V), np.float32), f, k, ss, np.empty((R, 2), np.int32))
+    if not np.array_equal(got, want):
+        problems.append(f"sample_rows: {got.tolist()} != {want.tolist()}")
     return problems

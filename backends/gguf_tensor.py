@@ -14,8 +14,19 @@ import numpy as np
 
 from .errors import one_line
 
-# what panechat can dequantize, named in the message for any other type
-_READABLE = "Q4_0/Q4_1/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K/F16/F32"
+#: The GGML tensor types panechat reads, each kept in its stored form by the CPU kernels:
+#: name -> (values per block, bytes per block), as ggml-common.h / gguf.GGML_QUANT_SIZES.
+#: A file holding any other type is refused at load in one line naming it.
+READ_TYPES = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+
+
+def read_types_text() -> str:
+    """The types panechat reads, for messages: "F32, F16, BF16, Q4_0, ..."."""
+    return ", ".join(READ_TYPES)
 
 
 class TensorError(ValueError):
@@ -48,14 +59,30 @@ class GGUFTensor:
         `dequantize()[rows]`, without dequantizing the others (blocks never span rows)."""
         return self._dequantize(self.blocks[np.asarray(rows)]).reshape(len(rows), self.shape[-1])
 
+    def row_range(self, start: int, stop: int) -> "GGUFTensor":
+        """Rows start..stop of a 2-D tensor as stored, a view of the same blocks (a row of
+        ggml blocks is contiguous and blocks never span rows): a fused weight split this
+        way is, bit for bit, the separate matrices, with no copy and no float32."""
+        if len(self.shape) != 2 or not 0 <= start < stop <= self.shape[0]:
+            raise TensorError(f"tensor {self.name} of shape {self.shape} has no rows {start}..{stop}")
+        return GGUFTensor(f"{self.name}[{start}:{stop}]", (stop - start, self.shape[1]), self.qtype,
+                          self.blocks[start:stop])
+
     def _dequantize(self, blocks: np.ndarray) -> np.ndarray:
+        # The types of the start-up path (float norms, a Q8_0 embedding table) without
+        # importing gguf, with gguf's arithmetic: q * d in float32 (gguf.quants.Q8_0).
+        if self.qtype in ("F32", "F16"):
+            return np.ascontiguousarray(blocks, dtype=np.float32)
+        if self.qtype == "Q8_0":
+            b = np.asarray(blocks, np.uint8).reshape(-1, 34)
+            return b[:, 2:].view(np.int8).astype(np.float32) * b[:, :2].view(np.float16).astype(np.float32)
         from gguf import GGMLQuantizationType, quants  # deferred: importing gguf costs ~0.3 s
 
         try:
             data = quants.dequantize(blocks, GGMLQuantizationType[self.qtype])
         except (NotImplementedError, KeyError):
             raise TensorError(f"tensor {self.name} has type {self.qtype}, which panechat cannot "
-                              f"dequantize; use a file quantized as {_READABLE}") from None
+                              f"dequantize; use a file quantized as one of {read_types_text()}") from None
         except Exception as e:  # a damaged tensor raises many kinds
             raise TensorError(f"tensor {self.name} is unreadable ({one_line(e)})") from None
         return np.ascontiguousarray(data, dtype=np.float32)

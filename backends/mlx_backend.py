@@ -287,6 +287,20 @@ class MLXBackend(Backend):
             kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
         mx.eval(kv.k, kv.v)
 
+    def kv_export(self, kv: MLXKV, where: int, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        mx.eval(kv.k, kv.v)  # pending writes first
+        return [(np.array(kv.k[i][where, :, :n_tokens], copy=True), np.array(kv.v[i][where, :, :n_tokens], copy=True))
+                for i in range(len(kv.k))]
+
+    def kv_import(self, kv: MLXKV, where: int, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        if len(arrays) != len(kv.k):
+            raise ValueError(f"KV arrays for {len(arrays)} layers, the cache has {len(kv.k)}")
+        for i, (k, v) in enumerate(arrays):
+            n = k.shape[1]
+            kv.k[i][where, :, :n] = mx.array(k, dtype=kv.k[i].dtype)
+            kv.v[i][where, :, :n] = mx.array(v, dtype=kv.v[i].dtype)
+        mx.eval(kv.k, kv.v)
+
 
 def _available(module: str) -> bool:
     try:

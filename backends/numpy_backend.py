@@ -81,6 +81,7 @@ class NumpyBackend(ArrayBackend):
             import numba
 
             self.governor = ThreadGovernor(numba.get_num_threads(), numba.set_num_threads)
+            self.governor.prime()  # the first step knows the load (start-up: the model loads meanwhile)
 
     def describe(self) -> str:
         if self.governor is not None:

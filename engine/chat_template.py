@@ -8,8 +8,11 @@ tag, a ``tojson`` filter that does not escape HTML or non-ASCII, and the globals
 ``raise_exception`` and ``strftime_now``; it gets ``messages``, ``tools`` (None),
 ``documents`` (None), ``add_generation_prompt``, ``bos_token`` and ``eos_token``.
 
-The template comes from the GGUF key ``tokenizer.chat_template``; a model without one
-gets ChatML.
+The template comes from the GGUF key ``tokenizer.chat_template``; a model without one (a
+base model) gets ChatML, the template llama.cpp's server falls back to, and says so
+(``kind``: "chatml-fallback", shown in the TUI and ``/v1/models``). Such a model rarely
+has ChatML's markers as tokens, so the fallback's turn markers are stop strings
+(``stop_strings``): the reply ends where the model would start another turn.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-"""The template used when the GGUF has none (HF transformers' ChatML default)."""
+"""The template used when the GGUF has none (HF transformers' ChatML default, and
+llama.cpp's: `llm_chat_apply_template` LLM_CHAT_TEMPLATE_CHATML renders the same text)."""
+
+TEMPLATE_KINDS = ("gguf", "chatml-fallback")
+"""`ChatTemplate.kind`: the file's own template, or ChatML because the file has none."""
 
 
 def _one_line(text: object) -> str:
@@ -130,6 +137,18 @@ class ChatTemplate:
     def is_fallback(self) -> bool:
         """True when the GGUF had no template and ChatML is used instead."""
         return self._is_fallback
+
+    @property
+    def kind(self) -> str:
+        """"gguf" (the file's own template) or "chatml-fallback" (the file has none): the
+        name `/v1/models`, the websocket welcome and the dashboard show."""
+        return TEMPLATE_KINDS[self._is_fallback]
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Text that ends a reply under this template although the model may have no token
+        for it: ChatML's turn markers for the fallback, nothing for the file's own."""
+        return ("<|im_end|>", "<|im_start|>") if self._is_fallback else ()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (each a dict with str ``role`` and

@@ -26,6 +26,11 @@ class EngineConfig:
     prefill_chunk: int = 512
     straggler_ms: float = 2.0
     verify_invariance: bool = True
+    # KV snapshots (engine/kv_persistence.py): a folder turns them on (the CLI passes
+    # $XDG_CACHE_HOME/panechat/kv unless --kv-snapshots off); None: off
+    kv_snapshot_dir: str | None = None
+    kv_snapshot_memory: int = 4 << 30  # --kv-snapshot-memory: bytes of snapshots kept on disk
+    kv_snapshot_min_tokens: int = 256  # shorter conversations are cheaper to prefill than to read
 
     def __post_init__(self) -> None:
         self.validate()
@@ -42,5 +47,9 @@ class EngineConfig:
             raise ValueError(f"--ctx-size must be at least {self.MIN_CTX}")
         if self.prefill_chunk < 1:
             raise ValueError("--prefill-chunk must be >= 1")
+        if self.kv_snapshot_memory < 0:
+            raise ValueError("--kv-snapshot-memory must be >= 0")
+        if self.kv_snapshot_min_tokens < 1:
+            raise ValueError("kv_snapshot_min_tokens must be >= 1")
         if not 0 <= self.straggler_ms <= self.MAX_STRAGGLER_MS:
             raise ValueError(f"--straggler-ms must be between 0 and {self.MAX_STRAGGLER_MS:g}")

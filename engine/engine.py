@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from numbers import Integral
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import numpy as np
@@ -27,12 +28,14 @@ import numpy as np
 from .config import EngineConfig
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
+from .kv_persistence import KVPersistence
 from .kv_slots import SlotPool
+from .kv_snapshot import KVShape
 from .loader import LoadedModel
 from .metrics import EngineMetrics, retry_after_estimate
 from .model import Batch
 from .request import Request, RequestState
-from .sampling import SamplingError, SamplingParams, make_sampler
+from .sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
 from .scheduler import QueueFull, Scheduler, StepPlan
 from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
@@ -140,6 +143,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_slots
+        self.snapshots = self._open_snapshots()
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
         self.batching = True
@@ -189,11 +193,12 @@ class Engine:
 
     def stop(self, reason: str = "cancelled") -> None:
         """End everything (each generation gets its FinishEvent with `reason`) and join the
-        thread. Later submits are refused."""
+        thread. Later submits are refused. With KV snapshots on, the idle conversations'
+        KV is written first (the compute thread does it on its way out)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=60)
             self._thread = None
         with self._lock:
             for r in list(self._by_id.values()):
@@ -205,6 +210,23 @@ class Engine:
         code on an event loop calls this in a worker thread, then `submit(prompt_ids=...)`."""
         _validate_messages(messages)
         return self.lm.prompt_ids(messages)
+
+    def completion_ids(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) as token ids, BOS per the file's flags; raises
+        ValueError for a non-string, empty or invalid-Unicode `text`."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("empty prompt: give the text to complete")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the prompt is not valid Unicode (lone surrogate)") from None
+        return self.lm.completion_ids(text)
+
+    @property
+    def chat_stops(self) -> tuple[str, ...]:
+        """Stop strings every chat reply gets from the template (the ChatML fallback's turn
+        markers; none for a file's own template): a chat submit passes them with its own."""
+        return self.lm.template.stop_strings
 
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
@@ -285,8 +307,12 @@ class Engine:
                     self._reap_cancelled()
                     plan = self.scheduler.schedule()
                     self._publish_state(force=self._members_changed or not plan.requests)
+                if self.snapshots is not None:  # evicted KV is still in its slot: save it now
+                    self._save_evicted()
                 for c in plan.kv_copies:  # before the forward pass, in order
                     be.copy_slot(self.kv, c.src, c.dst, c.n_tokens)
+                if self.snapshots is not None and plan.admitted:
+                    self._restore_admitted(plan)
                 copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()
@@ -304,6 +330,57 @@ class Engine:
                     victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
                         self._fail(r, f"internal error: {type(e).__name__}: {e}")
+        if self.snapshots is not None:
+            self._save_on_stop()
+
+    # -- KV snapshots (kv_persistence.py): three calls, all on the compute thread -----------
+    def _open_snapshots(self) -> KVPersistence | None:
+        """The snapshot folder of this model when --kv-snapshots is on; a folder that
+        cannot be used turns them off with one log line (the engine serves without)."""
+        cfg = self.cfg
+        if not cfg.kv_snapshot_dir:
+            return None
+        args = self.lm.model.args
+        shape = KVShape("float32", args.n_layer, args.n_kv_head, args.head_dim)
+        try:
+            return KVPersistence.open(Path(cfg.kv_snapshot_dir), self.lm.path, shape, cfg.kv_snapshot_memory,
+                                      self.lm.model.backend, self.kv, cfg.kv_snapshot_min_tokens,
+                                      self.metrics.record_snapshots)
+        except Exception as e:  # noqa: BLE001 - e.g. an unwritable cache folder
+            log.warning("KV snapshots off: %s", e)
+            return None
+
+    def _save_evicted(self) -> None:
+        for where, tokens in self.pool.take_evicted():
+            self.snapshots.save(where, tokens)
+
+    def _restore_admitted(self, plan: StepPlan) -> None:
+        """Restore the prefixes of requests admitted this step from snapshots where they
+        beat the resident cache, then shorten their rows in the plan to what is left."""
+        changed = False
+        for r in plan.admitted:
+            try:
+                n = self.snapshots.restore(r.slot, r.prompt_ids, r.reused)
+            except Exception:  # noqa: BLE001 - positions past `reused` are prefilled again anyway
+                log.exception("KV snapshot restore failed; the prompt is prefilled")
+                continue
+            if n > r.reused:
+                self.pool.slots[r.slot].tokens = list(r.prompt_ids[:n])
+                r.reused = r.computed = n
+                changed = True
+        if changed:
+            plan.n_tokens = [min(n, r.n_known - r.computed) for r, n in zip(plan.requests, plan.n_tokens)]
+
+    def _save_on_stop(self) -> None:
+        """Graceful stop: snapshot every idle conversation's KV, then wait for the writes."""
+        try:
+            self._save_evicted()
+            for s in self.pool.slots:
+                if s.tokens and not s.busy:
+                    self.snapshots.save(s.index, s.tokens)
+        except Exception:  # noqa: BLE001 - a failed export must not hang the stop
+            log.exception("KV snapshots at stop failed")
+        self.snapshots.close(timeout=50)
 
     def _step(self, plan: StepPlan) -> None:
         tokens, slots, positions, logit_rows, sampled = [], [], [], [], []
@@ -321,7 +398,12 @@ class Engine:
                 sampled.append(r)
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64))
-        logits = self.lm.model.forward(self.kv, batch)
+        model, logits, picks = self.lm.model, None, None
+        if sampled and model.samples_on_device:  # only token ids cross to the host
+            picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]))
+        else:
+            logits = model.forward(self.kv, batch)
         now = time.perf_counter()
         with self._lock:
             for r in plan.requests:
@@ -332,7 +414,8 @@ class Engine:
                         self._fail_row(r, e)
             for i, r in enumerate(sampled):
                 try:  # whatever goes wrong with this row is this row's alone
-                    self._accept(r, r.sampler(logits[i]), now)
+                    tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
+                    self._accept(r, tok, now)
                 except Exception as e:
                     self._fail_row(r, e)
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)

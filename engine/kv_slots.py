@@ -38,6 +38,9 @@ class SlotPool:
             raise ValueError("kv-sessions must be at least 1")
         self.slots = [Slot(i) for i in range(n)]
         self.evictions = 0
+        # (slot index, tokens) of each eviction since the engine last took them: their KV is
+        # still in the slot until the step's copies and forward pass (kv_persistence.py)
+        self.evicted: list[tuple[int, list[int]]] = []
 
     @property
     def in_use(self) -> int:
@@ -70,6 +73,7 @@ class SlotPool:
         else:
             slot = min(idle, key=lambda s: s.last_used)
             self.evictions += 1
+            self.evicted.append((slot.index, list(slot.tokens)))
         source, shared = None, 0
         for s in self.slots:
             n = _common_prefix(s.tokens, prompt)
@@ -85,6 +89,11 @@ class SlotPool:
         del slot.tokens[reuse:]
         slot.busy, slot.conversation, slot.last_used = True, conversation, time.monotonic()
         return Grant(slot, reuse, copy_from)
+
+    def take_evicted(self) -> list[tuple[int, list[int]]]:
+        """The evictions since the last call, (slot index, tokens it held), oldest first."""
+        out, self.evicted = self.evicted, []
+        return out
 
     def release(self, slot: Slot, tokens: list[int] | None) -> None:
         """Return a slot; `tokens` are those now cached in it (None drops its contents)."""

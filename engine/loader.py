@@ -32,6 +32,11 @@ class LoadedModel:
         text = self.template.render(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
+    def completion_ids(self, text: str) -> list[int]:
+        """A raw prompt, no template: tokenized as llama.cpp's completion does (BOS as the
+        file's add_bos_token flag says, special tokens parsed)."""
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True)
+
 
 def load_tokenizer(gf: GGUFFile) -> Tokenizer:
     """The file's tokenizer; raises ModelFileError (one line) when unsupported."""
@@ -45,6 +50,7 @@ def load_model(path: str | Path, backend: str | Backend = "auto", max_positions:
     """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
     gf = GGUFFile.open(path)
     args = ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
+    gf.check_types()  # then tensor types panechat does not read
     be = get_backend(backend) if isinstance(backend, str) else backend
     why = be.unsupported(args)  # and what the backend lacks, before the tokenizer's seconds
     if why:

@@ -58,6 +58,14 @@ class EngineMetrics:
         self.kv_resident = 0
         self.kv_total = 0
         self.evictions = 0
+        self.kv_snapshots_written = 0  # KV snapshot files written (kv_persistence.py)
+        self.kv_snapshots_restored = 0  # admitted requests whose prefix came from a snapshot
+
+    def record_snapshots(self, written: int = 0, restored: int = 0) -> None:
+        """Called by the snapshot writer thread (written) and the engine thread (restored)."""
+        with self._lock:
+            self.kv_snapshots_written += written
+            self.kv_snapshots_restored += restored
 
     def record_step(self, n_seqs: int, n_rows: int, n_sampled: int, now: float) -> None:
         with self._lock:
@@ -132,4 +140,6 @@ class EngineMetrics:
                 ttft_hist=TTFTHistogram(TTFT_BUCKETS, tuple(self.ttft_counts), self.ttft_sum),
                 batching=batching,
                 ctx=ctx,
+                kv_snapshots_written=self.kv_snapshots_written,
+                kv_snapshots_restored=self.kv_snapshots_restored,
             )

@@ -1,9 +1,13 @@
-"""The decoder-only transformer forward pass (llama, qwen2, qwen3 and gemma3 families).
+"""The decoder-only transformer forward pass (llama incl. Mistral and Llama 3.x, qwen2,
+qwen3, gemma3 and phi3 families).
 
 Written once against the `Backend` interface; follows llama.cpp's `llm_build_llama`,
-`llm_build_qwen2`, `llm_build_qwen3` and `llm_build_gemma3` graphs. What differs is data:
-`ModelArgs` (activation, embedding scale, per-layer window and RoPE) and optional tensors
-(QKV biases, per-head q/k norms, norms after attention and FFN), skipped when absent.
+`llm_build_qwen2`, `llm_build_qwen3`, `llm_build_gemma3` and `llm_build_phi3` graphs. What
+differs is data: `ModelArgs` (activation, embedding scale, per-layer window, RoPE and its
+scaling) and optional tensors (QKV biases, per-head q/k norms, norms after attention and
+FFN), skipped when absent. phi3's fused tensors (`attn_qkv`: Q, K, V rows; `ffn_up`: gate
+rows, then up rows) are split at load into row ranges of their stored blocks, so the
+forward pass sees the same separate matrices as for the others.
 The forward pass holds no cache state of its own: the KV store comes in as an argument,
 and each row of a batch carries its own slot and position, so rows of different
 sequences (prefill chunks and decode tokens alike) share one pass.
@@ -21,6 +25,7 @@ from ..backends.base import Backend
 from ..backends.gguf_tensor import GGUFTensor, TensorError
 from .gguf_file import GGUFFile, ModelFileError
 from .model_args import ModelArgs
+from .rope_scaling import global_rope
 
 
 @dataclass
@@ -99,26 +104,48 @@ class Model:
             t = tensor(name, required)
             return None if t is None else backend.asarray(t.dequantize().reshape(-1))
 
-        def lin(name: str):
+        def prepared(t: GGUFTensor):
             nonlocal nbytes
-            w = backend.linear_weight(tensor(name))
+            w = backend.linear_weight(t)
             nbytes += backend.nbytes(w)
             return w
+
+        def lin(name: str):
+            return prepared(tensor(name))
+
+        def lin_split(name: str, rows: tuple[int, ...]) -> list:
+            """A fused weight as the separate matrices of `rows` rows each: row ranges of
+            its stored blocks (views), bit-identical to separate tensors in the file."""
+            t = tensor(name)
+            if t.shape[0] != sum(rows):
+                raise ModelFileError(f"{gf.path}: tensor {name} has {t.shape[0]} rows, metadata says {sum(rows)}")
+            ends = np.cumsum(rows)
+            return [prepared(t.row_range(int(e - n), int(e))) for n, e in zip(rows, ends)]
+
+        q_rows, kv_rows = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
 
         embd = tensor("token_embd.weight")  # rows are dequantized per step (Backend.embed)
         _check_shape("token_embd.weight", embd, (args.vocab_size, args.n_embd), gf)
         layers = []
         for i in range(args.n_layer):
             p = f"blk.{i}."
+            if gf.has(p + "attn_qkv.weight"):  # phi3: Q, K, V rows in one tensor
+                q, k, v = lin_split(p + "attn_qkv.weight", (q_rows, kv_rows, kv_rows))
+            else:
+                q, k, v = lin(p + "attn_q.weight"), lin(p + "attn_k.weight"), lin(p + "attn_v.weight")
+            if gf.has(p + "ffn_gate.weight"):
+                gate, up = lin(p + "ffn_gate.weight"), lin(p + "ffn_up.weight")
+            else:  # phi3: ffn_up holds the gate's rows, then the up rows (llama.cpp LLM_FFN_SWIGLU)
+                gate, up = lin_split(p + "ffn_up.weight", (args.n_ff, args.n_ff))
             layers.append(Layer(
                 attn_norm=vec(p + "attn_norm.weight"),
-                attn_q=lin(p + "attn_q.weight"),
-                attn_k=lin(p + "attn_k.weight"),
-                attn_v=lin(p + "attn_v.weight"),
+                attn_q=q,
+                attn_k=k,
+                attn_v=v,
                 attn_output=lin(p + "attn_output.weight"),
                 ffn_norm=vec(p + "ffn_norm.weight"),
-                ffn_gate=lin(p + "ffn_gate.weight"),
-                ffn_up=lin(p + "ffn_up.weight"),
+                ffn_gate=gate,
+                ffn_up=up,
                 ffn_down=lin(p + "ffn_down.weight"),
                 attn_q_bias=vec(p + "attn_q.bias", required=False),
                 attn_k_bias=vec(p + "attn_k.bias", required=False),
@@ -130,54 +157,99 @@ class Model:
             ))
         output = lin("output.weight" if gf.has("output.weight") else "token_embd.weight")  # tied
         nbytes += embd.nbytes
-        freqs = tensor("rope_freqs.weight", required=False)
-        rope = _rope_per_layer(args, backend, max_positions or args.context_length,
-                               None if freqs is None else freqs.dequantize())
+        max_pos = max_positions or args.context_length
+        rope = _rope_per_layer(args, backend, max_pos, _rope_freq_factors(gf, args, max_pos))
         return cls(args, backend, embd, vec("output_norm.weight"), output, layers,
                    rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
-        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`."""
-        a, be = self.args, self.backend
-        be.begin_step()
-        slots = be.asarray(batch.slots)
-        positions = be.asarray(batch.positions)
-        R = len(batch.tokens)
-        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
-        x = be.embed(self.token_embd, batch.tokens)  # (R, D)
-        if a.embed_scale != 1.0:
-            x = x * np.float32(a.embed_scale)
-        for i, L in enumerate(self.layers):
-            h = be.rms_norm(x, L.attn_norm, a.rms_eps)
-            q, k, v = be.linear_many(h, (L.attn_q, L.attn_k, L.attn_v))  # one call where it can
-            q = _biased(q, L.attn_q_bias).reshape(R, a.n_head, a.head_dim)
-            k = _biased(k, L.attn_k_bias).reshape(R, a.n_kv_head, a.head_dim)
-            v = _biased(v, L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
-            q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
-            k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
-            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
-            o = be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
-            x = x + _normed(be, o, L.post_attention_norm, a.rms_eps)
-            h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
-            gate, up = be.linear_many(h, (L.ffn_gate, L.ffn_up))
-            h = be.linear(ffn_act(gate, up), L.ffn_down)
-            x = x + _normed(be, h, L.post_ffw_norm, a.rms_eps)
-        rows = be.asarray(np.asarray(batch.logit_rows, dtype=np.int64))
-        h = be.rms_norm(x[rows], self.output_norm, a.rms_eps)
-        logits = be.to_numpy(be.linear(h, self.output))
-        if a.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
-            cap = np.float32(a.final_logit_softcap)
+        """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`.
+
+        A decode-shaped batch (every row's logits wanted, in row order) goes through
+        `Backend.run_decode_step`, which may replay a captured CUDA graph of the layers and
+        head (CuPy); the result is the same bit for bit."""
+        logits = self.backend.to_numpy(self._device_logits(kv, batch))
+        if self.args.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
+            cap = np.float32(self.args.final_logit_softcap)
             logits = np.tanh(logits / cap) * cap
         return logits
 
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether `forward_tokens` can pick the tokens where the logits are."""
+        return self.backend.samples_on_device and not self.args.final_logit_softcap > 0
+
+    def forward_tokens(self, kv: Any, batch: Batch, temperature: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Like `forward`, but each logit row is sampled on the device (`Backend.sample_rows`,
+        per-row parameters) and only int32 [L, 2] (token, bad) comes back."""
+        return self.backend.sample_rows(self._device_logits(kv, batch), temperature, top_p, min_p, top_k,
+                                        seeds, steps)
+
+    def _device_logits(self, kv: Any, batch: Batch) -> Any:
+        a, be = self.args, self.backend
+        be.begin_step()
+        R = len(batch.tokens)
+        x = be.embed(self.token_embd, batch.tokens)  # (R, D)
+        if a.embed_scale != 1.0:
+            x = x * np.float32(a.embed_scale)
+        rows = np.asarray(batch.logit_rows, dtype=np.int64)
+        if len(rows) == R and np.array_equal(rows, np.arange(R)):
+            return be.run_decode_step(kv, self, self._all_rows, x, batch.slots, batch.positions)
+        return self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
+                                    be.asarray(rows))
+
+    def _all_rows(self, kv: Any, x: Any, slots: Any, positions: Any) -> Any:
+        return self.layers_and_head(kv, x, slots, positions, None)
+
+    def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any) -> Any:
+        """The device part of a step: every layer over x [R, D] (rows at `slots`,
+        `positions`, on the backend), then the output norm and head for `rows` (None: all
+        rows) -> logits on the backend. Launches the same kernels for the same shapes
+        whatever the values, so a backend may capture it as a graph."""
+        a, be = self.args, self.backend
+        R = x.shape[0]
+        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
+        for i, L in enumerate(self.layers):
+            h = be.rms_norm(x, L.attn_norm, a.rms_eps)
+            if L.attn_q_bias is None and L.attn_k_bias is None and L.attn_v_bias is None:
+                q, k, v = be.linear_many(h, (L.attn_q, L.attn_k, L.attn_v))  # one call where it can
+            else:
+                q, k, v = (_biased(be, h, w, b) for w, b in ((L.attn_q, L.attn_q_bias),
+                                                              (L.attn_k, L.attn_k_bias), (L.attn_v, L.attn_v_bias)))
+            q, k, v = (q.reshape(R, a.n_head, a.head_dim), k.reshape(R, a.n_kv_head, a.head_dim),
+                       v.reshape(R, a.n_kv_head, a.head_dim))
+            q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
+            k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
+            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
+            x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
+                          a.rms_eps)
+            h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
+            gate, up = be.linear_many(h, (L.ffn_gate, L.ffn_up))
+            x = _residual(be, x, ffn_act(gate, up), L.ffn_down, L.post_ffw_norm, a.rms_eps)
+        h = be.rms_norm(x if rows is None else x[rows], self.output_norm, a.rms_eps)
+        return be.linear(h, self.output)
+
+
+def _rope_freq_factors(gf: GGUFFile, a: ModelArgs, max_pos: int) -> np.ndarray | None:
+    """The file's RoPE frequency factors, as llama.cpp's `get_rope_factors` picks them:
+    `rope_freqs` (Llama 3.x), else phi3's long factors when a sequence may run past the
+    original context, else its short ones; None when the file has none."""
+    names = ["rope_freqs.weight",
+             "rope_factors_long.weight" if max_pos > a.rope_orig_ctx else "rope_factors_short.weight"]
+    name = next((n for n in names if gf.has(n)), None)
+    return None if name is None else gf.tensor(name).dequantize().reshape(-1)
+
 
 def _rope_per_layer(a: ModelArgs, be: Backend, max_pos: int, freqs: np.ndarray | None) -> list:
-    """(cos, sin) for each layer: global layers use `rope_base`, the file's `rope_freqs` and
-    linear scaling by `rope_freq_scale`; sliding-window layers `swa_rope_base`, unscaled
-    (llama.cpp `rope_freq_base_train_swa`). Each distinct table is computed once."""
-    factors = freqs
-    if a.rope_freq_scale != 1.0:  # linear scaling: angle = pos * freq_scale * inv_freq
-        factors = (np.ones(a.rope_dim // 2) if freqs is None else freqs.astype(np.float64)) / a.rope_freq_scale
+    """(cos, sin) for each layer: global layers use `rope_base`, the file's frequency
+    factors and the RoPE scaling (engine/rope_scaling.py); sliding-window layers
+    `swa_rope_base`, unscaled (llama.cpp `rope_freq_base_train_swa`). Each distinct table
+    is computed once."""
+    try:
+        factors, mscale = global_rope(a, freqs)
+    except ValueError as e:
+        raise ModelFileError(str(e)) from None
     global_ = local = None
     per_layer = []
     for i in range(a.n_layer):
@@ -185,7 +257,7 @@ def _rope_per_layer(a: ModelArgs, be: Backend, max_pos: int, freqs: np.ndarray |
             local = local or be.rope_tables(a.rope_dim, a.swa_rope_base, max_pos)
             per_layer.append(local)
         else:
-            global_ = global_ or be.rope_tables(a.rope_dim, a.rope_base, max_pos, factors)
+            global_ = global_ or be.rope_tables(a.rope_dim, a.rope_base, max_pos, factors, mscale)
             per_layer.append(global_)
     return per_layer
 
@@ -194,8 +266,17 @@ def _normed(be: Backend, x, weight, eps: float):
     return x if weight is None else be.rms_norm(x, weight, eps)
 
 
-def _biased(y, bias):
-    return y if bias is None else y + bias
+def _biased(be: Backend, h, w, bias):
+    """h @ w.T (+ bias): `linear_add` fuses the bias where the backend can."""
+    return be.linear(h, w) if bias is None else be.linear_add(h, w, bias)
+
+
+def _residual(be: Backend, x, h, w, post_norm, eps: float):
+    """x + (h @ w.T, RMS-normed by `post_norm` when there is one); without a post norm the
+    residual add goes into the matmul (`linear_add`), the same bits."""
+    if post_norm is None:
+        return be.linear_add(h, w, x)
+    return x + be.rms_norm(be.linear(h, w), post_norm, eps)
 
 
 def _check_shape(name: str, a: GGUFTensor, want: tuple[int, ...], gf: GGUFFile) -> None:

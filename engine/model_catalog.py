@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .gguf_file import ModelFileError
 from .gguf_header import GGUFHeader, GGUFHeaderError, read_gguf_header
-from .model_args import SUPPORTED_ARCHITECTURES
+from .model_args import ROPE_SCALING_TYPES, SUPPORTED_ARCHITECTURES
 from .shipped_models import SHIPPED, ShippedModel, assemble, cache_dir, is_installed, packaged_file
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -291,4 +291,9 @@ def _verdict(header: GGUFHeader) -> dict:
         return dict(reason="no general.architecture in the header")
     if arch not in SUPPORTED_ARCHITECTURES:
         return dict(reason=f"unsupported architecture '{arch}'")
+    scaling = header.metadata.get(f"{arch}.rope.scaling.type", "linear")
+    if scaling not in ROPE_SCALING_TYPES:
+        return dict(reason=f"unsupported RoPE scaling type '{scaling}'")
+    if header.unread_types:
+        return dict(reason=f"tensor type {', '.join(header.unread_types)} not read by panechat")
     return dict(loadable=True)

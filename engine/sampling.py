@@ -77,13 +77,48 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
+class RowSampler:
+    """One request's sampler: called with its logits [V] on the host -> token id (raises
+    SamplingError when the logits hold NaN or +inf); also what a backend that samples on
+    the device needs (`device_seed`: the request's 64-bit key, its own seed or a random
+    one; the step is the number of tokens generated so far) and `device_pick`, the same
+    error check for a token picked there."""
+
+    __slots__ = ("params", "device_seed", "_rng")
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._rng = None if params.greedy else np.random.default_rng(params.seed)
+        seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2**63))
+        self.device_seed = seed % 2**64
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self._rng is None:
+            return _greedy(logits)
+        return _sample(logits, self.params, self._rng)
+
+    @staticmethod
+    def device_pick(pick: np.ndarray) -> int:
+        """The token of a device pick (token, bad), or SamplingError when bad."""
+        if pick[1]:
+            raise _bad_logits()
+        return int(pick[0])
+
+
+def make_sampler(params: SamplingParams) -> RowSampler:
     """A callable logits[V] -> token id (greedy for a tiny temperature); it raises
     SamplingError when the logits hold NaN or +inf."""
-    if params.greedy:
-        return _greedy
-    rng = np.random.default_rng(params.seed)
-    return lambda logits: _sample(logits, params, rng)
+    return RowSampler(params)
+
+
+def device_sampling_rows(samplers: list[RowSampler], steps: list[int]) -> tuple[np.ndarray, ...]:
+    """The per-row arrays `Backend.sample_rows` takes (temperature 0 for greedy, top_p,
+    min_p, top_k, seeds, steps), built once per step."""
+    ps = [s.params for s in samplers]
+    return (np.array([0.0 if p.greedy else p.temperature for p in ps], np.float32),
+            np.array([p.top_p for p in ps], np.float32), np.array([p.min_p for p in ps], np.float32),
+            np.array([min(p.top_k, 2**31 - 1) for p in ps], np.int32),
+            np.array([s.device_seed for s in samplers], np.uint64), np.asarray(steps, np.int64))
 
 
 def _greedy(logits: np.ndarray) -> int:

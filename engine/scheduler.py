@@ -41,11 +41,13 @@ class KVCopy:
 class StepPlan:
     """What one step does, in order: the KV copies (prefixes shared by requests admitted
     this step; before the forward pass, in list order), then one forward pass computing,
-    per request, its next `n_tokens` known tokens (in row order)."""
+    per request, its next `n_tokens` known tokens (in row order). `admitted`: the requests
+    given a slot this step (the engine may restore their prefix from a KV snapshot)."""
 
     requests: list[Request]
     n_tokens: list[int]
     kv_copies: list[KVCopy] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -86,7 +88,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan the next step (no requests when nothing runs; the
         copies of requests admitted now are in the plan either way)."""
-        copies = self._admit()
+        admitted: list[Request] = []
+        copies = self._admit(admitted)
         reqs, counts = [], []
         budget = self.prefill_chunk
         limit = self.max_seqs_per_step or len(self.running)
@@ -102,10 +105,11 @@ class Scheduler:
                 budget -= n
                 reqs.append(r)
                 counts.append(n)
-        return StepPlan(reqs, counts, copies)
+        return StepPlan(reqs, counts, copies, admitted)
 
-    def _admit(self) -> list[KVCopy]:
-        """Move waiting requests into free slots, in order; returns the KV copies they need."""
+    def _admit(self, admitted: list[Request]) -> list[KVCopy]:
+        """Move waiting requests into free slots, in order (appended to `admitted`); returns
+        the KV copies they need."""
         copies: list[KVCopy] = []
         while self.waiting and len(self.running) < self.max_concurrent:
             req = self.waiting[0]
@@ -118,6 +122,7 @@ class Scheduler:
             req.slot, req.reused, req.computed = grant.slot.index, grant.reuse, grant.reuse
             req.state = RequestState.PREFILLING
             self.running.append(req)
+            admitted.append(req)
         return copies
 
     def finish(self, req: Request, keep_cache: bool = True) -> None:

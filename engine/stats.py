@@ -115,6 +115,8 @@ class EngineStats:
     batching: bool | None = None  # False: the invariance self-check failed, one sequence per step
     ctx: int | None = None  # context per conversation (tokens)
     terminals: int | None = None  # connected terminals, where a server counts them
+    kv_snapshots_written: int = 0  # KV snapshot files written (evicted or idle at stop)
+    kv_snapshots_restored: int = 0  # requests whose prompt prefix was read from a snapshot
 
     def with_terminals(self, n: int | None) -> "EngineStats":
         return replace(self, terminals=n)

@@ -29,9 +29,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
+
+from .derived_cache import content_key, load_rows, save_rows
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -278,11 +281,13 @@ class Tokenizer:
                 "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
         raw_tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(raw_tokens, (list, tuple)) or not raw_tokens \
-                or not all(isinstance(t, str) for t in raw_tokens):
+                or set(map(type, raw_tokens)) != {str}:
             raise ValueError("GGUF metadata has no usable tokenizer.ggml.tokens string list")
         n = len(raw_tokens)
         # llama.cpp renames empty tokens so that every text maps back to one id.
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
+        tokens = list(raw_tokens)
+        if "" in tokens:
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         raw_types = meta.get("tokenizer.ggml.token_type")
         if raw_types is None:
             types = [NORMAL] * n
@@ -290,9 +295,9 @@ class Tokenizer:
             raise ValueError(
                 f"tokenizer.ggml.token_type has {len(raw_types)} entries for {n} tokens")
         else:
-            types = [int(t) for t in raw_types]
+            types = list(map(int, raw_types))
         # text -> id; on duplicates the last id wins, like llama.cpp's token_to_id.
-        vocab = {t: i for i, t in enumerate(tokens)}
+        vocab = dict(zip(tokens, range(n)))
 
         # End-of-generation tokens found by text are forced to CONTROL, as in llama.cpp.
         eog_by_text = {vocab[t] for t in _EOG_TEXTS if t in vocab}
@@ -310,13 +315,13 @@ class Tokenizer:
                 log.warning("unknown pre-tokenizer %r, using llama.cpp's 'default'", pre_name)
                 pre = _DEFAULT
             hf = _build_byte_level(meta, vocab, pre)
-            piece_bytes = [_piece_bytes_bpe(t, ty) for t, ty in zip(tokens, types)]
+            piece_bytes = _all_piece_bytes(tokens, types, _piece_bytes_bpe, _byte_level_all)
             add_bos_default, bos_default, eos_default = pre.add_bos, None, None
         else:
             pre_name = "spm"
             add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
             hf = _build_spm(meta, tokens, types, vocab, add_space_prefix)
-            piece_bytes = [_piece_bytes_spm(t, ty) for t, ty in zip(tokens, types)]
+            piece_bytes = _all_piece_bytes(tokens, types, _piece_bytes_spm, _spm_all)
             add_bos_default, bos_default, eos_default = True, 1, 2
 
         _add_special_tokens(hf, tokens, types)
@@ -496,23 +501,15 @@ def _build_spm(
     """
     n = len(tokens)
     raw_scores = meta.get("tokenizer.ggml.scores")
-    scores = [0.0] * n if raw_scores is None else [float(s) for s in raw_scores]
+    scores = [0.0] * n if raw_scores is None else list(map(float, raw_scores))
     if len(scores) != n:
         raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
-    ranked: list[tuple[float, int, int, str, str]] = []
-    for tid, text in enumerate(tokens):
-        if types[tid] == BYTE or len(text) < 2 or vocab[text] != tid:
-            continue
-        for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[tid], tid, cut, left, right))
-    ranked.sort()
+    ranked = _spm_merge_cuts(tokens, types, scores, vocab)
     unk_id = _get_id(meta, "tokenizer.ggml.unknown_token_id", n, 0)
     try:
         bpe = models.BPE(
             vocab=vocab,
-            merges=[(left, right) for *_, left, right in ranked],
+            merges=[(tokens[tid][:cut], tokens[tid][cut:]) for tid, cut in ranked],
             unk_token=tokens[unk_id] if unk_id is not None else None,
             byte_fallback=True,
         )
@@ -528,6 +525,38 @@ def _build_spm(
     return hf
 
 
+def _spm_merge_cuts(tokens: list[str], types: list[int], scores: list[float],
+                    vocab: dict[str, int]) -> list[tuple[int, int]]:
+    """The SPM merges as (token id, cut) in rank order: every split of a token into two
+    vocabulary tokens, the merged token's score highest first (ties by id, then cut).
+
+    A 262k-token vocabulary has ~0.5M of them and finding them costs seconds of Python, so
+    they are kept in the user cache (`derived_cache`) under a hash of the vocabulary,
+    types and scores; a cached list that does not fit the vocabulary is rebuilt."""
+    key = content_key("spm-merges-v1", "\x00".join(tokens).encode("utf-8", "surrogatepass"),
+                      np.asarray(types, np.int64).tobytes(), np.asarray(scores, np.float64).tobytes())
+    cached = load_rows(key, 2)
+    if cached is not None:
+        lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+        tid, cut = cached[:, 0].astype(np.int64), cached[:, 1].astype(np.int64)
+        if len(tid) == 0 or (tid.min() >= 0 and tid.max() < len(tokens) and cut.min() >= 1
+                             and bool(np.all(cut < lengths[np.clip(tid, 0, len(tokens) - 1)]))):
+            return list(zip(tid.tolist(), cut.tolist()))
+    ranked: list[tuple[float, int, int]] = []
+    for tid, text in enumerate(tokens):
+        n = len(text)
+        if n < 2 or types[tid] == BYTE or vocab[text] != tid:
+            continue
+        cuts = [c for c in range(1, n) if text[:c] in vocab and text[c:] in vocab]
+        if cuts:
+            neg = -scores[tid]
+            ranked.extend((neg, tid, c) for c in cuts)
+    ranked.sort()
+    out = [(tid, cut) for _, tid, cut in ranked]
+    save_rows(key, np.array(out, np.int32).reshape(-1, 2))
+    return out
+
+
 def _add_special_tokens(hf: _HFTokenizer, tokens: list[str], types: list[int]) -> None:
     """Register control/unknown tokens as special and user-defined ones as added tokens,
     all matched on the raw text (llama.cpp's special-token cache)."""
@@ -539,6 +568,49 @@ def _add_special_tokens(hf: _HFTokenizer, tokens: list[str], types: list[int]) -
         hf.add_special_tokens(special)
     if user:
         hf.add_tokens(user)
+
+
+def _all_piece_bytes(tokens: list[str], types: list[int], one, normal_all) -> list[bytes]:
+    """Every token's bytes: `normal_all` renders the whole vocabulary as NORMAL tokens in
+    a few C-level string passes (None when it cannot), then the other types one by one."""
+    others = np.flatnonzero(np.asarray(types) != NORMAL).tolist()
+    texts = list(tokens)
+    for i in others:
+        texts[i] = ""
+    out = normal_all(texts)
+    if out is None:
+        return [one(t, ty) for t, ty in zip(tokens, types)]
+    for i in others:
+        out[i] = one(tokens[i], types[i])
+    return out
+
+
+def _joined(tokens: list[str]) -> str | None:
+    """The tokens joined by NUL, or None when a token holds a NUL itself."""
+    joined = "\x00".join(tokens)
+    return joined if joined.count("\x00") == len(tokens) - 1 else None
+
+
+def _spm_all(tokens: list[str]) -> list[bytes] | None:
+    joined = _joined(tokens)
+    if joined is None:
+        return None
+    return joined.replace(_SPM_SPACE, " ").encode("utf-8").split(b"\x00")
+
+
+_TO_BYTE = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}  # str.translate: GPT-2 character -> byte
+_BYTE_LEVEL_CHARS = frozenset(_BYTE_OF_CHAR)
+
+
+def _byte_level_all(tokens: list[str]) -> list[bytes] | None:
+    """`_byte_level_bytes` of every token at once, when every character is in GPT-2's table:
+    each character is then one byte, so token i is bytes [ends[i-1], ends[i])."""
+    joined = "".join(tokens)
+    if not set(joined) <= _BYTE_LEVEL_CHARS:
+        return None
+    data = joined.translate(_TO_BYTE).encode("latin-1")
+    ends = np.cumsum(np.fromiter(map(len, tokens), np.int64, len(tokens))).tolist()
+    return [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 def _piece_bytes_bpe(text: str, ttype: int) -> bytes:

@@ -12,21 +12,26 @@ What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
   2. every CUDA kernel variant against the numpy emulation of its documented arithmetic,
      bit for bit (backends/cupy_kernels/);
   3. the backend's start-up self_check() (rows alone vs in batches, bit for bit);
-  4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, and
-     head_dim 128): GPU logits == emulated backend bit for bit; vs the numpy backend and
+  4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, BF16, and
+     head_dim 128) and gemma3 (sliding window, GELU): GPU logits == emulated backend bit for bit; vs the numpy backend and
      the float64 reference within REL_TOL; same greedy tokens as the numpy backend;
   5. batch invariance on the device: check_model_invariance, and 4 sequences decoded alone
      vs together with 2 extra sequences in shuffled row order, every logit bit for bit;
   6. real-width models (qwen2-1.5B and llama-7B hidden sizes, 2 and 1 layers): GPU vs
      numpy backend and float64 within REL_TOL, batch invariance;
+  6b. decode steps replayed from the per-bucket CUDA graphs == the eager steps, bit for
+     bit (R = 1, 3, 5, 17: padded rows), and greedy device sampling == the host argmax;
   7. synthetic full-width GGUF files (qwen2-1.5B-like Q8_0, llama-7B-like F16, written
      with gguf.GGUFWriter into a temp dir; fewer layers than the real 7B to keep the file
      and the time small): load, batch invariance, prefill speed, and decode throughput
      S_TG at B = 1, 4, 16, 64 next to the weight-bandwidth limit
-     B * (measured copy bandwidth) / (weight bytes read per step).
+     B * (measured copy bandwidth) / (weight bytes read per step), through the model's
+     forward pass and through the Engine (host loop, scheduler, device sampling);
+  8. issue 15's targets, each figure with PASS / FAIL against it.
 Exit status: 0 everything passed, 1 a check failed, 2 it could not start (no GPU, ...).
-Designed to finish in well under 5 minutes on an H100/H200; --budget skips the remaining
-optional parts (reported as SKIP) if the time runs out.
+Designed to finish within 7 minutes on an H100/H200 (the default --budget 420; run it
+with a timeout of 540 s); --budget skips the remaining optional parts (reported as SKIP)
+if the time runs out.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class Report:
         self.path = path
         self.lines: list[str] = []
         self.passed = self.failed = self.skipped = 0
+        self.figures: dict[tuple[str, str], float] = {}  # (model label, what) -> measured value
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -246,6 +252,16 @@ def write_synthetic(path: Path, spec: dict, n_layer: int, seed: int = 0) -> None
     w.add_rope_freq_base(1000000.0 if spec["arch"] == "qwen2" else 10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(V)
+    # a tokenizer covering the vocabulary (the engine path decodes every generated id)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(V - 2)] + ["<s>", "</s>"])
+    w.add_token_types([1] * (V - 2) + [3, 3])
+    w.add_token_merges(["t 1"])
+    w.add_bos_token_id(V - 2)
+    w.add_eos_token_id(V - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     qt = getattr(gguf.GGMLQuantizationType, spec["qtype"])
 
     def mat(name: str, rows: int, cols: int) -> None:
@@ -362,9 +378,11 @@ def tiny_models(rep: Report, be, tmp: Path) -> list:
     cases = [(a, q, t, {}) for a in ("llama", "qwen2")
              for q, t in (("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True))]
     cases.append(("llama", "Q8_0", True, dict(n_embd=256, n_head=2, n_kv=1, n_ff=160)))  # head_dim 128
+    cases.append(("llama", "BF16", False, {}))  # BF16 resident as stored (issue 15)
+    cases.append(("gemma3", "F32", True, dict(n_layer=7, head_dim=32, window=5)))  # window + GELU
     models = []
     for arch, qtype, tied, shape in cases:
-        label = f"{arch} {qtype}{' hd128' if shape else ''}"
+        label = f"{arch} {qtype}{' hd128' if shape and arch != 'gemma3' else ''}"
         try:
             path = tmp / f"tiny-{arch}-{qtype}-{len(shape)}.gguf"
             weights = write_tiny_gguf(path, arch, qtype=qtype, tied=tied, seed=3, **shape)
@@ -515,6 +533,7 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -
             t = time.perf_counter()
             model = Model.load(GGUFFile.open(path), be, max_positions=1024)
             t_load = time.perf_counter() - t
+            path_tok = _tokenizer_of(path)
             path.unlink()
             lin = [model.output] + [getattr(L, n) for L in model.layers for n in
                                     ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
@@ -533,7 +552,8 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -
             sync()
             t = time.perf_counter()
             model.forward(kv, _batch(toks, [0] * n_pre, range(n_pre), [n_pre - 1]))
-            rep.say(f"    prefill {n_pre} tokens: {n_pre / (time.perf_counter() - t):,.0f} tok/s")
+            rep.figures[(spec["label"], "prefill tok/s")] = pp = n_pre / (time.perf_counter() - t)
+            rep.say(f"    prefill {n_pre} tokens: {pp:,.0f} tok/s")
             rep.say("        B   ms/step   S_TG tok/s   limit tok/s   of limit")
             for B in batches:
                 if rep.left() < 20:
@@ -554,7 +574,10 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -
                     step(pos + 2 + i)  # returns host logits: synchronised
                 dt = (time.perf_counter() - t) / n_steps
                 limit = B * bw / step_bytes
+                rep.figures[(spec["label"], f"B={B} ms/step")] = dt * 1e3
+                rep.figures[(spec["label"], f"B={B} of limit")] = B / dt / limit
                 rep.say(f"    {B:5d}   {dt * 1e3:7.2f}   {B / dt:10,.0f}   {limit:11,.0f}   {B / dt / limit:7.1%}")
+            engine_path(rep, model, path_tok, spec["label"], batches, bw, step_bytes, dry)
         except Exception as e:  # noqa: BLE001
             rep.error(label, e)
         finally:
@@ -562,6 +585,134 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -
                 path.unlink()
             model = kv = None
             free()
+
+
+def _tokenizer_of(path: Path):
+    """(tokenizer, chat template) of a GGUF file (read before the file is deleted)."""
+    from panechat.engine.chat_template import ChatTemplate
+    from panechat.engine.gguf_file import GGUFFile
+    from panechat.engine.loader import load_tokenizer
+
+    gf = GGUFFile.open(path)
+    tok = load_tokenizer(gf)
+    return tok, ChatTemplate.from_metadata(gf.metadata, tok)
+
+
+def engine_path(rep: Report, model, tok_template, label: str, batches, bw: float, step_bytes: int,
+                dry: bool) -> None:
+    """Decode through the Engine (scheduler, device sampling, host loop, events): B
+    requests of a 16-token prompt generating N tokens each; tokens/s from the first token
+    of the last request to arrive to the end (steady decode)."""
+    from panechat.engine.engine import Engine, EngineConfig
+    from panechat.engine.loader import LoadedModel
+    from panechat.engine.sampling import SamplingParams
+
+    lm = LoadedModel(Path(label), model, *tok_template)
+    n_tok = 4 if dry else 48
+    rep.say(f"    engine path (Engine.submit .. finish, host loop and device sampling included; {n_tok} tokens each)")
+    rep.say("        B   ms/step   S_TG tok/s   of limit")
+    for B in (batches[0], batches[-1]) if len(batches) > 1 else batches:
+        if rep.left() < 20:
+            rep.skip(f"{label} engine path B={B} (time budget)")
+            continue
+        eng = Engine(lm, EngineConfig(max_concurrent=B, ctx_size=256, verify_invariance=False)).start()
+        try:
+            rng = np.random.default_rng(B)
+            params = SamplingParams(temperature=0.8, top_k=40, seed=1, max_tokens=n_tok)
+            gens = [eng.submit(prompt_ids=rng.integers(0, model.args.vocab_size - 2, 16).tolist(), params=params)
+                    for _ in range(B)]
+            results = [g.result() for g in gens]
+            errors = [r.error for r in results if r.error]
+            if errors:
+                rep.result(False, f"{label} engine path B={B}: {errors[0]}")
+                continue
+            rates = [r.timings["decode_tok_s"] for r in results if r.timings.get("decode_tok_s")]
+            per_seq = min(rates) if rates else 0.0  # the slowest stream's decode rate
+            ms = 1e3 / per_seq if per_seq else float("nan")
+            limit = B * bw / step_bytes
+            rep.figures[(label, f"engine B={B} ms/step")] = ms
+            rep.say(f"    {B:5d}   {ms:7.2f}   {B * per_seq:10,.0f}   {B * per_seq / limit:7.1%}")
+        finally:
+            eng.stop()
+
+
+#: issue 15's targets: (what, model label, figure key, compare, threshold, unit)
+TARGETS = [
+    ("B=1 decode >= 60% of the bandwidth limit", "llama-7B-like", "B=1 of limit", ">=", 0.60, "%"),
+    ("B=1 decode >= 40% of the bandwidth limit", "qwen2-1.5B-like", "B=1 of limit", ">=", 0.40, "%"),
+    ("B=64 ms/step <= 2x the B=1 ms/step", "llama-7B-like", "B=64/B=1", "<=", 2.0, "x"),
+    ("prefill 512 tokens >= 20,000 tok/s", "qwen2-1.5B-like", "prefill tok/s", ">=", 20000.0, "tok/s"),
+]
+
+
+def targets(rep: Report, dry: bool, failed_before: int) -> None:
+    """Every target's measured figure and PASS/FAIL against it ("not measured here" on the
+    CPU dry run, where nothing ran on a GPU)."""
+    rep.section("targets (issue 15)")
+    f = dict(rep.figures)
+    for label in {t[1] for t in TARGETS}:
+        b1, b64 = f.get((label, "B=1 ms/step")), f.get((label, "B=64 ms/step"))
+        if b1 and b64:
+            f[(label, "B=64/B=1")] = b64 / b1
+    for what, label, key, cmp, limit, unit in TARGETS:
+        name = f"{label}: {what}"
+        if dry:
+            rep.say(f"  ---- {name}: not measured here (CPU dry run)")
+            continue
+        v = f.get((label, key))
+        if v is None:
+            rep.skip(f"{name}: not measured (skipped or failed above)")
+            continue
+        shown = f"{v:.1%}" if unit == "%" else f"{v:.2f}x" if unit == "x" else f"{v:,.0f} tok/s"
+        rep.result(v >= limit if cmp == ">=" else v <= limit, f"{name}: measured {shown}")
+    if dry:
+        rep.say("  ---- invariance and every kernel == emulation: not measured here (CPU dry run; "
+                f"the emulated checks above: {failed_before} failed)")
+    else:
+        rep.result(failed_before == 0, f"invariance and every kernel == emulation: {failed_before} checks failed above")
+
+
+def graphs_and_sampling(rep: Report, models: list) -> None:
+    """Decode steps replayed from CUDA graphs (rows padded to the bucket) == the eager steps,
+    bit for bit; greedy device sampling == the host argmax of the same logits."""
+    from tests.model_runs import new_kv
+
+    rep.section("CUDA graphs per batch bucket == eager steps; device sampling == host argmax")
+    for label, model in models:
+        be = model.backend
+        try:
+            graphs = be.graphs
+            if graphs is None:
+                rep.skip(f"{label}: graphs off (PANECHAT_CUDA_GRAPHS=0)")
+                continue
+            rng = np.random.default_rng(0)
+            V = model.args.vocab_size
+            outs = []
+            for use in (graphs, None):
+                be.graphs = use
+                kv = new_kv(model, 17, 64)
+                model.forward(kv, _batch(rng.integers(0, V, 17 * 4), np.repeat(range(17), 4),
+                                         np.tile(range(4), 17), np.arange(3, 68, 4)))
+                got = []
+                for R in (1, 3, 5, 17):
+                    got.append(model.forward(kv, _batch(np.arange(R) + 5, range(R), [4] * R, range(R))))
+                outs.append(got)
+                rng = np.random.default_rng(0)
+            be.graphs = graphs
+            same = all(np.array_equal(a, b) for a, b in zip(*outs))
+            z = np.zeros(3)
+            picks = model.forward_tokens(new_kv(model, 3, 64), _batch([1, 2, 3], range(3), [0] * 3, range(3)),
+                                         z.astype(np.float32), np.ones(3, np.float32), z.astype(np.float32),
+                                         z.astype(np.int32), z.astype(np.uint64), z.astype(np.int64))
+            host = model.forward(new_kv(model, 3, 64), _batch([1, 2, 3], range(3), [0] * 3, range(3))).argmax(-1)
+            ok = same and graphs.enabled and picks[:, 0].tolist() == host.tolist()
+            rep.result(ok, f"{label}: graphs {'on' if graphs.enabled else 'OFF: ' + str(graphs.disabled_because)}, "
+                       f"{graphs.capturer.captures} captured; R=1,3,5,17 {'bit-identical' if same else 'DIFFER'} "
+                       f"to eager; greedy device picks {'==' if picks[:, 0].tolist() == host.tolist() else '!='} "
+                       "host argmax")
+        except Exception as e:  # noqa: BLE001
+            be.graphs = graphs
+            rep.error(label, e)
 
 
 def _dry_specs() -> list[dict]:
@@ -572,8 +723,8 @@ def _dry_specs() -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer layers in the synthetic models, B = 1, 16")
-    ap.add_argument("--budget", type=float, default=270.0, help="seconds before optional parts are skipped")
+    ap.add_argument("--quick", action="store_true", help="fewer layers in the synthetic models, B = 1, 16, 64")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds before optional parts are skipped")
     out_dir = os.environ.get("OUT")
     ap.add_argument("--report", default=os.path.join(out_dir, "gpu_check.txt") if out_dir else None,
                     help="also append the report to this file (default: $OUT/gpu_check.txt when $OUT is set)")
@@ -628,6 +779,7 @@ def main() -> int:
             rep.error("tiny models", e)
         pick = [m for m in tiny if m[0] in ("llama Q8_0", "qwen2 F16", "llama F32", "llama Q8_0 hd128")]
         invariance(rep, pick, "batch invariance on the device (4 sequences alone vs together, 8 steps)", 8)
+        graphs_and_sampling(rep, [m for m in tiny if m[0] in ("llama Q8_0", "qwen2 F16")])
         mid = []
         try:
             mid = real_width(rep, be, tmp, [(f"{c[0]} (shrunk: dry run)", c[1], c[2], dict(
@@ -637,8 +789,9 @@ def main() -> int:
             rep.error("real-width models", e)
         invariance(rep, mid, "batch invariance, real-width models (3 steps)", 3)
         del tiny, mid, pick
-        synthetic(rep, be, cp, tmp, args.quick, (1, 16) if args.quick else (1, 4, 16, 64),
+        synthetic(rep, be, cp, tmp, args.quick, (1, 16, 64) if args.quick else (1, 4, 16, 64),
                   _dry_specs() if args.dry_run_cpu else BIG)
+    targets(rep, args.dry_run_cpu, rep.failed)
     rep.section(f"summary: {rep.passed} passed, {rep.failed} failed, {rep.skipped} skipped, "
                 f"{rep.elapsed():.0f} s")
     return 1 if rep.failed else 0

@@ -102,3 +102,19 @@ def tiny(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def two_models(model_path: Path, tiny):
+    """A ModelSet holding two models at once, each its own started Engine on the numpy
+    backend: the default SmolLM2-135M (llama) and a tiny synthetic gemma3 GGUF
+    (tests/tiny_gguf.py; the real gemma-3-270m takes minutes of the 2-core test budget here).
+    Loaded once per session."""
+    from panechat.engine.config import EngineConfig
+    from panechat.engine.model_set import ModelSet
+
+    models = ModelSet(EngineConfig(max_concurrent=4, ctx_size=512), backend="numpy")
+    models.get(str(model_path))
+    models.get(str(tiny("gemma3", "Q8_0")[0]))
+    yield models
+    models.stop()

@@ -139,6 +139,7 @@ def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
     ns.max_concurrent = min(EngineConfig.MAX_CONCURRENT, max(getattr(args, "max_concurrent", 4) or 4, clients))
     ns.kv_sessions = max(getattr(args, "kv_sessions", None) or 0, 2 * ns.max_concurrent)
     ns.max_queue = max(getattr(args, "max_queue", 8) or 8, clients)
+    ns.kv_snapshots = "off"  # a benchmark measures the engine, not the disk, and leaves no files behind
     engine = build_engine(ns, quiet=True)
     try:
         srv = start_in_background(engine, "127.0.0.1", 0)

@@ -43,15 +43,26 @@ def sweep_cell(model, npp: int, ntg: int, b: int, seed: int = 0) -> dict:
     slots = np.arange(b, dtype=np.int32)
     every = np.arange(b, dtype=np.int64)
     seq0 = [int(nxt[0])]
+    greedy = _greedy_rows(b) if model.samples_on_device else None
     t0 = time.perf_counter()
     for i in range(ntg):
-        logits = model.forward(kv, Batch(nxt, slots, np.full(b, npp + i, np.int32), every))
-        nxt = logits.argmax(-1).astype(np.int32)
+        batch = Batch(nxt, slots, np.full(b, npp + i, np.int32), every)
+        if greedy is None:
+            nxt = model.forward(kv, batch).argmax(-1).astype(np.int32)
+        else:  # argmax on the device (CuPy): only the ids come back, as in the engine
+            nxt = np.ascontiguousarray(model.forward_tokens(kv, batch, *greedy)[:, 0])
         seq0.append(int(nxt[0]))
     t_tg = time.perf_counter() - t0
     return {"PP": npp, "TG": ntg, "B": b, "N_KV": b * (npp + ntg),
             "T_PP": t_pp, "S_PP": b * npp / t_pp, "T_TG": t_tg, "S_TG": b * ntg / t_tg,
             "T": t_pp + t_tg, "S": b * (npp + ntg) / (t_pp + t_tg), "seq0": seq0}
+
+
+def _greedy_rows(b: int) -> tuple[np.ndarray, ...]:
+    """`Model.forward_tokens`'s per-row arrays for b greedy rows."""
+    z = np.zeros(b)
+    return (z.astype(np.float32), np.ones(b, np.float32), z.astype(np.float32), z.astype(np.int32),
+            z.astype(np.uint64), z.astype(np.int64))
 
 
 def run_sweep(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ def backend_for_url(url: str, *, token: str | None = None, api_key: str | None =
     if scheme in ("ws", "wss"):
         from .remote_ws import RemoteBackend
 
-        return RemoteBackend(url, token)
+        return RemoteBackend(url, token, model=model)
     if scheme in ("http", "https"):
         from .openai_http import OpenAIBackend
 

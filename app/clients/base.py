@@ -78,7 +78,20 @@ class BackendInfo:
     ctx: int | None = None
     max_concurrent: int | None = None
     batching: bool | None = None
+    chat_template: str = ""  # "gguf", "chatml-fallback" (a base model), "" when the server does not say
     url: str = ""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A model the model picker lists: loaded ones and the ones the backend can load;
+    `reason` says why one cannot be chosen."""
+
+    name: str
+    detail: str = ""  # "loaded", or architecture, quant, size, context
+    loaded: bool = False
+    loadable: bool = True
+    reason: str = ""
 
 
 class ChatStream(ABC):
@@ -141,9 +154,21 @@ class ChatBackend(ABC):
         return None
 
     @abstractmethod
-    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+               model: str = "") -> ChatStream:
         """Start generating the reply to `messages` (the full history, user turn last, no
-        system message; `system` is separate). Errors arrive as Finished(reason='error')."""
+        system message; `system` is separate) on `model` ('' = the backend's default).
+        Errors arrive as Finished(reason='error')."""
+
+    async def model_choices(self) -> list[ModelChoice]:
+        """The models a pane may be put on (the model picker's list); this backend's one
+        model when it offers no choice."""
+        return [ModelChoice(self.info.model, "loaded", loaded=True)] if self.info.model else []
+
+    def model_stats(self) -> dict[str, EngineStats]:
+        """One snapshot per model the backend holds, when it holds several (the dashboard's
+        batch line per model); empty when it knows of one model only."""
+        return {}
 
     @abstractmethod
     def stats(self) -> EngineStats | None:

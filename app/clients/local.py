@@ -1,5 +1,6 @@
 """The embedded engine as a ChatBackend: panes submit straight into its batch (the prompt
-is rendered and tokenized in a worker thread first, as the server does)."""
+is rendered and tokenized in a worker thread first, as the server does). With several
+models (engine/model_set.py) each pane's model has its own Engine and batch."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import asyncio
 from typing import AsyncIterator, Callable
 
 from ...engine.engine import Engine, Generation
+from ...engine.model_set import ModelSet
 from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from ...engine.sampling import SamplingParams
 from ...engine.stats import EngineStats
 from ..engine_errors import QUEUE_FULL, classify
-from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued
+from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill, Queued
 
 
 class LocalStream(ChatStream):
@@ -19,9 +21,10 @@ class LocalStream(ChatStream):
     worker thread once iteration starts (never on the UI's event loop), then submitted;
     submit errors become Finished('error')."""
 
-    def __init__(self, engine: Engine | None, messages: list[dict] | None = None,
+    def __init__(self, engine: Engine | Callable[[], Engine] | None, messages: list[dict] | None = None,
                  params: SamplingParams | None = None, conversation: str = "", *, error: str | None = None):
         super().__init__()
+        # a callable finds (or loads) the pane's model in the worker thread first
         self.engine, self.messages, self.params, self.conversation = engine, messages or [], params, conversation
         self.error = error
         self.gen: Generation | None = None
@@ -30,8 +33,11 @@ class LocalStream(ChatStream):
     async def _submit(self) -> None:
         """Tokenize off the loop, then queue; sets `gen`, or `error` with the reason."""
         try:
+            if callable(self.engine) and not isinstance(self.engine, Engine):
+                self.engine = await asyncio.to_thread(self.engine)
             ids = await asyncio.to_thread(self.engine.prompt_ids, self.messages)
-            gen = self.engine.submit(prompt_ids=ids, params=self.params, conversation=self.conversation)
+            gen = self.engine.submit(prompt_ids=ids, params=self.params, conversation=self.conversation,
+                                     stop=self.engine.chat_stops)
         except Exception as e:  # refusals (app/engine_errors.py), incl. the engine stopping meanwhile
             refusal = classify(e)
             if refusal is None:
@@ -65,42 +71,84 @@ class LocalStream(ChatStream):
 
 
 class LocalBackend(ChatBackend):
-    """Wraps an Engine, or builds one from CLI args in a thread so the UI starts at once."""
+    """Wraps an Engine or a ModelSet (several models, the first the default), or builds
+    one from CLI args in a thread so the UI starts at once."""
 
     profile = "local"
 
-    def __init__(self, engine: Engine | None = None, *, build: Callable[[], Engine] | None = None,
-                 own_engine: bool = False):
-        self.engine = engine
+    def __init__(self, engine: Engine | ModelSet | None = None, *,
+                 build: Callable[[], Engine | ModelSet] | None = None, own_engine: bool = False):
+        self.models: ModelSet | None = None
+        if engine is not None:
+            self._hold(engine)
         self._build = build
         self._own = own_engine or engine is None
         self.info = BackendInfo(kind="local")
         self.terminals: Callable[[], int | None] = lambda: None  # set by --share: the server's count
 
+    def _hold(self, engine: Engine | ModelSet) -> None:
+        self.models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The default model's Engine (None while loading)."""
+        return self.models.engine if self.models is not None else None
+
     async def start(self) -> BackendInfo:
-        if self.engine is None:
+        if self.models is None:
             assert self._build is not None
-            self.engine = await asyncio.to_thread(self._build)
+            self._hold(await asyncio.to_thread(self._build))
         e = self.engine
         be = e.lm.model.backend
-        self.info = BackendInfo(kind="local", model=e.lm.name, backend=be.name, detail=be.describe(),
-                                ctx=e.ctx, max_concurrent=e.cfg.max_concurrent, batching=e.batching)
+        self.info = BackendInfo(kind="local", model=self.models.default or e.lm.name, backend=be.name,
+                                detail=be.describe(), ctx=e.ctx, max_concurrent=e.cfg.max_concurrent,
+                                batching=e.batching,
+                                chat_template=e.lm.template.kind)
         return self.info
 
     async def close(self) -> None:
-        if self.engine is not None and self._own:
-            await asyncio.to_thread(self.engine.stop)
+        if self.models is not None and self._own:
+            await asyncio.to_thread(self.models.stop)
 
-    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
-        if self.engine is None:
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+               model: str = "") -> ChatStream:
+        if self.models is None:
             return LocalStream(None, error="the model is still loading")
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens)
-        return LocalStream(self.engine, msgs, sp, conversation)
+        models = self.models
+        # found (or loaded on first use, or reloaded after an unload) in the worker thread
+        return LocalStream(lambda: models.get(model or None), msgs, sp, conversation)
 
     def stats(self) -> EngineStats | None:
         if self.engine is None:
             return None
         return self.engine.stats().with_terminals(self.terminals())
 
+    async def model_choices(self) -> list[ModelChoice]:
+        """The loaded models, then what `panechat models` finds (read in a worker thread)."""
+        from ...engine.model_catalog import find_models  # deferred: reads every model header
+
+        loaded = self.models.names() if self.models is not None else []
+        if self.models is not None and not self.models.lazy:  # an Engine given as is: nothing else loads
+            return [ModelChoice(n, "loaded", loaded=True) for n in loaded]
+        found = await asyncio.to_thread(find_models)
+        return [ModelChoice(n, "loaded", loaded=True) for n in loaded] + [
+            ModelChoice(m.name, _describe(m), loadable=m.loadable, reason=m.reason)
+            for m in found if (self.models is None or self.models.find(m.name) is None) and m.name not in loaded]
+
+    def model_stats(self) -> dict[str, EngineStats]:
+        if self.models is None or len(self.models.names()) < 2:
+            return {}
+        return self.models.stats()
+
+
+def _describe(entry) -> str:
+    """A catalog entry in a few words: architecture, quant, size, context."""
+    parts = [entry.architecture or "?", entry.quant or ""]
+    if entry.size:
+        parts.append(f"{entry.size / 2**20:.0f} MiB")
+    if entry.context_length:
+        parts.append(f"ctx {entry.context_length}")
+    return " ".join(p for p in parts if p)

@@ -45,19 +45,22 @@ class OpenAIBackend(ChatBackend):
             raise BackendError(f"cannot reach {self.base_url}: {e or type(e).__name__}") from None
         if r.status_code in (401, 403):
             raise BackendError(f"{self.base_url} refused the API key (HTTP {r.status_code}); pass --api-key")
-        models: list[str] = []
+        listed: list[dict] = []
         if r.status_code == 200:
             try:
-                models = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+                listed = [m for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
             except (ValueError, AttributeError):
-                models = []
+                listed = []
+        models = [m["id"] for m in listed]
         if not self.model:
             if not models:
                 raise BackendError(f"{self.base_url}/models lists no model; pass --model NAME")
             self.model = models[0]
         host = urlsplit(self.base_url).netloc
+        template = next((m.get("chat_template") for m in listed if m["id"] == self.model), None)  # panechat's field
         self.info = BackendInfo(kind="openai", model=self.model, backend="openai-api",
-                                detail=f"OpenAI-compatible API at {host}", url=self.base_url)
+                                detail=f"OpenAI-compatible API at {host}", url=self.base_url,
+                                chat_template=template if isinstance(template, str) else "")
         return self.info
 
     async def close(self) -> None:
@@ -66,12 +69,13 @@ class OpenAIBackend(ChatBackend):
         if self._client is not None:
             await self._client.aclose()
 
-    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> QueueStream:
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+               model: str = "") -> QueueStream:
         self._n += 1
         s = QueueStream(on_cancel=self._cancel)
         s.id = f"h-{self._n}"
         body = {
-            "model": self.model,
+            "model": model or self.model,
             "messages": ([{"role": "system", "content": system}] if system else []) + list(messages),
             "stream": True, "stream_options": {"include_usage": True},
             "temperature": params.temperature, "max_tokens": params.max_tokens, "top_p": params.top_p,

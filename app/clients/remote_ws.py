@@ -15,7 +15,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from ...engine.stats import EngineStats
-from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill,
+from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill,
                    QueueStream, Queued)
 
 PROTOCOL = 1
@@ -23,10 +23,11 @@ CLIENT = "panechat-tui/0.1"
 
 
 class RemoteBackend(ChatBackend):
-    """`panechat --connect ws://HOST:PORT [--token T]`."""
+    """`panechat --connect ws://HOST:PORT [--token T] [--model NAME]`."""
 
     def __init__(self, url: str, token: str | None = None, *, stats_interval_ms: int = 250,
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, model: str | None = None):
+        self.model = model or ""  # --model: the server model this terminal's panes use by default
         self.url = url.rstrip("/")
         if not self.url.endswith("/ws"):
             self.url += "/ws"
@@ -41,6 +42,8 @@ class RemoteBackend(ChatBackend):
         self._streams: dict[str, QueueStream] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._opened: set[str] = set()
+        self._model_stats: dict[str, EngineStats] = {}
+        self.models: list[str] = []  # the models the server holds (its welcome)
         # request id -> the stream's arguments, until the server has queued it: a send to a
         # conversation the server dropped (for memory, see --history-memory) reopens it with
         # the history and sends again, once
@@ -83,8 +86,11 @@ class RemoteBackend(ChatBackend):
         self.info = BackendInfo(
             kind="remote", model=str(frame.get("model", "")), backend=str(frame.get("backend", "")).split(" ")[0],
             detail=str(frame.get("backend", "")), ctx=frame.get("ctx"), max_concurrent=frame.get("max_concurrent"),
-            batching=frame.get("batching"), url=self.profile)
+            batching=frame.get("batching"), url=self.profile, chat_template=str(frame.get("chat_template", "")))
         self.terminal = frame.get("terminal")
+        self.models = [str(m) for m in frame.get("models") or [] if isinstance(m, str)]
+        if self.model:
+            self.info.model = self.model
         self._ws = ws
         self._opened.clear()
         await ws.send(json.dumps({"type": "subscribe", "interval_ms": self.stats_interval_ms}))
@@ -138,6 +144,8 @@ class RemoteBackend(ChatBackend):
         if kind == "stats":
             try:
                 self._stats = EngineStats.from_dict(f)
+                per = f.get("models") or {}
+                self._model_stats = {str(k): EngineStats.from_dict(v) for k, v in per.items()}
             except (TypeError, ValueError, KeyError, AttributeError):
                 pass  # a malformed frame: keep the last good snapshot
             return
@@ -158,7 +166,8 @@ class RemoteBackend(ChatBackend):
             msg = f.get("message") or f.get("code") or "error"
             if stream is not None:
                 self._finish(stream, Finished("error", "", error=msg))
-            elif self._opening and f.get("code") in ("unknown_conversation", "bad_frame"):
+            elif self._opening and f.get("code") in ("unknown_conversation", "bad_frame", "unknown_model",
+                                                     "models_memory", "model_not_loadable"):
                 cid, fut = next(iter(self._opening.items()))
                 self._opening.pop(cid)
                 if not fut.done():
@@ -194,12 +203,15 @@ class RemoteBackend(ChatBackend):
         task.add_done_callback(self._tasks.discard)
 
     # -- ChatBackend -------------------------------------------------------------------
-    async def attach(self, conversation: str, system: str, history: list[dict]) -> list[dict] | None:
+    async def attach(self, conversation: str, system: str, history: list[dict],
+                     model: str = "") -> list[dict] | None:
         await self.start()  # reconnects after a lost connection
         fut = self._opening.get(conversation)
         if fut is None:
             fut = self._opening[conversation] = asyncio.get_running_loop().create_future()
             frame = {"type": "open", "conversation": conversation}
+            if model or self.model:  # the server's default otherwise
+                frame["model"] = model or self.model
             if system:
                 frame["system"] = system
             if history:  # the server takes it only if its copy has no turns
@@ -209,26 +221,29 @@ class RemoteBackend(ChatBackend):
         self._opened.add(conversation)
         return [{"role": m["role"], "content": m["content"]} for m in messages if m.get("role") != "system"]
 
-    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "") -> ChatStream:
+    def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+               model: str = "") -> ChatStream:
         s = QueueStream(on_cancel=self._cancel)
         s.id = f"r-{next(self._ids)}"
-        self._spawn(self._start_stream(s, conversation, messages, params, system))
+        self._spawn(self._start_stream(s, conversation, messages, params, system, model))
         return s
 
     async def _start_stream(self, s: QueueStream, conversation: str, messages: list[dict], params: GenParams,
-                            system: str, retry: bool = True) -> None:
+                            system: str, model: str = "", retry: bool = True) -> None:
         try:
             if conversation not in self._opened or self._ws is None:
-                await self.attach(conversation, system, messages[:-1])
+                await self.attach(conversation, system, messages[:-1], model)
             if s.done:  # cancelled while the conversation was opening
                 return
             self._streams[s.id] = s
             if retry:
-                self._unqueued[s.id] = (conversation, messages, params, system)
+                self._unqueued[s.id] = (conversation, messages, params, system, model)
             frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                                 "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed},
                      "system": system}
+            if model or self.model:
+                frame["model"] = model or self.model
             await self._send(frame)
         except (BackendError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, OSError) as e:
             self._streams.pop(s.id, None)
@@ -249,4 +264,11 @@ class RemoteBackend(ChatBackend):
 
     def stats(self) -> EngineStats | None:
         return self._stats if self._ws is not None else None
+
+    async def model_choices(self) -> list[ModelChoice]:
+        """The models the server holds (its welcome)."""
+        return [ModelChoice(m, "on the server", loaded=True) for m in self.models] or await super().model_choices()
+
+    def model_stats(self) -> dict[str, EngineStats]:
+        return self._model_stats if self._ws is not None else {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -21,6 +22,7 @@ from starlette.routing import Route, WebSocketRoute
 from . import errors
 from .errors import APIError
 from .limits import Guard, Limits
+from .completions_api import completions
 from .openai_api import chat_completions, get_model, list_models
 from .prometheus import CONTENT_TYPE, make_registry, render
 from .request_log import RequestLog, set_log_detail
@@ -51,11 +53,15 @@ async def health(request: Request) -> Response:
         body = {"status": status, **errors.error_body(msg, "server_error", None, f"model_{status}")}
         return errors.ErrorJSON(body, status_code=503, headers={"Retry-After": "1"})
     s = st.engine.stats()
-    return JSONResponse({
+    per_model = {name: {"file": str(e.lm.name), "batching": t.batching, "running": t.batch_now,
+                        "queue_depth": t.queue_depth, "kv_in_use": t.kv_in_use, "kv_total": t.kv_total}
+                 for (name, e), t in ((item, item[1].stats()) for item in st.models.engines().items())}
+    return JSONResponse({  # the top-level fields are the default model's; `models` has one entry per model
         "status": "ok", "model": st.engine.lm.name, "batching": s.batching,
         "running": s.batch_now, "queue_depth": s.queue_depth,
         "kv_in_use": s.kv_in_use, "kv_total": s.kv_total,
         "terminals": st.terminals, "uptime_s": round(time.time() - st.started, 1),
+        "models": per_model,
     })
 
 
@@ -105,7 +111,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 # -- the app ------------------------------------------------------------------------------------
 def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_body: int = MAX_BODY,
                logger: logging.Logger | None = None, limits: Limits | None = None,
-               public_url: str | None = None) -> Starlette:
+               public_url: str | None = None, state_dir: Path | None = None) -> Starlette:
     """The ASGI app serving `engine` (or `/health` 503 until `app.state.panechat.attach(engine)`).
 
     token: require `Authorization: Bearer <token>` on /v1/* and /metrics, and `token` in
@@ -113,10 +119,11 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
     logger: where the per-request lines go (default logging.getLogger("panechat.server"),
     which prints nothing unless configured). limits: timeouts and caps (limits.Limits).
     public_url: the address browsers reach the server at (default: from the bind address);
-    pages from other origins than it and loopback are refused."""
+    pages from other origins than it and loopback are refused. state_dir: where the
+    websocket conversations persist (conversation_db.py; None: in memory only)."""
     lg = logger or log
     limits = limits or Limits()
-    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory)
+    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory, state_dir=state_dir)
     state.registry = make_registry(state)
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -124,8 +131,10 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/models", list_models, methods=["GET"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
         WebSocketRoute("/ws", websocket_endpoint),
     ]
     app = Starlette(routes=routes, exception_handlers={

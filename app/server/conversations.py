@@ -7,6 +7,10 @@ then any idle one; a conversation with a generation running is never dropped. A 
 keeps its own copy of every conversation and sends it back with `open` (docs/protocol.md),
 so a dropped conversation comes back when its terminal reopens it.
 
+With a `ConversationDB` (conversation_db.py, `panechat serve`'s state folder) every change
+is written through as it happens and the conversations are loaded back at start, within
+the same limits: a dropped conversation is deleted there too.
+
 Sizes are what Python holds: each string's `sys.getsizeof` (1, 2 or 4 bytes a character,
 as the widest character needs: counting UTF-8 bytes would take a text with one emoji for a
 quarter of its size) plus the message dict.
@@ -19,7 +23,10 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .conversation_db import ConversationDB
 
 #: Bytes a message's dict costs beyond its strings (a two-key dict).
 MESSAGE_OVERHEAD = sys.getsizeof({"role": "", "content": ""})
@@ -45,7 +52,9 @@ class Conversation:
     updated: float = field(default_factory=time.time)
     nbytes: int = CONVERSATION_OVERHEAD  # memory held, by message_bytes
     sockets: int = 0  # open sockets that have opened it
-    resized: Callable[["Conversation", int], None] | None = field(default=None, repr=False)
+    # called after each change with the bytes added and the message appended (None: the
+    # messages were rewritten: system prompt, seeded turns)
+    resized: Callable[["Conversation", int, dict | None], None] | None = field(default=None, repr=False)
 
     def set_system(self, text: str) -> None:
         """Replace (or add, or with "" remove) the leading system message."""
@@ -77,13 +86,13 @@ class Conversation:
 
     def append(self, role: str, content: str) -> None:
         self.messages.append({"role": role, "content": content})
-        self._grew(message_bytes(role, content))
+        self._grew(message_bytes(role, content), self.messages[-1])
 
-    def _grew(self, delta: int) -> None:
+    def _grew(self, delta: int, appended: dict | None = None) -> None:
         self.nbytes += delta
         self.updated = time.time()
         if self.resized is not None:
-            self.resized(self, delta)
+            self.resized(self, delta, appended)
 
     def summary(self) -> dict:
         first = next((m["content"] for m in self.messages if m["role"] == "user"), "")
@@ -101,13 +110,32 @@ class ConversationStore:
     change the store drops idle conversations until it is within `max_bytes` again (a
     running generation's conversation may hold it over until it ends)."""
 
-    def __init__(self, max_items: int = 10_000, max_bytes: int = 256 << 20):
+    def __init__(self, max_items: int = 10_000, max_bytes: int = 256 << 20, db: "ConversationDB | None" = None):
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.evictions = 0
         self._items: OrderedDict[str, Conversation] = OrderedDict()
         self._ids = itertools.count(1)
+        self.db = db
+        if db is not None:
+            self._load(db)
+
+    def _load(self, db: "ConversationDB") -> None:
+        """Take back the stored conversations, least recently used first, then drop what
+        is over the limits (deleted from the file too); server ids continue after the
+        highest stored one."""
+        top = 0
+        for stored in db.load():
+            conv = Conversation(stored.id, stored.messages, created=stored.created, updated=stored.updated)
+            conv.nbytes += sum(message_bytes(m["role"], m["content"]) for m in stored.messages)
+            conv.resized = self._resized
+            self._items[conv.id] = conv
+            self.nbytes += conv.nbytes
+            if conv.id.startswith("c-") and conv.id[2:].isdigit():
+                top = max(top, int(conv.id[2:]))
+        self._ids = itertools.count(top + 1)
+        self._evict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -132,6 +160,8 @@ class ConversationStore:
         self._evict(count=1)
         conv = self._items[cid] = Conversation(cid, resized=self._resized)
         self.nbytes += conv.nbytes
+        if self.db is not None:
+            self.db.created(conv.id, conv.created, conv.updated)
         self._evict(keep=conv)
         return conv, True
 
@@ -149,14 +179,21 @@ class ConversationStore:
             del self._items[conv.id]
             self.nbytes -= conv.nbytes
             conv.resized = None
+            if self.db is not None:
+                self.db.deleted(conv.id)
 
     def list(self) -> list[dict]:
         return [c.summary() for c in sorted(self._items.values(), key=lambda c: -c.updated)]
 
-    def _resized(self, conv: Conversation, delta: int) -> None:
+    def _resized(self, conv: Conversation, delta: int, appended: dict | None = None) -> None:
         self.nbytes += delta
         if conv.id in self._items:
             self._items.move_to_end(conv.id)
+            if self.db is not None:  # written through before any eviction it causes
+                if appended is not None:
+                    self.db.appended(conv.id, appended["role"], appended["content"], conv.updated)
+                else:
+                    self.db.rewritten(conv.id, conv.messages, conv.created, conv.updated)
         if delta > 0:
             self._evict(keep=conv)
 
@@ -180,3 +217,5 @@ class ConversationStore:
         self.nbytes -= conv.nbytes
         conv.resized = None
         self.evictions += 1
+        if self.db is not None:
+            self.db.deleted(conv.id)

@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: `POST /v1/chat/completions` (streaming or not), `GET /v1/models`.
+"""OpenAI-compatible routes: `POST /v1/chat/completions` (streaming or not), `GET /v1/models`;
+what `/v1/completions` (completions_api.py) shares with them: the sampling fields, the
+wait for a whole reply, the SSE stream, usage and timings.
 
 Requests are validated up front (400 in OpenAI's error shape, naming the parameter); the
 whole message history is passed to the engine, whose KV slots reuse the longest cached
@@ -24,7 +26,7 @@ from . import errors
 from .errors import APIError, bad_request
 from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
 from .request_log import set_log_detail
-from .state import ServerState, state_of
+from .state import DEFAULT_ALIAS, ServerState, state_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -72,17 +74,47 @@ def parse_messages(v) -> list[dict]:
     return out
 
 
-def parse_chat_request(body, st: ServerState) -> ChatRequest:
+def model_field(body) -> str | None:
+    """The request's `model` (None: absent, the default model); 400 unless a string."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
-    ids = st.model_ids()
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model", code="invalid_type")
-    if model is not None and model not in ids:
-        raise errors.not_found(f"the model '{model[:200]}' does not exist; this server serves "
-                               f"'{st.model_id()}' (see GET /v1/models)", param="model", code="model_not_found")
-    messages = parse_messages(body.get("messages"))
+    return model or None
+
+
+async def engine_for(st: ServerState, model: str | None):
+    """The Engine of the model a request names, loaded on first use; 404 naming the
+    available models for an unknown one, 503 when it does not fit --models-memory."""
+    try:
+        return await st.engine_for(model)
+    except Exception as e:
+        err = errors.refused(e)
+        if err is None:
+            raise
+        if err.status == 404:
+            names = ", ".join(st.models.names())
+            err = errors.not_found(f"the model '{model[:200]}' does not exist; this server serves {names} "
+                                   "(see GET /v1/models for the ones it can load)", param="model",
+                                   code="model_not_found")
+        raise err from None
+
+
+@dataclass
+class GenerationFields:
+    """What a chat and a legacy completion request both say about generating."""
+
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_generation_fields(body: dict, engine, default_max_tokens: int | None = None) -> GenerationFields:
+    """stream, stream_options, n, logprobs, max_tokens, seed and the sampling parameters,
+    validated as 400s naming the parameter. Without max_tokens: `default_max_tokens`, or
+    the context limit."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", param="stream", code="invalid_type")
@@ -93,14 +125,12 @@ def parse_chat_request(body, st: ServerState) -> ChatRequest:
     n = body.get("n")
     if n is not None and n != 1:
         raise bad_request("only n=1 is supported", param="n")
-    if body.get("tools"):
-        raise bad_request("tools are not supported by this server", param="tools")
     if body.get("logprobs"):
         raise bad_request("logprobs are not supported by this server", param="logprobs")
     try:
         max_tokens = opt_int(body, "max_completion_tokens", None)
         if max_tokens is None:
-            max_tokens = opt_int(body, "max_tokens", None)
+            max_tokens = opt_int(body, "max_tokens", default_max_tokens)
         seed = opt_int(body, "seed", None)
         temperature = opt_num(body, "temperature", 1.0)  # OpenAI's default
         top_p, top_k, min_p = opt_num(body, "top_p", 1.0), opt_int(body, "top_k", 0), opt_num(body, "min_p", 0.0)
@@ -109,11 +139,22 @@ def parse_chat_request(body, st: ServerState) -> ChatRequest:
         raise bad_request(f"'{e.key}' {e.what}", param=e.key, code=e.code) from None
     try:
         params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                 max_tokens=max_tokens, ctx=st.engine.ctx)
+                                 max_tokens=max_tokens, ctx=engine.ctx)
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, param=msg.split(" ")[0], code="invalid_value") from None
-    return ChatRequest(model or st.model_id(), messages, params, stop, bool(stream), include_usage)
+    return GenerationFields(params, stop, bool(stream), include_usage)
+
+
+def parse_chat_request(body, st: ServerState, engine=None) -> ChatRequest:
+    """The validated request for `engine` (default: the default model's)."""
+    model = model_field(body) or st.model_id()
+    engine = engine or st.require_engine()
+    messages = parse_messages(body.get("messages"))
+    if body.get("tools"):
+        raise bad_request("tools are not supported by this server", param="tools")
+    f = parse_generation_fields(body, engine)
+    return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage)
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -181,27 +222,52 @@ async def _watch_disconnect(request: Request, gen) -> None:
             return
 
 
-async def chat_completions(request: Request) -> Response:
-    st = state_of(request)
+async def read_json(request: Request, st: ServerState):
+    """The checked request's JSON body (401, 503 while loading, 413, 400 as for every route)."""
     st.check_bearer(request)
     st.require_engine()
     body = await read_body(request, st.max_body)
     try:
-        data = parse_json(body)
+        return parse_json(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    req = parse_chat_request(data, st)
+
+
+async def submitted(submit):
+    """The Generation `submit()` queues, engine refusals as their HTTP errors."""
     try:
-        gen = await st.submit(req.messages, req.params, req.stop)
+        return await submit()
     except Exception as e:
         err = errors.refused(e)
         if err is None:
             raise
         raise err from None
+
+
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    data = await read_json(request, st)
+    engine = await engine_for(st, model_field(data))
+    req = parse_chat_request(data, st, engine)
+    gen = await submitted(lambda: st.submit(req.messages, req.params, req.stop, engine=engine))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
         return SSEResponse(request, gen, req, cid, created)
+    fin = await whole_reply(request, st, gen)
+    return JSONResponse({
+        "id": cid, "object": "chat.completion", "created": created, "model": req.model,
+        "system_fingerprint": "panechat",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text},
+                     "logprobs": None, "finish_reason": _finish_reason(fin)}],
+        "usage": usage_of(fin),
+        "timings": timings_of(fin),
+    })
+
+
+async def whole_reply(request: Request, st: ServerState, gen) -> FinishEvent:
+    """Wait for `gen` to finish (cancelled if the client leaves); its FinishEvent, or the
+    APIError its end means (500 error, 503 shutdown or cancelled)."""
     watcher = asyncio.create_task(_watch_disconnect(request, gen))
     try:
         async for _ev in gen.aevents():
@@ -219,14 +285,7 @@ async def chat_completions(request: Request) -> Response:
         raise shutdown_error(fin)
     if fin.reason == "cancelled":  # the client left
         raise APIError(503, "the generation was cancelled", type="server_error", code="cancelled")
-    return JSONResponse({
-        "id": cid, "object": "chat.completion", "created": created, "model": req.model,
-        "system_fingerprint": "panechat",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text},
-                     "logprobs": None, "finish_reason": _finish_reason(fin)}],
-        "usage": usage_of(fin),
-        "timings": timings_of(fin),
-    })
+    return fin
 
 
 class SSEResponse(Response):
@@ -236,6 +295,7 @@ class SSEResponse(Response):
     the request still waits in the queue), so its KV slot is freed at once."""
 
     media_type = "text/event-stream"
+    object_name = "chat.completion.chunk"
 
     def __init__(self, request: Request, gen, req: ChatRequest, cid: str, created: int):
         self.request, self.gen, self.req, self.cid, self.created = request, gen, req, cid, created
@@ -243,10 +303,15 @@ class SSEResponse(Response):
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> bytes:
-        obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+    def _choice(self, text: str | None, finish: str | None) -> dict:
+        """The choice of a chunk adding `text` (None: the opening one, naming the role)."""
+        delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def _chunk(self, text: str | None, finish: str | None = None, **extra) -> bytes:
+        obj = {"id": self.cid, "object": self.object_name, "created": self.created,
                "model": self.req.model, "system_fingerprint": "panechat",
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+               "choices": [self._choice(text, finish)], **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
     async def __call__(self, scope, receive, send) -> None:
@@ -266,10 +331,12 @@ class SSEResponse(Response):
 
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await emit(self._chunk({"role": "assistant", "content": ""}))
+            opening = self._chunk(None)
+            if opening:
+                await emit(opening)
             async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent) and ev.text:
-                    await emit(self._chunk({"content": ev.text}))
+                    await emit(self._chunk(ev.text))
             fin = gen.finish
             set_log_detail(self.request, _log_line(fin, True))
             if fin.reason in ("error", "shutdown"):
@@ -277,9 +344,9 @@ class SSEResponse(Response):
                        errors.error_body(fin.error or "generation failed", "server_error", None, "generation_error"))
                 await emit(b"data: " + json.dumps(err).encode() + b"\n\n")
             elif fin.reason != "cancelled":
-                await emit(self._chunk({}, _finish_reason(fin), usage=usage_of(fin), timings=timings_of(fin)))
+                await emit(self._chunk("", _finish_reason(fin), usage=usage_of(fin), timings=timings_of(fin)))
                 if req.include_usage:
-                    obj = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+                    obj = {"id": self.cid, "object": self.object_name, "created": self.created,
                            "model": req.model, "system_fingerprint": "panechat", "choices": [],
                            "usage": usage_of(fin)}
                     await emit(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -318,23 +385,46 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 # -- models ---------------------------------------------------------------------------------
-def _model_obj(st: ServerState) -> dict:
-    e = st.require_engine()
-    return {"id": e.lm.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
-            "meta": {"ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
+# GET /v1/models lists the loaded models first ("loaded": true, the default first), then the
+# models `panechat models` finds that this server can load on first use ("loaded": false).
+def _loaded_model_obj(st: ServerState, name: str, e) -> dict:
+    return {"id": name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+            "chat_template": e.lm.template.kind,  # "chatml-fallback": a base model, chatting in ChatML
+            "meta": {"loaded": True, "default": name == st.models.default, "file": str(e.lm.name),
+                     "ctx": e.ctx, "max_concurrent": e.cfg.max_concurrent, "batching": e.batching,
                      "backend": e.lm.model.backend.describe()}}
+
+
+def _catalog_model_obj(st: ServerState, entry) -> dict:
+    return {"id": entry.name, "object": "model", "created": int(st.started), "owned_by": "panechat",
+            "meta": {"loaded": False, "default": False, "source": entry.source,
+                     "architecture": entry.architecture, "quant": entry.quant, "size": entry.size,
+                     "context_length": entry.context_length}}
 
 
 async def list_models(request: Request) -> Response:
     st = state_of(request)
     st.check_bearer(request)
-    return JSONResponse({"object": "list", "data": [_model_obj(st)]})
+    st.require_engine()
+    loaded = st.models.engines()
+    data = [_loaded_model_obj(st, name, e) for name, e in loaded.items()]
+    if st.models.lazy:  # this server loads a listed model on its first request
+        data += [_catalog_model_obj(st, m) for m in await st.catalog()
+                 if m.loadable and st.models.find(m.name) is None]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
     st = state_of(request)
     st.check_bearer(request)
+    st.require_engine()
     name = request.path_params["model"]
-    if name not in st.model_ids():
+    engine = st.models.find(None if name == DEFAULT_ALIAS else name)
+    if engine is not None:
+        key = st.models.resolve_name(None if name == DEFAULT_ALIAS else name)
+        return JSONResponse(_loaded_model_obj(st, key, engine))
+    catalog = await st.catalog() if st.models.lazy else []
+    entry = next((m for m in catalog if m.name == name and m.loadable), None)
+    if entry is None:
         raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
-    return JSONResponse(_model_obj(st))
+    return JSONResponse(_catalog_model_obj(st, entry))

@@ -1,5 +1,5 @@
-"""`GET /metrics`: Prometheus text format, derived from `engine.stats()` (an `EngineStats`)
-at scrape time.
+"""`GET /metrics`: Prometheus text format, derived from each model's `engine.stats()` (an
+`EngineStats`) at scrape time; every engine metric carries a `model` label.
 
 A custom collector reads one engine snapshot per scrape, so serving costs nothing per
 token. Each app gets its own registry (several servers may live in one process).
@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from ...engine.stats import StreamState
 
 if TYPE_CHECKING:
+    from ...engine.stats import EngineStats
     from .conversations import ConversationStore
     from .state import ServerState
 
@@ -45,51 +46,71 @@ class EngineCollector(Collector):
         yield from _history(st.conversations)
         if engine is None:
             return
-        s = engine.stats()
-        info = InfoMetricFamily("panechat_model", "The model being served")
-        info.add_metric([], {"model": engine.lm.name, "backend": engine.lm.model.backend.describe(),
-                             "batching": str(bool(s.batching)).lower()})
+        engines = st.models.engines()
+        stats = {name: e.stats() for name, e in engines.items()}
+        info = InfoMetricFamily("panechat_model", "The models being served", labels=["model"])
+        for name, e in engines.items():
+            info.add_metric([name], {"file": str(e.lm.name), "backend": e.lm.model.backend.describe(),
+                                     "batching": str(bool(stats[name].batching)).lower(),
+                                     "default": str(name == st.models.default).lower()})
         yield info
+        yield from engine_families(stats)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], float(value))
-            return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], float(value))
-            return c
+def engine_families(stats: "dict[str, EngineStats]"):
+    """The metric families of every model's EngineStats, each sample labelled `model`."""
+    def family(kind, name: str, doc: str, value) -> None:
+        f = kind(name, doc, labels=["model"])
+        for model, s in stats.items():
+            f.add_metric([model], float(value(s)))
+        return f
 
-        running = sum(1 for x in s.streams if x.state != StreamState.QUEUED)
-        yield gauge("panechat_requests_running", "Generations admitted (prefilling or decoding)", running)
-        yield gauge("panechat_requests_waiting", "Generations waiting in the queue", s.queue_depth or 0)
-        yield gauge("panechat_max_concurrent", "Generations computed at once (--max-concurrent)",
-                    s.batch_max or 0)
-        yield gauge("panechat_kv_slots_in_use", "KV slots held by a running generation", s.kv_in_use or 0)
-        yield gauge("panechat_kv_slots_resident", "KV slots holding a cached conversation prefix",
-                    s.kv_resident or 0)
-        yield gauge("panechat_kv_slots_total", "KV slots (--kv-sessions)", s.kv_total or 0)
-        yield gauge("panechat_batch_size", "Sequences in the latest forward step", s.batch_now or 0)
-        yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", s.tok_s)
-        yield gauge("panechat_context_tokens", "Context per conversation (tokens)", s.ctx or 0)
-        yield counter("panechat_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens)
-        yield counter("panechat_generated_tokens", "Tokens generated", s.generated_tokens)
-        yield counter("panechat_reused_prefix_tokens",
-                      "Prompt tokens whose KV was reused from a resident slot (not recomputed)",
-                      s.reused_tokens)
-        yield counter("panechat_steps", "Forward steps run", s.steps)
-        yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", s.evictions)
-        yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
-                      s.refused)
-        yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", s.requests_total)
-        fin = CounterMetricFamily("panechat_requests_finished", "Finished generations by finish reason",
-                                  labels=["reason"])
+    def gauge(name: str, doc: str, value):
+        return family(GaugeMetricFamily, name, doc, value)
+
+    def counter(name: str, doc: str, value):
+        return family(CounterMetricFamily, name, doc, value)
+
+    yield gauge("panechat_requests_running", "Generations admitted (prefilling or decoding)",
+                lambda s: sum(1 for x in s.streams if x.state != StreamState.QUEUED))
+    yield gauge("panechat_requests_waiting", "Generations waiting in the queue", lambda s: s.queue_depth or 0)
+    yield gauge("panechat_max_concurrent", "Generations computed at once (--max-concurrent)",
+                lambda s: s.batch_max or 0)
+    yield gauge("panechat_kv_slots_in_use", "KV slots held by a running generation", lambda s: s.kv_in_use or 0)
+    yield gauge("panechat_kv_slots_resident", "KV slots holding a cached conversation prefix",
+                lambda s: s.kv_resident or 0)
+    yield gauge("panechat_kv_slots_total", "KV slots (--kv-sessions)", lambda s: s.kv_total or 0)
+    yield gauge("panechat_batch_size", "Sequences in the latest forward step", lambda s: s.batch_now or 0)
+    yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", lambda s: s.tok_s)
+    yield gauge("panechat_context_tokens", "Context per conversation (tokens)", lambda s: s.ctx or 0)
+    yield counter("panechat_prompt_tokens", "Prompt tokens of admitted requests", lambda s: s.prompt_tokens)
+    yield counter("panechat_generated_tokens", "Tokens generated", lambda s: s.generated_tokens)
+    yield counter("panechat_reused_prefix_tokens",
+                  "Prompt tokens whose KV was reused from a resident slot (not recomputed)",
+                  lambda s: s.reused_tokens)
+    yield counter("panechat_steps", "Forward steps run", lambda s: s.steps)
+    yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", lambda s: s.evictions)
+    yield counter("panechat_kv_snapshots_written", "KV snapshots written to disk (evicted or idle at stop)",
+                  lambda s: s.kv_snapshots_written)
+    yield counter("panechat_kv_snapshots_restored",
+                  "Requests whose prompt prefix KV was read from a snapshot instead of prefilled",
+                  lambda s: s.kv_snapshots_restored)
+    yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
+                  lambda s: s.refused)
+    yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", lambda s: s.requests_total)
+    fin = CounterMetricFamily("panechat_requests_finished", "Finished generations by finish reason",
+                              labels=["model", "reason"])
+    for model, s in stats.items():
         for reason, n in sorted(s.requests_finished.items()):
-            fin.add_metric([reason], float(n))
-        yield fin
+            fin.add_metric([model, reason], float(n))
+    yield fin
 
-        # steps by number of sequences: step_hist[n] = steps that computed n sequences
+    # steps by number of sequences: step_hist[n] = steps that computed n sequences
+    steps = HistogramMetricFamily("panechat_step_batch_size", "Sequences per forward step (1 = unbatched)",
+                                  labels=["model"])
+    ttft = HistogramMetricFamily("panechat_time_to_first_token_seconds",
+                                 "Time from submission to the first generated token", labels=["model"])
+    for model, s in stats.items():
         hist = s.step_hist
         if hist:
             buckets, acc, total = [], 0, 0.0
@@ -99,11 +120,7 @@ class EngineCollector(Collector):
                 if n >= 1:
                     buckets.append((str(float(n)), float(acc)))
             buckets.append(("+Inf", float(acc)))
-            h = HistogramMetricFamily("panechat_step_batch_size",
-                                      "Sequences per forward step (1 = unbatched)")
-            h.add_metric([], buckets, sum_value=total)
-            yield h
-
+            steps.add_metric([model], buckets, sum_value=total)
         th = s.ttft_hist
         if th.le:
             buckets, acc = [], 0
@@ -112,10 +129,9 @@ class EngineCollector(Collector):
                 buckets.append((str(float(le)), float(acc)))
             acc += th.counts[-1] if len(th.counts) > len(th.le) else 0
             buckets.append(("+Inf", float(acc)))
-            h = HistogramMetricFamily("panechat_time_to_first_token_seconds",
-                                      "Time from submission to the first generated token")
-            h.add_metric([], buckets, sum_value=float(th.sum))
-            yield h
+            ttft.add_metric([model], buckets, sum_value=float(th.sum))
+    yield steps
+    yield ttft
 
 
 def _history(store: "ConversationStore"):

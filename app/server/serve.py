@@ -24,12 +24,14 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
 from ...backends.errors import one_line
 from ...engine.default_model import resolve_model_path
-from ..engine_factory import build_engine, engine_config
+from ..engine_factory import build_models, engine_config
+from ..store import data_dir
 from .app import MAX_BODY, create_app
 from .state import ServerState
 from .limits import Guard, Limits, Listener, raise_fd_limit, run_server
@@ -141,6 +143,7 @@ class ServerThread:
                 self._thread.join(timeout)
             self._thread = None
         self._sock.close()
+        self.state.close()
 
     @property
     def running(self) -> bool:
@@ -156,7 +159,7 @@ class ServerThread:
 def start_in_background(engine, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
                         *, logger: logging.Logger | None = None, limits: Limits | None = None,
                         public_url: str | None = None) -> ServerThread:
-    """Serve a started `Engine` on host:port from a background thread; returns the
+    """Serve a started `Engine` (or a ModelSet of them) on host:port from a background thread; returns the
     running ServerThread (`.url`, `.ws_url`, `.port`, `.state.terminals`, `.stop()`).
 
     Raises OSError (one line: host, port, fix) when the port cannot be bound."""
@@ -176,6 +179,14 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
     return lines
 
 
+def state_folder(flag: str | None) -> Path | None:
+    """--state-dir: where `/ws` conversations persist; default the panechat data folder
+    ($PANECHAT_DATA_DIR, else the platform's), "none": memory only."""
+    if flag is not None and flag.strip().lower() == "none":
+        return None
+    return Path(flag).expanduser() if flag else data_dir()
+
+
 def serve(args: argparse.Namespace) -> int:
     """`panechat serve`: listen at once (/health answers 503 while the model loads), load
     the model in the background, then serve until SIGTERM or Ctrl-C, which drain the
@@ -191,7 +202,8 @@ def serve(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     token = getattr(args, "token", None)
-    app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None))
+    app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None),
+                     state_dir=state_folder(getattr(args, "state_dir", None)))
     state: ServerState = app.state.panechat
     guard: Guard = app.state.guard
     sock = _bind(args.host, args.port)
@@ -209,7 +221,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            engine = build_engine(args, quiet=True)
+            engine = build_models(args, quiet=True)  # every --model; others load on first request
         except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
             msg = one_line(e)
             state.fail(msg)
@@ -218,8 +230,12 @@ def serve(args: argparse.Namespace) -> int:
             server.should_exit = True
             return
         result["engine"] = engine
-        for line in engine.startup_lines() + banner_urls(args.host, port, token):
+        for name, e in engine.engines().items():
+            for line in e.startup_lines():
+                print(line, file=sys.stderr)
+        for line in banner_urls(args.host, port, token):
             print(line, file=sys.stderr)
+        engine.on_load = lambda name, e: print("\n".join(e.startup_lines()), file=sys.stderr, flush=True)
         state.attach(engine)
         print("ready.", file=sys.stderr, flush=True)
 
@@ -233,4 +249,5 @@ def serve(args: argparse.Namespace) -> int:
         if result["engine"] is not None:
             result["engine"].stop()
         sock.close()
+        state.close()
     return result["rc"]

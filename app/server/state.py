@@ -20,12 +20,19 @@ from starlette.requests import Request
 
 from ..engine_errors import ShuttingDown
 from . import errors
+from .conversation_db import ConversationDB, ConversationDBError
 from .conversations import ConversationStore
 from .errors import APIError
 
 if TYPE_CHECKING:
     from ...engine.engine import Engine, Generation
+    from ...engine.model_catalog import ModelEntry
+    from ...engine.model_set import ModelSet
     from ...engine.sampling import SamplingParams
+
+#: The name any request may use for the default model (clients that must send some name).
+DEFAULT_ALIAS = "panechat"
+CATALOG_TTL_S = 30.0  # /v1/models re-reads the model catalog at most this often
 
 __all__ = ["ServerState", "state_of", "SERVER_NAME"]
 
@@ -33,21 +40,25 @@ SERVER_NAME = "panechat/0.1"
 
 
 class ServerState:
-    """What every handler shares: the engine (None while loading), the token, the
-    websocket conversations and the terminal count.
+    """What every handler shares: the models (None while loading; `engine` is the
+    default one), the token, the websocket conversations and the terminal count.
 
     Shutdown (shutdown.py): once `draining`, `submit` refuses (ShuttingDown); `inflight`
     holds each generation submitted here until its handler has sent the client its end
     (handlers call `done`), and `sockets` the open websocket connections."""
 
-    def __init__(self, engine: "Engine | None", token: str | None, max_body: int, logger: logging.Logger,
-                 history_memory: int = 256 << 20):
-        self.engine = engine
+    def __init__(self, engine: "Engine | ModelSet | None", token: str | None, max_body: int,
+                 logger: logging.Logger, history_memory: int = 256 << 20, state_dir: Path | None = None):
+        self.models: "ModelSet | None" = None
+        self._catalog: tuple[float, list["ModelEntry"]] | None = None
+        if engine is not None:
+            self.attach(engine)
         self.token = token or None
         self.max_body = max_body
         self.log = logger
         self.load_error: str | None = None
-        self.conversations = ConversationStore(max_bytes=history_memory)
+        self.conversation_db = _open_db(state_dir, logger)
+        self.conversations = ConversationStore(max_bytes=history_memory, db=self.conversation_db)
         self.terminals = 0
         self.terminal_ids = itertools.count(1)
         self.started = time.time()
@@ -57,9 +68,17 @@ class ServerState:
         self.sockets: set = set()  # websocket.Connection objects (typed loosely: websocket imports this)
 
     # -- engine life cycle ----------------------------------------------------------
-    def attach(self, engine: "Engine") -> None:
-        """Start serving `engine` (already started); /health turns 200."""
-        self.engine = engine
+    def attach(self, engine: "Engine | ModelSet") -> None:
+        """Start serving `engine` (already started), or every model of a ModelSet (the
+        first the default); /health turns 200."""
+        from ...engine.model_set import ModelSet  # deferred: the engine loads in a worker thread
+
+        self.models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
+
+    @property
+    def engine(self) -> "Engine | None":
+        """The default model's Engine (None while loading)."""
+        return self.models.engine if self.models is not None else None
 
     def fail(self, message: str) -> None:
         """Loading failed: /health reports it (503) instead of 'loading'."""
@@ -82,14 +101,32 @@ class ServerState:
             await asyncio.sleep(0.1)
         return self.engine
 
-    # -- model names ----------------------------------------------------------------
+    # -- models -----------------------------------------------------------------------
     def model_id(self) -> str:
-        return self.require_engine().lm.name
+        """The default model's name."""
+        self.require_engine()
+        return self.models.default
 
-    def model_ids(self) -> set[str]:
-        """Names a request may use for the served model: the file name and its stem."""
-        name = self.model_id()
-        return {name, Path(name).stem, "panechat"}
+    async def engine_for(self, model: str | None) -> "Engine":
+        """The Engine serving `model` (None, "" or "panechat": the default), loading a model
+        `panechat models` lists on first use (in a worker thread). Raises UnknownModel,
+        ModelDoesNotFit or ModelFileError (app/engine_errors.py classifies them)."""
+        self.require_engine()
+        if not model or model == DEFAULT_ALIAS:
+            model = None
+        engine = self.models.find(model)
+        if engine is not None:
+            return self.models.get(model)  # marks it used: the least recently used unloads first
+        return await asyncio.to_thread(self.models.get, model, paths=False)
+
+    async def catalog(self) -> list["ModelEntry"]:
+        """`panechat models`' list (read off the loop, kept CATALOG_TTL_S seconds)."""
+        from ...engine.model_catalog import find_models
+
+        now = time.monotonic()
+        if self._catalog is None or now - self._catalog[0] > CATALOG_TTL_S:
+            self._catalog = (now, await asyncio.to_thread(find_models))
+        return self._catalog[1]
 
     # -- auth -------------------------------------------------------------------------
     def token_ok(self, presented: str | None) -> bool:
@@ -122,25 +159,55 @@ class ServerState:
             raise ShuttingDown("the server is shutting down; retry shortly (on another instance, "
                                "or this one once restarted)", self.drain_until - time.monotonic() + 1)
 
+    def close(self) -> None:
+        """The server has stopped: close the conversation store's file (every change is
+        already in it)."""
+        if self.conversation_db is not None:
+            self.conversation_db.close()
+
     def done(self, gen: "Generation") -> None:
         """The handler of `gen` has sent its client the end (or the client left)."""
         self.inflight.discard(gen)
 
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
-                     conversation: str | None = None) -> "Generation":
-        """Render and tokenize `messages` off the event loop, then queue the generation.
-        The caller owns it until it calls `done(gen)` (in a `finally`).
+                     conversation: str | None = None, engine: "Engine | None" = None) -> "Generation":
+        """Render and tokenize `messages` off the event loop, then queue the generation on
+        `engine` (default: the default model's), with the template's own stop strings besides
+        `stop`. The caller owns it until it calls `done(gen)` (in a `finally`).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
+        engine = engine or self.require_engine()
+        return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
+                                  [*stop, *engine.chat_stops], conversation)
+
+    async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
+                          engine: "Engine | None" = None) -> "Generation":
+        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
+        engine = engine or self.require_engine()
+        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None)
+
+    async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
+                      conversation: str | None) -> "Generation":
         self.check_admitting()
-        engine = self.require_engine()
-        prompt_ids = await asyncio.to_thread(engine.prompt_ids, messages)
+        ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
-        gen = engine.submit(prompt_ids=prompt_ids, params=params, conversation=conversation, stop=list(stop))
+        gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
         self.inflight.add(gen)
         return gen
+
+
+def _open_db(state_dir: Path | None, logger: logging.Logger) -> ConversationDB | None:
+    """The conversation store in `state_dir` (None: memory only); one that cannot be used
+    is said in one log line and the server keeps conversations in memory."""
+    if state_dir is None:
+        return None
+    try:
+        return ConversationDB(state_dir, logger)
+    except ConversationDBError as e:
+        logger.warning("%s; conversations are kept in memory only", e)
+        return None
 
 
 def state_of(request) -> ServerState:

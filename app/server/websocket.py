@@ -101,6 +101,7 @@ class Connection:
         self.lock = asyncio.Lock()
         self.gens: dict[str, object] = {}  # request id -> Generation in flight
         self.opened: set[Conversation] = set()  # conversations this socket has opened (kept from eviction first)
+        self.models: dict[str, str | None] = {}  # conversation id -> the model its `open` named (None: default)
         self.pumps: set[asyncio.Task] = set()
         self.stats_task: asyncio.Task | None = None
         client = ws.client
@@ -265,11 +266,26 @@ class Connection:
             "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME, "model": engine.lm.name,
             "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
             "max_concurrent": engine.cfg.max_concurrent, "batching": engine.batching,
-            "terminal": self.terminal,
+            "chat_template": engine.lm.template.kind, "terminal": self.terminal, "models": self.st.models.names(),
         })
+
+    async def engine_for(self, model: str | None, rid: str | None = None):
+        """The Engine of `model` (loaded on first use), or FrameError `unknown_model` (naming
+        the models served), `models_memory` or `model_not_loadable`."""
+        if model is not None and not isinstance(model, str):
+            raise FrameError("bad_frame", "'model' must be a string", rid)
+        try:
+            return await self.st.engine_for(model)
+        except Exception as e:
+            refusal = classify(e)
+            if refusal is None:
+                raise
+            raise FrameError(refusal.ws_code, str(e), rid) from None
 
     async def on_open(self, frame: dict) -> None:
         cid = _id(frame, "conversation", required=False)
+        model = frame.get("model") or None
+        await self.engine_for(model)  # an unknown model is refused before the conversation exists
         system = _opt_str(frame, "system")
         seed = _seed_messages(frame)
         store = self.st.conversations
@@ -290,8 +306,9 @@ class Connection:
         if conv not in self.opened:
             self.opened.add(conv)
             conv.sockets += 1
+        self.models[conv.id] = model
         await self.send({"type": "opened", "conversation": conv.id, "created": created,
-                         "messages": conv.snapshot()})
+                         "messages": conv.snapshot(), "model": model or self.st.models.default})
 
     async def on_list(self, frame: dict) -> None:
         await self.send({"type": "conversations", "conversations": self.st.conversations.list()})
@@ -303,7 +320,8 @@ class Connection:
         if not isinstance(content, str):
             raise FrameError("bad_frame", "'content' must be a string", rid)
         system = _opt_str(frame, "system", rid)
-        params, stop = parse_params(frame.get("params"), self.st.engine.ctx, rid)
+        engine = await self.engine_for(frame.get("model") or self.models.get(cid), rid)
+        params, stop = parse_params(frame.get("params"), engine.ctx, rid)
         if rid in self.gens:
             raise FrameError("duplicate_request", f"request {rid!r} is already running on this connection", rid)
         store = self.st.conversations
@@ -327,7 +345,7 @@ class Connection:
         messages.append({"role": "user", "content": content})
         conv.busy = rid  # reserved while the prompt is tokenized off the loop
         try:
-            gen = await self.st.submit(messages, params, stop, conversation=cid)
+            gen = await self.st.submit(messages, params, stop, conversation=cid, engine=engine)
         except Exception as e:
             conv.busy = None
             refusal = classify(e)  # app/engine_errors.py
@@ -401,6 +419,9 @@ class Connection:
         while not self.closed:
             stats = engine.stats().with_terminals(self.st.terminals)
             frame = {"type": "stats", **stats.to_dict(), "model": model, "backend": backend}
+            engines = self.st.models.engines()
+            if len(engines) > 1:  # one snapshot per model (the top level is the default one's)
+                frame["models"] = {name: e.stats().to_dict() for name, e in engines.items()}
             await self.send(frame)
             nxt += interval
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))

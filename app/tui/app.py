@@ -71,6 +71,8 @@ class PanechatApp(App):
             return
         self.backend_ready.set()
         self.sub_title = f"{self.backend.info.model}"
+        for pane in self.main.panes:  # a pane on the default model names it now
+            pane.refresh_title()
         if self.share is not None:
             try:
                 self.share_line = await self.share(self)

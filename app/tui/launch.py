@@ -12,7 +12,7 @@ from ...engine.default_model import resolve_model_path
 from ...engine.gguf_file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend
-from ..engine_factory import build_engine, engine_config
+from ..engine_factory import build_models, engine_config
 from ..store import Store, StoreError
 from ..usage import UsageError
 
@@ -26,10 +26,10 @@ def make_backend(args: argparse.Namespace):
             raise UsageError("--share serves this terminal's own engine; it cannot be combined with --connect")
         return backend_for_url(args.connect, token=args.token, api_key=args.api_key, model=args.model)
     engine_config(args)  # flag errors before the screen opens
-    path = resolve_model_path(args.model)  # a missing default model: one line, exit 2
+    path = resolve_model_path(args.model)  # a missing default model: one line, exit 2 (every --model loads on screen)
     if not path.is_file():  # the rest of the checks run while loading, on screen
         raise ModelFileError(f"model file not found: {path}" if not path.exists() else f"model path is not a file: {path}")
-    return LocalBackend(build=lambda: build_engine(args, quiet=True), own_engine=True)
+    return LocalBackend(build=lambda: build_models(args, quiet=True), own_engine=True)
 
 
 class ShareServer:
@@ -54,7 +54,7 @@ class ShareServer:
     async def attach(self, app) -> str:
         """Serve the loaded engine; returns the line to show (how teammates connect; the
         app puts it on the dashboard)."""
-        self.srv.state.attach(self.backend.engine)
+        self.srv.state.attach(self.backend.models)  # every model the panes use
         self.backend.terminals = lambda: self.srv.state.terminals + 1  # the others, and this one
         return f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
 

@@ -49,6 +49,11 @@ directly -- see ``build.build_module``). Float32 throughout, subnormals kept.
   thread+256, ...; out[d] = (((p_0 + p_1) + p_2) ...) * (1 / sum) where p_s[d] is an fma
   chain of e[t] * v[t, d] over t = s, s+S, s+2S, ... with S = 256 // D.
 * ``silu_mul`` y = (g / (1 + expf_pc(min(-g, 88)))) * u, elementwise.
+* ``gelu_mul`` i = 0.7978845608028654 * (g + ((0.044715 * g) * g) * g); t = 1 - 2 /
+  (expf_pc(min(2 i, 88)) + 1) (tanh); y = ((0.5 * g) * (1 + t)) * u, elementwise.
+* ``attention`` with a sliding window W > 0 (gemma3's local layers): keys t0 = max(0, P - W)
+  .. P - 1 only, the threads' and key subsets' strides counted from t0.
+* ``sample_rows`` (one block per row): see the comment above the kernel in source.py.
 
 Rows, the row's position in the batch, other rows' slots and positions, and the number of
 rows never enter an element's arithmetic, so every kernel is batch-invariant by
@@ -63,6 +68,7 @@ from .emulation import (
     block_sum256,
     dequantize,
     emulate_attention,
+    emulate_gelu_mul,
     emulate_linear,
     emulate_rms_norm,
     emulate_silu_mul,
@@ -76,6 +82,6 @@ from .source import KERNEL_NAMES, OPTIONS, SOURCE, kernel_signatures
 __all__ = [
     "SOURCE", "OPTIONS", "KERNEL_NAMES", "NT", "KSPLIT", "MAX_HEAD_DIM", "WIDE_N", "Kernels", "EmulatedModule",
     "fma_f32", "tree32", "block_sum256", "emulate_linear", "emulate_rms_norm", "emulate_attention",
-    "emulate_silu_mul", "expf_pc", "dequantize", "row_tile", "col_tile", "compile_ptx", "build_module",
+    "emulate_silu_mul", "emulate_gelu_mul", "expf_pc", "dequantize", "row_tile", "col_tile", "compile_ptx", "build_module",
     "kernel_signatures",
 ]

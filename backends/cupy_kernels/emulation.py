@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .constants import KSPLIT, NT, OCTET, QBLOCK, WARP, WARPS, cdiv
+from .sampling import uniform
 from .source import SOURCE, kernel_signatures
 
 _F32 = np.float32
@@ -84,14 +85,16 @@ def emulate_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
-               mins: np.ndarray | None = None) -> np.ndarray:
+               mins: np.ndarray | None = None, group: int = QBLOCK) -> np.ndarray:
     """The float32 weights a linear kernel of `kind` multiplies (exactly)."""
     if kind == "f32":
         return np.asarray(w, np.float32)
     if kind == "f16":
         return np.asarray(w).view(np.float16).astype(np.float32)
+    if kind == "bf16":
+        return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     N, K = w.shape
-    q = np.asarray(w).view(np.int8).reshape(N, K // QBLOCK, QBLOCK).astype(np.float32)
+    q = np.asarray(w).view(np.int8).reshape(N, K // group, group).astype(np.float32)
     out = q * np.asarray(scales, np.float32)[:, :, None]
     if mins is not None:
         out = out + np.asarray(mins, np.float32)[:, :, None]
@@ -137,6 +140,18 @@ def emulate_silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (g / (_F32(1.0) + e)) * np.asarray(u, np.float32)
 
 
+_GELU_C0, _GELU_C1 = _F32(0.7978845608028654), _F32(0.044715)
+
+
+def emulate_gelu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g = np.asarray(g, np.float32)
+    with np.errstate(over="ignore"):
+        inner = _GELU_C0 * (g + ((_GELU_C1 * g) * g) * g)
+        e = expf_pc(np.minimum(_F32(2.0) * inner, _F32(88.0)))
+    t = _F32(1.0) - _F32(2.0) / (e + _F32(1.0))
+    return ((_F32(0.5) * g) * (_F32(1.0) + t)) * np.asarray(u, np.float32)
+
+
 def emulate_scores(q: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
     """q [..., D] against keys [..., P, D] -> scores [..., P] (attn_scores' order)."""
     D = q.shape[-1]
@@ -172,16 +187,102 @@ def emulate_softmax_v(scores: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray,
 
 
 def emulate_attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, slots: np.ndarray,
-                      pos: np.ndarray, scale: float) -> np.ndarray:
+                      pos: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
     R, H, D = q.shape
     G = kc.shape[1]
     out = np.empty_like(q)
     for r in range(R):
         P, s = int(pos[r]) + 1, int(slots[r])
+        t0 = _window_start(P, window)
         for h in range(H):
             g = h // (H // G)
-            sc = emulate_scores(q[r, h], kc[s, g, :P], scale)
-            out[r, h] = emulate_softmax_v(sc, vc[s, g, :P])[0]
+            sc = emulate_scores(q[r, h], kc[s, g, t0:P], scale)
+            out[r, h] = emulate_softmax_v(sc, vc[s, g, t0:P])[0]
+    return out
+
+
+def _window_start(P: int, window: int) -> int:
+    """The first key a row at position P - 1 attends to (attention kernels' t0)."""
+    return max(0, P - window) if window > 0 else 0
+
+
+def _argmax(x: np.ndarray) -> int:
+    return int(np.argmax(x))  # NaN first, then the largest, ties to the lowest index
+
+
+def _chunk_sums(p: np.ndarray, t: np.float32) -> np.ndarray:
+    """Each thread's sequential sum of its chunk's p >= t -> [NT]."""
+    V = p.size
+    ch = -(-V // NT)
+    pad = np.zeros(NT * ch, np.float32)
+    pad[:V] = np.where(p >= t, p, _F32(0.0))
+    return np.add.accumulate(pad.reshape(NT, ch), axis=1, dtype=np.float32)[:, -1]
+
+
+def emulate_sample_row(x: np.ndarray, temp: float, top_p: float, min_p: float, top_k: int,
+                       seed_step: np.ndarray) -> tuple[int, int]:
+    """(token, bad) for one row of logits, as sample_rows computes it."""
+    x = np.asarray(x, np.float32)
+    V = x.size
+    bi = _argmax(x)
+    bv = x[bi]
+    temp, top_p, min_p = _F32(temp), _F32(top_p), _F32(min_p)
+    if not np.isfinite(bv):
+        return bi, 1
+    if temp == 0:
+        return bi, 0
+    with np.errstate(over="ignore", under="ignore"):
+        d = x / temp - bv / temp
+        p = np.where(d < _F32(-87.0), _F32(0.0), expf_pc(np.maximum(d, _F32(-87.0)))).astype(np.float32)
+    p[p < min_p] = 0.0
+    if 0 < top_k < V:
+        lo, hi = 0, 0x3F800000
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            if int((p >= np.uint32(mid).view(np.float32)).sum()) >= top_k:
+                lo = mid
+            else:
+                hi = mid - 1
+        p[p < np.uint32(lo).view(np.float32)] = 0.0
+    if top_p < 1:
+        target = top_p * block_sum256(_chunk_sums(p, _F32(0.0)))
+        lo, hi = 0, 0x3F800000
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            if block_sum256(_chunk_sums(p, np.uint32(mid).view(np.float32))) >= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        p[p < np.uint32(lo).view(np.float32)] = 0.0
+    cs = _chunk_sums(p, _F32(0.0))
+    total = np.add.accumulate(cs, dtype=np.float32)[-1]
+    ss = np.asarray(seed_step, np.uint32)
+    target = uniform(int(ss[0]) | (int(ss[1]) << 32), int(ss[2])) * total
+    ch = -(-V // NT)
+    run = _F32(0.0)
+    for c in range(NT):
+        nxt = run + cs[c]
+        if nxt > target:
+            last = -1
+            for i in range(min(V, c * ch), min(V, c * ch + ch)):
+                if p[i] > 0:
+                    last = i
+                    run = run + p[i]
+                    if run > target:
+                        return i, 0
+            return (last if last >= 0 else bi), 0
+        run = nxt
+    return bi, 0
+
+
+def emulate_sample_rows(logits: np.ndarray, fparams: np.ndarray, top_k: np.ndarray,
+                        seed_step: np.ndarray) -> np.ndarray:
+    """int32 [R, 2] (token, bad) for logits [R, V]."""
+    R = logits.shape[0]
+    out = np.zeros((R, 2), np.int32)
+    for r in range(R):
+        out[r] = emulate_sample_row(logits[r], fparams[r, 0], fparams[r, 1], fparams[r, 2], int(top_k[r]),
+                                    seed_step[r])
     return out
 
 
@@ -191,6 +292,7 @@ _NP_OF_CTYPE = {
     "signed char": (np.int8,),
     "int": (np.int32,),
     "long long": (np.int64,),
+    "unsigned int": (np.uint32,),
 }
 
 
@@ -239,15 +341,19 @@ def _emu_linear(name, grid, args):
     kind = parts[1]
     tm, nc = (1, 1) if parts[2] == "s" else (int(parts[2]), int(parts[3]))
     if kind == "q8":
-        x, q, d, m, out, M, N, K, has_m = args
-        w = dequantize("q8", q, d, m if has_m else None)
+        x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode = args
+        w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
+                       m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
     else:
-        x, w0, out, M, N, K = args
+        x, w0, out, M, N, K, add, add_mode = args
         w = dequantize(kind, w0)
     M, N, K = int(M), int(N), int(K)
     if tuple(grid) != (cdiv(M, tm), cdiv(N, WARPS * nc)):
         raise ValueError(f"{name}: grid {grid} does not cover M={M}, N={N}")
-    out.reshape(M, N)[...] = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+    y = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+    if int(add_mode):  # the residual [M, N] or the bias [N], added once after the sum
+        y = y + (add.reshape(M, N) if int(add_mode) == 1 else add.reshape(N))
+    out.reshape(M, N)[...] = y
 
 
 def _emu_rms(name, grid, args):
@@ -272,8 +378,39 @@ def _emu_kv_write(name, grid, args):
         vcv[slot[r], :, pos[r], :] = vv[r]
 
 
+def _emu_gelu(name, grid, args):
+    g, u, y, n = args
+    y.reshape(-1)[: int(n)] = emulate_gelu_mul(g.reshape(-1)[: int(n)], u.reshape(-1)[: int(n)])
+
+
+def emulate_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: np.ndarray, neox: bool) -> np.ndarray:
+    """x [R, H, D] -> the rope kernel's result (each product rounded, then the sum)."""
+    half = cos.shape[1]
+    c = cos[pos][:, None, :]
+    s = sin[pos][:, None, :]
+    out = x.copy()
+    if neox:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half:2 * half] = b * c + a * s
+    else:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * c - b * s
+        out[..., 1:2 * half:2] = b * c + a * s
+    return out
+
+
+def _emu_rope(name, grid, args):
+    x, y, cs, sn, pos, n, HD, D, half, neox = args
+    D, HD, half = int(D), int(HD), int(half)
+    R = int(n) // HD
+    xv = x.reshape(-1)[: int(n)].reshape(R, HD // D, D)
+    y.reshape(-1)[: int(n)] = emulate_rope(xv, cs.reshape(-1, half), sn.reshape(-1, half),
+                                           pos.reshape(-1)[:R], bool(neox)).reshape(-1)
+
+
 def _emu_scores(name, grid, args):
-    q, kc, slot, pos, sc, H, G, C, D, scale, r0 = args
+    q, kc, slot, pos, sc, H, G, C, D, scale, r0, window = args
     H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
     if grid[0] % H or grid[1] != KSPLIT:
         raise ValueError(f"{name}: grid {grid}")
@@ -284,11 +421,12 @@ def _emu_scores(name, grid, args):
         r = r0 + rr
         P, s = int(pos[r]) + 1, int(slot[r])
         for h in range(H):
-            scv[rr, h, :P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), :P], float(scale))
+            t0 = _window_start(P, int(window))
+            scv[rr, h, t0:P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), t0:P], float(scale))
 
 
 def _emu_softmax_v(name, grid, args):
-    sc, vc, slot, pos, o, H, G, C, D, r0 = args
+    sc, vc, slot, pos, o, H, G, C, D, r0, window = args
     H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
     if grid[0] % H:
         raise ValueError(f"{name}: grid {grid}")
@@ -299,14 +437,25 @@ def _emu_softmax_v(name, grid, args):
         r = r0 + rr
         P, s = int(pos[r]) + 1, int(slot[r])
         for h in range(H):
-            ov[r, h], scv[rr, h, :P] = emulate_softmax_v(scv[rr, h, :P], vcv[s, h // (H // G), :P])
+            t0 = _window_start(P, int(window))
+            ov[r, h], scv[rr, h, t0:P] = emulate_softmax_v(scv[rr, h, t0:P], vcv[s, h // (H // G), t0:P])
+
+
+def _emu_sample_rows(name, grid, args):
+    logits, prob, fparams, top_k, seed_step, out, V = args
+    R, V = int(grid[0]), int(V)
+    out.reshape(-1, 2)[:R] = emulate_sample_rows(logits.reshape(-1, V)[:R], fparams.reshape(-1, 4),
+                                                 top_k, seed_step.reshape(-1, 3))
 
 
 _EMULATORS = {
     "linear": _emu_linear,
     "rms_norm": _emu_rms,
     "silu_mul": _emu_silu,
+    "gelu_mul": _emu_gelu,
+    "rope": _emu_rope,
     "kv_write": _emu_kv_write,
     "attn_scores": _emu_scores,
     "attn_softmax_v": _emu_softmax_v,
+    "sample_rows": _emu_sample_rows,
 }

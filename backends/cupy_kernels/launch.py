@@ -57,8 +57,9 @@ class Kernels:
         self.fn(name)(grid, (NT,), args)
 
     # -- the operations ----------------------------------------------------------------
-    def linear(self, x: Any, w: Any, out: Any) -> Any:
-        """out[M, N] = x[M, K] @ W.T for a prepared weight `w` (kind, n, k, arrays)."""
+    def linear(self, x: Any, w: Any, out: Any, add: Any = None) -> Any:
+        """out[M, N] = x[M, K] @ W.T (+ add: [M, N] a residual, or [N] a bias) for a prepared
+        weight `w` (kind, n, k, arrays)."""
         M, K = x.shape
         N = w.n
         if K != w.k or out.shape != (M, N):
@@ -69,18 +70,28 @@ class Kernels:
             tm, nc = row_tile(M), col_tile(N)
             grid = (cdiv(M, tm), cdiv(N, WARPS * nc))
         elif w.kind == "q8":
-            raise ValueError("linear: q8 weights need K % 32 == 0 and a 16-byte aligned x")
+            raise ValueError("linear: q8 weights need K a multiple of their group and a 16-byte aligned x")
         else:  # the any-K kernel: same arithmetic, scalar loads, one row per block
             tm, nc = 0, 0
             grid = (M, cdiv(N, WARPS))
         if grid[1] > 65535:
             raise ValueError(f"linear: N={N} too large for one launch")
         i32 = np.int32
+        if add is None:
+            tail = (out, i32(0))
+        elif tuple(add.shape) == (M, N):
+            tail = (add, i32(1))
+        elif tuple(add.shape) == (N,):
+            tail = (add, i32(2))
+        else:
+            raise ValueError(f"linear: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
         if w.kind == "q8":
             mins = w.mins if w.mins is not None else w.scales
-            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None))
+            group = getattr(w, "group", 32)
+            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
+                    i32(group.bit_length() - 1)) + tail
         else:
-            args = (x, w.w, out, i32(M), i32(N), i32(K))
+            args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
         self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)
         return out
 
@@ -96,6 +107,23 @@ class Kernels:
             self.launch("silu_mul", (min(cdiv(n, NT), 4096),), (g, u, out, np.int64(n)))
         return out
 
+    def gelu_mul(self, g: Any, u: Any, out: Any) -> Any:
+        n = int(g.size)
+        if n:
+            self.launch("gelu_mul", (min(cdiv(n, NT), 4096),), (g, u, out, np.int64(n)))
+        return out
+
+    def rope(self, x: Any, out: Any, cos: Any, sin: Any, pos: Any, neox: bool) -> Any:
+        """Rotary embedding of x [R, H, D] at pos [R] (int32) with tables [max_pos, half]."""
+        R, H, D = x.shape
+        half = int(cos.shape[1])
+        n = R * H * D
+        if n:
+            self.launch("rope", (min(cdiv(n, NT), 4096),),
+                        (x, out, cos, sin, pos, np.int64(n), np.int32(H * D), np.int32(D), np.int32(half),
+                         np.int32(bool(neox))))
+        return out
+
     def kv_write(self, k: Any, v: Any, kc: Any, vc: Any, slots: Any, pos: Any) -> None:
         R, G, D = k.shape
         S, G2, C, D2 = kc.shape
@@ -107,8 +135,10 @@ class Kernels:
             self.launch("kv_write", (min(cdiv(n, NT), 4096),),
                         (k, v, kc, vc, slots, pos, i32(R), i32(G), i32(C), i32(D)))
 
-    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any) -> Any:
-        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] -> out [R, H, D]."""
+    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any,
+                  window: int = 0) -> Any:
+        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] (with a sliding
+        `window` > 0: the last `window` of them) -> out [R, H, D]."""
         R, H, D = q.shape
         S, G, C, D2 = kc.shape
         if D2 != D or H % G or D > MAX_HEAD_DIM or out.shape != q.shape:
@@ -121,7 +151,15 @@ class Kernels:
         for r0 in range(0, R, rows):
             n = min(rows, R - r0)
             self.launch("attn_scores", (n * H, KSPLIT),
-                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0)))
+                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0), i32(window)))
             self.launch("attn_softmax_v", (n * H,),
-                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0)))
+                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0), i32(window)))
+        return out
+
+    def sample_rows(self, logits: Any, prob: Any, fparams: Any, top_k: Any, seed_step: Any, out: Any) -> Any:
+        """(token, bad) int32 [R, 2] for logits [R, V] (the sample_rows contract in source.py);
+        `prob` [R, V] float32 is scratch, the other inputs come from sampling.sampling_table."""
+        R, V = logits.shape
+        if R:
+            self.launch("sample_rows", (R,), (logits, prob, fparams, top_k, seed_step, out, np.int32(V)))
         return out

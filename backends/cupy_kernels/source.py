@@ -99,20 +99,37 @@ struct WF16 {
     __device__ __forceinline__ float at(int n, int k) const { return h2f(__ldg(w + (size_t)n * K + k)); }
 };
 
-// int8 q [N, K] with float32 d (and m) [N, K/32]: w = q * d (exact) [+ m, rounded once].
+// bfloat16 as stored (uint16): the float32 with these 16 high bits, exactly.
+struct WBF16 {
+    const unsigned short* w;
+    int K;
+    __device__ __forceinline__ static float b2f(unsigned int b) { return __uint_as_float(b << 16); }
+    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+        o[0] = b2f(u.x & 0xffffu); o[1] = b2f(u.x >> 16);
+        o[2] = b2f(u.y & 0xffffu); o[3] = b2f(u.y >> 16);
+        o[4] = b2f(u.z & 0xffffu); o[5] = b2f(u.z >> 16);
+        o[6] = b2f(u.w & 0xffffu); o[7] = b2f(u.w >> 16);
+    }
+    __device__ __forceinline__ float at(int n, int k) const { return b2f(__ldg(w + (size_t)n * K + k)); }
+};
+
+// int8 q [N, K] with float32 d (and m) [N, K/G], G = 1 << gs (32, or 16 for Q6_K):
+// w = q * d [+ m, rounded once]. An octet never straddles two groups.
 struct WQ8 {
     const signed char* q;
     const float* d;
     const float* m;
     int K;
     int has_m;
+    int gs;
     __device__ __forceinline__ float deq(int qv, float dd, float mm) const {
         const float w = __fmul_rn((float)qv, dd);
         return has_m ? __fadd_rn(w, mm) : w;
     }
     __device__ __forceinline__ void octet(int n, int g, float* o) const {
         const uint2 u = __ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g));
-        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        const size_t b = (size_t)n * (K >> gs) + ((8 * g) >> gs);
         const float dd = __ldg(d + b);
         const float mm = has_m ? __ldg(m + b) : 0.0f;
 #pragma unroll
@@ -122,7 +139,7 @@ struct WQ8 {
         }
     }
     __device__ __forceinline__ float at(int n, int k) const {
-        const size_t b = (size_t)n * (K >> 5) + (k >> 5);
+        const size_t b = (size_t)n * (K >> gs) + (k >> gs);
         return deq((int)__ldg(q + (size_t)n * K + k), __ldg(d + b), has_m ? __ldg(m + b) : 0.0f);
     }
 };
@@ -132,9 +149,12 @@ struct WQ8 {
 // rows m0 .. m0+TM-1 (m0 = blockIdx.x * TM). Lane l owns the octets g = l, l+32, ... and
 // runs one fma chain per output element over them in increasing k.
 // VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads.
+// add_mode 1: out = sum + add[m, n] (a residual), 2: out = sum + add[n] (a bias), the add
+// rounded once after the reduction: what a separate `y + add` computes, one launch fewer.
 template <int TM, int NC, class W>
 __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W& w,
-                                           float* __restrict__ out, int M, int N, int K) {
+                                           float* __restrict__ out, int M, int N, int K,
+                                           const float* __restrict__ add, int add_mode) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
     const int m0 = blockIdx.x * TM;
@@ -174,7 +194,10 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const float s = warp_sum(acc[r][c]);
-            if (lane == 0 && m0 + r < M && n0 + c < N) out[(size_t)(m0 + r) * N + n0 + c] = s;
+            if (lane == 0 && m0 + r < M && n0 + c < N) {
+                const size_t o = (size_t)(m0 + r) * N + n0 + c;
+                out[o] = add_mode ? __fadd_rn(s, add[add_mode == 1 ? o : (size_t)(n0 + c)]) : s;
+            }
         }
 }
 
@@ -182,7 +205,8 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 // lane l takes k with (k / 8) % 32 == l in increasing k, the partial octet last.
 template <class W>
 __device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const W& w,
-                                              float* __restrict__ out, int M, int N, int K) {
+                                              float* __restrict__ out, int M, int N, int K,
+                                              const float* __restrict__ add, int add_mode) {
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.y * WARPS + (threadIdx.x >> 5);
     const int m = blockIdx.x;
@@ -194,7 +218,10 @@ __device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const
         for (int j = 0; j < j1; ++j) acc = __fmaf_rn(__ldg(xr + 8 * g + j), w.at(n, 8 * g + j), acc);
     }
     const float s = warp_sum(acc);
-    if (lane == 0) out[(size_t)m * N + n] = s;
+    if (lane == 0) {
+        const size_t o = (size_t)m * N + n;
+        out[o] = add_mode ? __fadd_rn(s, add[add_mode == 1 ? o : (size_t)n]) : s;
+    }
 }
 
 // ---- RMS norm: one block per row ------------------------------------------------------
@@ -226,6 +253,48 @@ extern "C" __global__ void __launch_bounds__(NT) silu_mul(
     }
 }
 
+// ---- gelu(g) * u, elementwise (GELU's tanh form, gemma's FFN) ---------------------------
+// i = 0.7978845608028654 * (g + ((0.044715 * g) * g) * g); tanh(i) = 1 - 2 / (expf_pc(min(2i, 88)) + 1);
+// y = ((0.5 * g) * (1 + tanh(i))) * u
+extern "C" __global__ void __launch_bounds__(NT) gelu_mul(
+        const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
+        long long n) {
+    const long long stride = (long long)gridDim.x * NT;
+    for (long long i = (long long)blockIdx.x * NT + threadIdx.x; i < n; i += stride) {
+        const float a = g[i];
+        const float c = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, a), a), a);
+        const float in = __fmul_rn(0.7978845608028654f, __fadd_rn(a, c));
+        const float e = expf_pc(fminf(__fmul_rn(2.0f, in), 88.0f));
+        const float t = __fsub_rn(1.0f, __fdiv_rn(2.0f, __fadd_rn(e, 1.0f)));
+        y[i] = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, a), __fadd_rn(1.0f, t)), u[i]);
+    }
+}
+
+// ---- rotary embedding: x [R, H, D] at positions pos[r], tables cos/sin [max_pos, half] ----
+// neox: element d < half pairs with d + half; normal: 2i with 2i + 1. For a pair (a, b) at
+// frequency i: a' = a*cos - b*sin, b' = b*cos + a*sin (each product rounded, then the sum);
+// elements past 2*half are copied. One launch for all rows and heads (was ~12 CuPy ops).
+extern "C" __global__ void __launch_bounds__(NT) rope(
+        const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ cs,
+        const float* __restrict__ sn, const int* __restrict__ pos, long long n, int HD, int D,
+        int half, int neox) {
+    const long long stride = (long long)gridDim.x * NT;
+    for (long long e = (long long)blockIdx.x * NT + threadIdx.x; e < n; e += stride) {
+        const int d = (int)(e % D);
+        const int r = (int)(e / HD);
+        const float v = x[e];
+        if (d >= 2 * half) { y[e] = v; continue; }
+        int i, other;
+        bool first;
+        if (neox) { first = d < half; i = first ? d : d - half; other = first ? d + half : d - half; }
+        else { first = (d & 1) == 0; i = d >> 1; other = first ? d + 1 : d - 1; }
+        const float c = cs[(size_t)pos[r] * half + i], s = sn[(size_t)pos[r] * half + i];
+        const float w = x[e - d + other];
+        y[e] = first ? __fsub_rn(__fmul_rn(v, c), __fmul_rn(w, s))   // a' = a*cos - b*sin
+                     : __fadd_rn(__fmul_rn(v, c), __fmul_rn(w, s));  // b' = b*cos + a*sin
+    }
+}
+
 // ---- KV store: k, v [R, G, D] -> caches [S, G, C, D] at (slot[r], :, pos[r], :) --------
 extern "C" __global__ void __launch_bounds__(NT) kv_write(
         const float* __restrict__ k, const float* __restrict__ v,
@@ -252,10 +321,11 @@ extern "C" __global__ void __launch_bounds__(NT) kv_write(
 extern "C" __global__ void __launch_bounds__(NT) attn_scores(
         const float* __restrict__ q, const float* __restrict__ kc,
         const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ sc,
-        int H, int G, int C, int D, float scale, int r0) {
+        int H, int G, int C, int D, float scale, int r0, int window) {
     const int rh = blockIdx.x;
     const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
     const int P = pos[r] + 1;
+    const int t0 = window > 0 ? max(0, P - window) : 0;  // sliding window: keys t0 .. P-1
     const int g = h / (H / G);
     const int lane = threadIdx.x & 31;
     const float* qr = q + ((size_t)r * H + h) * D;
@@ -264,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_scores(
     float qv[MAX_HEAD_DIM / 32];
 #pragma unroll
     for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) qv[i] = (lane + 32 * i < D) ? qr[lane + 32 * i] : 0.0f;
-    for (int t = blockIdx.y * WARPS + (threadIdx.x >> 5); t < P; t += WARPS * KSPLIT) {
+    for (int t = t0 + blockIdx.y * WARPS + (threadIdx.x >> 5); t < P; t += WARPS * KSPLIT) {
         const float* kt = kb + (size_t)t * D;
         float acc = 0.0f;
 #pragma unroll
@@ -279,20 +349,21 @@ extern "C" __global__ void __launch_bounds__(NT) attn_scores(
 extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
         float* sc, const float* __restrict__ vc,
         const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ o,
-        int H, int G, int C, int D, int r0) {
+        int H, int G, int C, int D, int r0, int window) {
     __shared__ float red[WARPS];
     __shared__ float part[NT];
     const int rh = blockIdx.x;
     const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
     const int P = pos[r] + 1;
+    const int t0 = window > 0 ? max(0, P - window) : 0;  // sliding window: keys t0 .. P-1
     const int g = h / (H / G);
     const int tid = threadIdx.x;
     float* e = sc + (size_t)rh * C;
     float mx = __int_as_float(0xff800000);  // -inf
-    for (int t = tid; t < P; t += NT) mx = fmaxf(mx, e[t]);
+    for (int t = t0 + tid; t < P; t += NT) mx = fmaxf(mx, e[t]);
     mx = block_max(mx, red);
     float sum = 0.0f;
-    for (int t = tid; t < P; t += NT) {
+    for (int t = t0 + tid; t < P; t += NT) {
         const float v = expf_pc(__fsub_rn(e[t], mx));
         e[t] = v;
         sum = __fadd_rn(sum, v);
@@ -303,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
     if (tid < S * D) {
         const int s = tid / D, d = tid - s * D;
         float acc = 0.0f;
-        for (int t = s; t < P; t += S) acc = __fmaf_rn(e[t], vb[(size_t)t * D + d], acc);
+        for (int t = t0 + s; t < P; t += S) acc = __fmaf_rn(e[t], vb[(size_t)t * D + d], acc);
         part[tid] = acc;
     }
     __syncthreads();
@@ -313,13 +384,177 @@ extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
         o[((size_t)r * H + h) * D + tid] = __fmul_rn(a, __fdiv_rn(1.0f, sum));
     }
 }
+// ---- sampling on the device: one block per row; only token ids go back to the host -------
+// The contract (cupy_kernels/sampling.py emulates it bit for bit):
+//  tok = argmax (NaN beats everything, then the larger value, then the lower index: numpy's
+//  argmax); bad = logits[tok] is not finite. Greedy rows (temp == 0) stop there. Otherwise
+//  p[i] = d < -87 ? 0 : expf_pc(d), d = x[i]/temp - x[tok]/temp (so p[tok] == 1); p[i] < min_p
+//  -> 0; top_k: p[i] < tau_k -> 0 with tau_k the k-th largest p (binary search over the float
+//  bits); top_p: p[i] < tau_p -> 0 with tau_p the largest float t such that S(t) >= top_p *
+//  S(0), S(t) = block_sum over threads of (thread's chunk sum of p[i] >= t); then u = Philox
+//  uniform (key = seed, counter = (step, 0, 0, 0)), target = u * total (total: thread 0's
+//  sequential sum of the 256 chunk sums), tok = first i, in index order, whose running sum
+//  (chunk sums, then within the chunk) exceeds target with p[i] > 0. Thread t's chunk is
+//  i in [t * CH, (t + 1) * CH), CH = ceil(V / NT), summed sequentially from +0.
+
+__device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) {
+    const bool vn = v != v, bn = bv != bv;
+    if (vn != bn) return vn;
+    if (!vn && v != bv) return v > bv;
+    return i < bi;
+}
+
+__device__ __forceinline__ unsigned int mulhilo(unsigned int a, unsigned int b, unsigned int* hi) {
+    const unsigned long long p = (unsigned long long)a * b;
+    *hi = (unsigned int)(p >> 32);
+    return (unsigned int)p;
+}
+
+// Philox4x32-10 (Salmon et al. 2011), word 0 of the output block.
+__device__ __forceinline__ unsigned int philox_word0(unsigned int c0, unsigned int c1, unsigned int c2,
+                                                     unsigned int c3, unsigned int k0, unsigned int k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        unsigned int hi0, hi1;
+        const unsigned int lo0 = mulhilo(0xD2511F53u, c0, &hi0);
+        const unsigned int lo1 = mulhilo(0xCD9E8D57u, c2, &hi1);
+        const unsigned int n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+__device__ __forceinline__ int block_count(int v, int* ired) {
+#pragma unroll
+    for (int h = 16; h >= 1; h >>= 1) v += __shfl_xor_sync(0xffffffffu, v, h);
+    if ((threadIdx.x & 31) == 0) ired[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int s = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += ired[w];
+    __syncthreads();
+    return s;
+}
+
+// the thread's chunk sum of p[i] >= t (sequential, from +0)
+__device__ __forceinline__ float chunk_sum(const float* p, int lo, int hi, float t) {
+    float s = 0.0f;
+    for (int i = lo; i < hi; ++i) {
+        const float v = p[i];
+        if (v >= t) s = __fadd_rn(s, v);
+    }
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(NT) sample_rows(
+        const float* __restrict__ logits, float* __restrict__ prob, const float* __restrict__ fparams,
+        const int* __restrict__ top_k, const unsigned int* __restrict__ seed_step,
+        int* __restrict__ out, int V) {
+    __shared__ float red[WARPS];
+    __shared__ int ired[WARPS];
+    __shared__ float bvs[WARPS];
+    __shared__ int bis[WARPS];
+    __shared__ float csum[NT];
+    const int r = blockIdx.x, tid = threadIdx.x;
+    const float* x = logits + (size_t)r * V;
+    float* p = prob + (size_t)r * V;
+    float bv = __int_as_float(0xff800000);
+    int bi = V;
+    for (int i = tid; i < V; i += NT) {
+        const float v = x[i];
+        if (bi == V || arg_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+#pragma unroll
+    for (int h = 16; h >= 1; h >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, h);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, h);
+        if (oi != V && (bi == V || arg_better(ov, oi, bv, bi))) { bv = ov; bi = oi; }
+    }
+    if ((tid & 31) == 0) { bvs[tid >> 5] = bv; bis[tid >> 5] = bi; }
+    __syncthreads();
+    bv = bvs[0]; bi = bis[0];
+    for (int w = 1; w < WARPS; ++w)
+        if (bis[w] != V && (bi == V || arg_better(bvs[w], bis[w], bv, bi))) { bv = bvs[w]; bi = bis[w]; }
+    const float temp = fparams[4 * r], top_p = fparams[4 * r + 1], min_p = fparams[4 * r + 2];
+    const bool bad = !isfinite(bv);
+    if (bad || temp == 0.0f) {
+        if (tid == 0) { out[2 * r] = bi; out[2 * r + 1] = bad; }
+        return;
+    }
+    const float mt = __fdiv_rn(bv, temp);
+    for (int i = tid; i < V; i += NT) {
+        const float d = __fsub_rn(__fdiv_rn(x[i], temp), mt);
+        float e = d < -87.0f ? 0.0f : expf_pc(d);
+        if (e < min_p) e = 0.0f;
+        p[i] = e;
+    }
+    __syncthreads();
+    const int k = top_k[r];
+    if (k > 0 && k < V) {  // the largest bits b with count(p >= b) >= k: the k-th largest p
+        unsigned int lo = 0u, hi = 0x3f800000u;
+        while (lo < hi) {
+            const unsigned int mid = lo + (hi - lo + 1) / 2;
+            const float t = __uint_as_float(mid);
+            int c = 0;
+            for (int i = tid; i < V; i += NT) c += p[i] >= t;
+            if (block_count(c, ired) >= k) lo = mid; else hi = mid - 1;
+        }
+        const float t = __uint_as_float(lo);
+        for (int i = tid; i < V; i += NT) if (p[i] < t) p[i] = 0.0f;
+        __syncthreads();
+    }
+    const int CH = (V + NT - 1) / NT;
+    const int c0 = min(V, tid * CH), c1 = min(V, c0 + CH);
+    if (top_p < 1.0f) {
+        const float target = __fmul_rn(top_p, block_sum(chunk_sum(p, c0, c1, 0.0f), red));
+        unsigned int lo = 0u, hi = 0x3f800000u;
+        while (lo < hi) {
+            const unsigned int mid = lo + (hi - lo + 1) / 2;
+            if (block_sum(chunk_sum(p, c0, c1, __uint_as_float(mid)), red) >= target) lo = mid; else hi = mid - 1;
+        }
+        const float t = __uint_as_float(lo);
+        for (int i = c0; i < c1; ++i) if (p[i] < t) p[i] = 0.0f;
+    }
+    csum[tid] = chunk_sum(p, c0, c1, 0.0f);
+    __syncthreads();
+    if (tid == 0) {
+        float total = 0.0f;
+        for (int t = 0; t < NT; ++t) total = __fadd_rn(total, csum[t]);
+        const unsigned int* ss = seed_step + 3 * r;
+        const unsigned int w = philox_word0(ss[2], 0u, 0u, 0u, ss[0], ss[1]);
+        const float target = __fmul_rn(__fmul_rn((float)(w >> 8), 5.9604644775390625e-8f), total);
+        float run = 0.0f;
+        int tok = -1;
+        for (int c = 0; c < NT && tok < 0; ++c) {
+            const float next = __fadd_rn(run, csum[c]);
+            if (next > target) {  // in this chunk: the element whose running sum passes target
+                const int a = min(V, c * CH), b = min(V, a + CH);
+                int last = -1;
+                for (int i = a; i < b && tok < 0; ++i) {
+                    if (p[i] > 0.0f) {
+                        last = i;
+                        run = __fadd_rn(run, p[i]);
+                        if (run > target) tok = i;
+                    }
+                }
+                if (tok < 0) tok = last >= 0 ? last : bi;  // rounding: the chunk's last candidate
+            } else {
+                run = next;
+            }
+        }
+        out[2 * r] = tok < 0 ? bi : tok;  // target >= total by rounding: the argmax
+        out[2 * r + 1] = 0;
+    }
+}
 """
 
 _LINEAR_SIGNATURES = {
     "f32": ("const float* __restrict__ w", "WF32 ww{w, K};"),
     "f16": ("const unsigned short* __restrict__ w", "WF16 ww{w, K};"),
+    "bf16": ("const unsigned short* __restrict__ w", "WBF16 ww{w, K};"),
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
-           "WQ8 ww{q, d, m, K, has_m};"),
+           "WQ8 ww{q, d, m, K, has_m, gshift};"),
 }
 
 
@@ -331,16 +566,17 @@ def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
 def _linear_wrappers() -> str:
     out = []
     for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
-        extra = ", int has_m" if kind == "q8" else ""
+        extra = ", int has_m, int gshift" if kind == "q8" else ""
         variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
         if kind != "q8":  # q8 needs K % 32 == 0: always the vector kernels
             variants.append((0, 0))
         for tm, nc in variants:
-            call = f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K);" if tm else "linear_scalar(x, ww, out, M, N, K);"
+            call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode);" if tm
+                    else "linear_scalar(x, ww, out, M, N, K, add, add_mode);")
             out.append(
                 f'extern "C" __global__ void __launch_bounds__(NT) {linear_kernel_name(kind, tm, nc)}(\n'
                 f"        const float* __restrict__ x, {wparams}, float* __restrict__ out,\n"
-                f"        int M, int N, int K{extra}) {{\n"
+                f"        int M, int N, int K{extra}, const float* __restrict__ add, int add_mode) {{\n"
                 f"    {make}\n"
                 f"    {call}\n"
                 f"}}\n"
@@ -358,8 +594,8 @@ OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 
 KERNEL_NAMES = tuple(
     [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
-    + [linear_kernel_name(k, 0, 0) for k in ("f32", "f16")]
-    + ["rms_norm", "silu_mul", "kv_write", "attn_scores", "attn_softmax_v"]
+    + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k != "q8"]
+    + ["rms_norm", "silu_mul", "gelu_mul", "rope", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
 )
 
 

@@ -17,7 +17,7 @@ from panechat.engine import default_model, shipped_models
 from panechat.engine.config import EngineConfig
 from panechat.engine.gguf_file import ModelFileError
 
-from ..tiny_gguf import write_tiny_gguf
+from ..tiny_gguf import set_row_length, write_tiny_gguf
 
 PANECHAT = str(Path(sys.executable).parent / "panechat")
 
@@ -50,11 +50,67 @@ def test_run_json_contract(tmp_path):
     assert streamed.returncode == 0 and streamed.stdout.strip()
 
 
+def test_run_reports_the_time_to_the_first_token_on_stderr(model_path):
+    """One start-up line on stderr: the model, the backend and `ready in N s`, the time from
+    the process's start to the first token (at least the time to import and load, so more
+    than the weights' preparation it names); --quiet drops it, stdout holds only the reply."""
+    import re
+
+    p = cli("run", "-n", "4", "--json", "hi")
+    assert p.returncode == 0, p.stderr
+    json.loads(p.stdout)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    m = re.fullmatch(rf"panechat: {re.escape(model_path.name)} \(llama\) on \w+: ready in (\d+\.\d\d) s "
+                     r"\(first token; weights prepared in (\d+\.\d\d) s\)", lines[0])
+    assert m, lines[0]
+    ready, weights = float(m.group(1)), float(m.group(2))
+    assert 0 < weights < ready < 120
+    quiet = cli("run", "-n", "2", "--quiet", "hi")
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip()
+
+
+def test_run_raw_completes_the_prompt_without_a_template(tokenizer):
+    """`run --raw`: the prompt is the text as given (no template, so exactly its own
+    tokens; the default model's flags say no BOS), and greedy decoding continues it."""
+    prompt = "1, 2, 3, 4, 5,"
+    p = cli("run", "--raw", "--json", "-n", "6", prompt)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["prompt_tokens"] == len(tokenizer.encode(prompt, add_bos=False, parse_special=True))
+    assert out["text"].startswith(" 6, 7")
+    chat = json.loads(cli("run", "--json", "-n", "1", prompt).stdout)  # the templated prompt is longer
+    assert chat["prompt_tokens"] > out["prompt_tokens"] + 5
+
+
+def test_run_raw_on_a_base_model_follows_llamacpp(gemma_path, gemma_golden):
+    """gemma-3-270m is a base model (no chat template; its flags add BOS): `run --raw`
+    gives llama.cpp's prompt tokens and greedy tokens (the case where llama.cpp's top-1
+    margin is >= 2.7 at every step compared)."""
+    case = next(c for c in gemma_golden["completion"] if c["prompt"] == "1, 2, 3, 4, 5,")
+    p = cli("run", "--raw", "--json", "-n", "8", "--model", str(gemma_path), case["prompt"], timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["prompt_tokens"] == len(case["prompt_ids"])
+    assert out["token_ids"] == case["tokens"][:8]
+
+
+@pytest.mark.parametrize("args,expect", [(["--raw", "--system", "be terse", "hi"], "drop --system/--messages"),
+                                         (["--raw"], "empty prompt")])
+def test_run_raw_mistakes_exit_2_with_one_line(args, expect):
+    p = cli("run", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], p.stderr
+
+
 def _bad_files(tmp_path: Path, model_path: Path) -> dict[str, Path]:
     text = tmp_path / "notes.gguf"
     text.write_text("hello, I am not a model")
     trunc = tmp_path / "truncated.gguf"
-    trunc.write_bytes(model_path.read_bytes()[:2_000_000])
+    trunc.write_bytes(model_path.read_bytes()[:2_000_000])  # the header is whole, the tensor data cut
+    cut_header = tmp_path / "cut_header.gguf"
+    cut_header.write_bytes(model_path.read_bytes()[:500_000])  # cut inside the vocabulary
     arch = tmp_path / "mamba.gguf"
     import gguf
 
@@ -63,11 +119,12 @@ def _bad_files(tmp_path: Path, model_path: Path) -> dict[str, Path]:
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return {"missing": tmp_path / "nope.gguf", "not GGUF": text, "truncated": trunc,
-            "architecture": arch}
+            "cut header": cut_header, "architecture": arch}
 
 
 @pytest.mark.parametrize("case,expect", [("missing", "not found"), ("not GGUF", "not a GGUF"),
-                                         ("truncated", "truncated"), ("architecture", "unsupported model architecture")])
+                                         ("truncated", "truncated"), ("cut header", "truncated"),
+                                         ("architecture", "unsupported model architecture")])
 def test_bad_model_files_exit_2_with_one_line(tmp_path, model_path, case, expect):
     path = _bad_files(tmp_path, model_path)[case]
     p = cli("run", "--model", str(path), "hi")
@@ -77,11 +134,24 @@ def test_bad_model_files_exit_2_with_one_line(tmp_path, model_path, case, expect
     assert len(lines) == 1 and lines[0].startswith("panechat: error:") and expect in lines[0], p.stderr
 
 
-def test_unsupported_tensor_type_exits_2(tmp_path):
-    path = tmp_path / "q8_1.gguf"
-    write_tiny_gguf(path, "llama", zero_raw={"blk.0.attn_q.weight": "Q8_1"})
+@pytest.mark.parametrize("qtype", ["Q8_1", "IQ2_XXS", "Q2_K"])
+def test_unsupported_tensor_type_exits_2_with_one_line(tmp_path, qtype):
+    path = tmp_path / f"{qtype}.gguf"
+    write_tiny_gguf(path, "llama", n_embd=256, zero_raw={"blk.0.attn_q.weight": qtype})
     p = cli("run", "--model", str(path), "hi")
-    assert p.returncode == 2 and "Q8_1" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"tensor blk.0.attn_q.weight has type {qtype}" in lines[0] and "Q4_K" in lines[0], p.stderr
+
+
+def test_rows_of_partial_blocks_exit_2_with_one_line(tmp_path):
+    path = tmp_path / "partial.gguf"
+    write_tiny_gguf(path, "llama", qtype="Q8_0")
+    set_row_length(path, "blk.1.attn_v.weight", 40)
+    p = cli("run", "--model", str(path), "hi")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "damaged or truncated" in lines[0] and "blk.1.attn_v.weight" in lines[0], p.stderr
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -186,3 +256,17 @@ def test_the_model_given_before_or_after_the_subcommand_is_used(tmp_path, argv):
 def test_ctx_size_limit_is_checked_before_loading(argv):
     p = cli(*argv)
     assert p.returncode == 2 and p.stderr.strip() == "panechat: error: --ctx-size must be at least 64", p.stderr
+
+
+def test_several_models_repeat_or_comma_list_the_first_the_default():
+    args = build_parser().parse_args(["--model", "a,b", "serve", "--model", "c", "--models-memory", "2G"])
+    assert args.model == "c" and args.models == ["c"]  # given after the subcommand: its own list
+    args = build_parser().parse_args(["serve", "-m", "a,b", "--model", "c", "--model", "a"])
+    assert args.model == "a" and args.models == ["a", "b", "c"]
+    assert build_parser().parse_args(["--models-memory", "512M"]).models_memory == 512 << 20
+
+
+def test_one_model_commands_refuse_several_in_one_line(capsys):
+    assert cli_module.main(["run", "--model", "a,b", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("panechat: error:") and "--model once" in err

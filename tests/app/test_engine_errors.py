@@ -27,10 +27,12 @@ class RefusingEngine:
     ctx = 512
     batching = True
     cfg = SimpleNamespace(max_concurrent=1)
+    chat_stops = ()
 
     def __init__(self, error: Exception):
         self.error = error
         self.lm = SimpleNamespace(name="fake.gguf", prompt_ids=lambda messages: [1, 2, 3],
+                                  template=SimpleNamespace(kind="gguf"),
                                   model=SimpleNamespace(backend=SimpleNamespace(describe=lambda: "fake")))
 
     def prompt_ids(self, messages):
@@ -143,3 +145,19 @@ def test_a_bug_is_reported_as_internal_everywhere():
     assert frame["code"] == "internal" and "kernel failed" not in frame["message"]
     with pytest.raises(RuntimeError, match="kernel failed"):
         _local_finish(bug)
+
+
+def test_model_refusals_are_classified():
+    """Several models (engine/model_set.py): an unknown model is a 404 naming the param,
+    one that does not fit --models-memory a 503, a listed file panechat cannot use a 400."""
+    from panechat.app.engine_errors import MODEL_DOES_NOT_FIT, MODEL_UNUSABLE, UNKNOWN_MODEL
+    from panechat.engine.gguf_file import ModelFileError
+    from panechat.engine.model_names import ModelDoesNotFit, UnknownModel
+
+    assert classify(UnknownModel("unknown model 'x'")) is UNKNOWN_MODEL
+    assert classify(ModelDoesNotFit("model 'x' needs 2 GiB")) is MODEL_DOES_NOT_FIT
+    assert classify(ModelFileError("x.gguf: truncated")) is MODEL_UNUSABLE
+    assert [(r.http_status, r.http_code, r.http_param, r.ws_code) for r in
+            (UNKNOWN_MODEL, MODEL_DOES_NOT_FIT, MODEL_UNUSABLE)] == [
+        (404, "model_not_found", "model", "unknown_model"), (503, "models_memory", "model", "models_memory"),
+        (400, "model_not_loadable", "model", "model_not_loadable")]

@@ -52,6 +52,19 @@ def test_the_counters_are_read_at_most_every_interval():
     assert g.tick() == 1 and applied == [1]
 
 
+def test_a_primed_governor_knows_the_load_at_the_first_step():
+    """prime() at start-up: the first step (kernel loading and all) already runs on the
+    cores left free, not on every core of a busy machine."""
+    c, applied = Counters(cores=2), []
+    g = governor_on(c, 2, applied)
+    g.prime()
+    c.advance(0.8, others=1.2, own=0.8)  # the model loads on one core; other processes hold 1.2
+    assert g.tick() == 1 and applied == [1]
+    unprimed = governor_on(c, 2, [])
+    c.advance(0.8, others=1.2, own=0.8)
+    assert unprimed.tick() == 2  # without it the first step takes every core
+
+
 def test_without_counters_every_thread_stays():
     applied = []
     g = ThreadGovernor(2, applied.append, read_counters=lambda: None)

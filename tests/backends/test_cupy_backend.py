@@ -40,7 +40,7 @@ from panechat.engine.model import Model
 from ..model_runs import forward_chunks, run_batched
 from ..tiny_gguf import reference_logits
 
-QTYPES = [("F32", True), ("F16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
+QTYPES = [("F32", True), ("F16", False), ("BF16", False), ("Q8_0", True), ("Q4_1", False), ("Q4_0", True)]
 PROMPTS = [[1, 90, 198, 26, 35, 253], [1, 40, 198, 26, 2, 198, 1, 52, 95, 198], [50, 23, 63],
            [28, 198, 66, 11, 216, 28, 56, 48, 49]]
 EXTRA = [[57, 52, 20], [19, 9, 30, 33, 31, 26, 12]]
@@ -294,9 +294,10 @@ def test_launch_arguments_are_checked_against_the_c_signature():
     with pytest.raises(ValueError):
         f((2,), (128,), (x, np.zeros(8, np.float32), x, np.int32(8), np.float32(1e-5)))
     with pytest.raises(ValueError):  # a grid that does not cover the matrix
-        mod.get_function("linear_f32_1_1")((1, 1), (256,), (x, np.zeros((70, 8), np.float32),
-                                                         np.zeros((2, 70), np.float32),
-                                                         np.int32(2), np.int32(70), np.int32(8)))
+        out = np.zeros((2, 70), np.float32)
+        mod.get_function("linear_f32_1_1")((1, 1), (256,), (x, np.zeros((70, 8), np.float32), out,
+                                                         np.int32(2), np.int32(70), np.int32(8),
+                                                         out, np.int32(0)))
 
 
 def test_kernel_variant_choice():
@@ -348,6 +349,68 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
         assert np.array_equal(deq.view(np.uint32), w.view(np.uint32)), name
 
 
+@pytest.mark.parametrize("qtype,K", [("F16", 96), ("F32", 44), ("Q8_0", 64), ("Q6_K", 256)])
+def test_linear_add_is_one_launch_and_the_separate_add(qtype, K):
+    """The residual [M, N] and bias [N] adds fused into the matmul kernel (vector and
+    any-K kernels, every weight kind) == linear(x, w) + add, bit for bit, in one launch."""
+    from panechat.backends.cupy_widen import random_blocks
+
+    be = CupyBackend.emulated_on_cpu()
+    rng = np.random.default_rng(6)
+    N = 40
+    if qtype == "Q6_K":
+        t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
+    else:
+        t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    w = be.linear_weight(t)
+    x = rng.standard_normal((5, K), dtype=np.float32)
+    for add in (rng.standard_normal((5, N), dtype=np.float32), rng.standard_normal(N, dtype=np.float32)):
+        be.kernels.module.launches.clear()
+        got = be.linear_add(x, w, add)
+        assert len(be.kernels.module.launches) == 1
+        assert np.array_equal(got.view(np.uint32), (be.linear(x, w) + add).view(np.uint32))
+
+
+@pytest.mark.parametrize("style,rope_dim", [("neox", 64), ("normal", 64), ("neox", 32), ("normal", 16)])
+def test_rope_kernel_is_the_elementwise_rope(style, rope_dim):
+    """The one-launch rope kernel (emulated) == ArrayBackend.rope's numpy arithmetic, bit
+    for bit, partial rotary dims included; and it is one launch."""
+    from panechat.backends.array_backend import ArrayBackend
+
+    be = CupyBackend.emulated_on_cpu()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 3, 64), dtype=np.float32) * 4
+    pos = rng.integers(0, 200, 7).astype(np.int32)
+    tabs = be.rope_tables(rope_dim, 10000.0, 200)
+    be.kernels.module.launches.clear()
+    got = be.rope(x, pos, style, tabs)
+    assert [n for n, _ in be.kernels.module.launches] == ["rope"]
+    want = ArrayBackend.rope(be, x, pos, style, tabs)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_kquant_and_q5_weights_are_widened_exactly(qtype):
+    """K-quants and Q5_x: int8 codes + float32 scale (and min) per group, exactly the
+    floats gguf dequantizes, and the emulated kernel computes with exactly those."""
+    from panechat.backends.cupy_widen import random_blocks
+
+    rng = np.random.default_rng(3)
+    if qtype.endswith("_K"):
+        t = GGUFTensor("w", (40, 512), qtype, random_blocks(rng, qtype, 40, 512))
+    else:
+        t = GGUFTensor.from_array(rng.standard_normal((40, 512), dtype=np.float32), qtype)
+    pw = prepare_weight(t)
+    assert pw.kind == "q8" and pw.w.dtype == np.int8 and pw.group == (16 if qtype == "Q6_K" else 32)
+    assert pw.nbytes < t.dequantize().astype(np.float16).nbytes * 0.8  # less than a float16 copy
+    want = t.dequantize()
+    got = ck.dequantize("q8", pw.w, pw.scales, pw.mins, pw.group)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    be = CupyBackend.emulated_on_cpu()
+    x = rng.standard_normal((3, 512), dtype=np.float32)
+    assert np.array_equal(be.linear(x, be.linear_weight(t)), ck.emulate_linear(x, want))
+
+
 def test_float_weight_kinds(tiny):
     path, _ = tiny("llama", "F16", tied=False)
     gf = GGUFFile.open(path)
@@ -359,12 +422,16 @@ def test_float_weight_kinds(tiny):
     w32 = np.random.default_rng(0).standard_normal((8, 16), dtype=np.float32)
     assert prepare_weight(GGUFTensor.from_array(w32, "F32")).kind == "f32"
     assert np.array_equal(prepare_weight(GGUFTensor.from_array(w32, "F32")).w, w32)
-    assert prepare_weight(GGUFTensor.from_array(w32, "BF16")).kind == "f16"  # other types: float16 ...
-    q6_k = GGUFTensor("w", (8, 256), "Q6_K", np.zeros((8, 210), np.uint8))  # 210-byte blocks of 256
-    assert prepare_weight(q6_k, float_weights="f32").kind == "f32"  # ... unless asked
-    big = w32.copy()
-    big[0, 0] = 1e5
-    assert prepare_weight(GGUFTensor.from_array(big, "BF16")).kind == "f32"  # ... or out of float16's range
+    bf = GGUFTensor.from_array(w32, "BF16")  # BF16: as stored, widened exactly
+    pb = prepare_weight(bf)
+    assert pb.kind == "bf16" and pb.w.dtype == np.uint16 and np.array_equal(ck.dequantize("bf16", pb.w),
+                                                                            bf.dequantize())
+    q2_k = GGUFTensor("w", (8, 256), "Q2_K", np.zeros((8, 84), np.uint8))  # 84-byte blocks of 256
+    assert prepare_weight(q2_k).kind == "f16"  # other types: float16 ...
+    assert prepare_weight(q2_k, float_weights="f32").kind == "f32"  # ... unless asked
+    big = np.full((8, 84), 0xFF, np.uint8)  # Q2_K codes and scales all ones, d = 60000: w = 2.7e6
+    big[:, 80:84] = np.array([60000.0, 0.0], np.float16).view(np.uint8)
+    assert prepare_weight(GGUFTensor("w", (8, 256), "Q2_K", big)).kind == "f32"  # ... or out of float16's range
     assert isinstance(prepare_weight(GGUFTensor.from_array(w32, "F32")), CupyWeight)
 
 
@@ -372,7 +439,7 @@ def test_float_weight_kinds(tiny):
 # the backend's host code with emulated kernels
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("qtype,tied", QTYPES)
 def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
     path, weights = tiny(arch, qtype, tied)
@@ -392,13 +459,17 @@ def test_emulated_backend_matches_float64_reference(tiny, arch, qtype, tied):
             assert np.array_equal(got, base), f"chunk {chunk}"
 
 
-def test_sliding_window_models_are_refused_at_load_in_one_line(tiny):
-    """gemma3's sliding-window layers have no CUDA kernel yet: loading says so, once."""
-    from panechat.engine.gguf_file import ModelFileError
-
-    path, _ = tiny("gemma3", "F32")
-    with pytest.raises(ModelFileError, match="sliding-window attention not yet supported on cupy$"):
-        Model.load(GGUFFile.open(path), CupyBackend.emulated_on_cpu(), max_positions=64)
+def test_gemma3_sliding_window_and_gelu_run_on_the_emulated_backend(tiny):
+    """gemma3 (GELU feed-forward; layers 0-4 and 6 slide over 5 keys): the emulated kernels
+    against the float64 reference, chunked prefill bit-identical, and batch invariance."""
+    path, weights = tiny("gemma3", "F32")
+    model = Model.load(GGUFFile.open(path), CupyBackend.emulated_on_cpu(), max_positions=64)
+    tokens = np.random.default_rng(2).integers(0, model.args.vocab_size, 14).tolist()
+    ref = reference_logits(weights, "gemma3", tokens)
+    whole = forward_chunks(model, tokens, 14)
+    assert np.abs(whole - ref).max() / np.abs(ref).max() < 2e-6
+    assert np.array_equal(forward_chunks(model, tokens, 3), whole)
+    _invariance(model, steps=2)
 
 
 def _invariance(model: Model, steps: int = 3) -> None:

@@ -95,3 +95,17 @@ def _batch(tokens: list[int]):
     n = len(tokens)
     return Batch(np.asarray(tokens, np.int32), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
                  np.array([n - 1]))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_a_row_range_is_a_view_of_the_stored_blocks(tiny, qtype):
+    """How phi3's fused weights are split: rows a..b share the file's memory (no copy, no
+    float32) and dequantize to exactly those rows of the whole tensor."""
+    path, _ = tiny("phi3", qtype)
+    t = GGUFFile.open(path).tensor("blk.0.attn_qkv.weight")
+    part = t.row_range(64, 96)
+    assert part.shape == (32, t.shape[1]) and part.qtype == qtype
+    assert np.shares_memory(part.blocks, t.blocks)
+    assert np.array_equal(part.dequantize(), t.dequantize()[64:96])
+    with pytest.raises(TensorError, match="has no rows 90..200"):
+        t.row_range(90, 200)

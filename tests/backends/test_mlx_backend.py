@@ -26,7 +26,7 @@ REL_TOL = 1e-4 if ON_GPU else 2e-5
 QTYPES = [("F32", True), ("Q8_0", False), ("Q4_1", True), ("Q4_0", False)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
 @pytest.mark.parametrize("qtype,tied", QTYPES)
 def test_mlx_matches_float64_reference(tiny, arch, qtype, tied):
     path, weights = tiny(arch, qtype, tied)

@@ -12,6 +12,7 @@ from panechat.engine.invariance import check_model_invariance
 from panechat.engine.model import Model
 
 from ..model_runs import new_kv, run_batched
+from ..tiny_gguf import ROPE_VARIANTS, write_tiny_gguf
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253], [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198],
            [504, 2365, 6354], [28120, 198, 6693, 1116, 216, 2899, 5600, 4861, 4966]]
@@ -82,13 +83,18 @@ def test_startup_self_check_passes(model):
     assert check_model_invariance(model, new_kv(model, 3)) is None
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
-def test_tiny_architectures_bit_identical_alone_vs_batched(tiny, arch):
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "phi3", *ROPE_VARIANTS])
+def test_tiny_architectures_bit_identical_alone_vs_batched(tiny, tmp_path, arch):
     """The same promise for the other architectures' differences (per-head q/k norms,
-    post-norms, GELU, and gemma3's 5-key sliding window that every sequence here crosses)."""
+    post-norms, GELU, gemma3's 5-key sliding window that every sequence here crosses,
+    phi3's fused weights split at load) and for scaled RoPE tables."""
     from panechat.engine.gguf_file import GGUFFile
 
-    path, _ = tiny(arch, "Q8_0")
+    if arch in ROPE_VARIANTS:
+        path = tmp_path / f"{arch}.gguf"
+        write_tiny_gguf(path, qtype="Q8_0", seed=3, **ROPE_VARIANTS[arch])
+    else:
+        path, _ = tiny(arch, "Q8_0")
     model = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (3, 9, 17, 30)]

@@ -39,6 +39,9 @@ def test_chatml_fallback_when_gguf_has_none(gguf_meta, tokenizer):
     assert tpl.render(msgs) == (
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
         "<|im_start|>assistant\n")
+    assert tpl.kind == "chatml-fallback" and tpl.stop_strings == ("<|im_end|>", "<|im_start|>")
+    own = ChatTemplate.from_metadata(gguf_meta, tokenizer)
+    assert own.kind == "gguf" and own.stop_strings == ()
 
 
 @pytest.mark.parametrize("messages", [

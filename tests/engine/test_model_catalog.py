@@ -19,6 +19,7 @@ from panechat.engine.gguf_file import ModelFileError
 from panechat.engine.model_catalog import find_model, find_models
 from panechat.engine.shipped_models import ShippedModel
 
+from ..tiny_gguf import write_tiny_gguf
 from .test_gguf_header import write_gguf
 
 PANECHAT = str(Path(sys.executable).parent / "panechat")
@@ -82,6 +83,8 @@ def fill_home(home: Path, tiny) -> dict[str, Path]:
 
     (home / ".cache/llama.cpp").mkdir(parents=True)
     write_gguf(home / ".cache/llama.cpp/someone_mamba-GGUF_mamba.gguf", "mamba")
+    write_tiny_gguf(home / ".cache/llama.cpp/someone_tiny-GGUF_iq2.gguf", "llama", n_embd=256,
+                    zero_raw={"blk.0.ffn_up.weight": "IQ2_XXS"})
 
     ollama = home / ".ollama/models"
     (ollama / "blobs").mkdir(parents=True)
@@ -117,6 +120,7 @@ def test_panechat_models_lists_every_store(home, tiny, tmp_path):
         "pub/Tiny-Qwen-GGUF/notes": ["lmstudio", "no: not a GGUF file"],
         "old/repo/truncated": ["llama", "Q8_0", "lmstudio", "no: truncated file"],
         "someone_mamba-GGUF_mamba": ["mamba", "4096", "llama.cpp", "no: unsupported architecture 'mamba'"],
+        "someone_tiny-GGUF_iq2": ["llama", "llama.cpp", "no: tensor type IQ2_XXS not read by panechat"],
         "tiny:1b": ["llama", "Q8_0", "ollama", "yes"],
         "gemma-3-270m-q4_k_m": ["gemma3", "Q4_K_M", "package", "yes"],
     }
@@ -231,4 +235,17 @@ def test_an_unreadable_store_is_a_line_not_an_error(home, tiny, monkeypatch):
 def test_supported_architectures_are_the_loaders(home):
     from panechat.engine.model_args import ROPE_STYLE
 
-    assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2", "qwen3", "gemma3"}
+    assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2", "qwen3", "gemma3",
+                                                                              "phi3"}
+
+
+def test_a_rope_scaling_the_loader_refuses_is_listed_as_the_reason(home, tmp_path):
+    from ..tiny_gguf import write_tiny_gguf
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_gguf(folder / "dyn.gguf", "llama", rope_type="dynamic", rope_scale=2.0)
+    write_tiny_gguf(folder / "yarn.gguf", "qwen3", rope_type="yarn", rope_scale=2.0)
+    entries = {e.name: e for e in find_models([folder], shipped=())}
+    assert entries["dyn"].reason == "unsupported RoPE scaling type 'dynamic'" and not entries["dyn"].loadable
+    assert entries["yarn"].loadable

@@ -9,10 +9,10 @@ from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.model import Model
 
 from ..model_runs import forward_chunks
-from ..tiny_gguf import ARCH_SHAPES, reference_logits, write_tiny_gguf
+from ..tiny_gguf import ARCH_SHAPES, ROPE_VARIANTS, reference_logits, write_tiny_gguf
 
-def load_tiny(tmp_path, arch, **kw):
-    path = tmp_path / f"tiny-{arch}.gguf"
+def load_tiny(tmp_path, arch, name=None, **kw):
+    path = tmp_path / f"{name or 'tiny-' + arch}.gguf"
     weights = write_tiny_gguf(path, arch, **{**ARCH_SHAPES[arch], **kw})
     return Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=64), weights
 
@@ -61,3 +61,79 @@ def test_sliding_window_matters(tmp_path):
     wide = reference_logits(weights, "gemma3", tokens)
     assert np.abs(got[:5] - wide[:5]).max() / np.abs(wide).max() < 2e-5
     assert np.abs(got[5:] - wide[5:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_scaling_matches_reference(tmp_path, variant):
+    """Llama 3.x rope_freqs, linear and yarn scaling, phi3's long and short factors with
+    their attention factor: panechat (llama.cpp's ggml formulas) against the reference
+    (transformers' formulas); and the reference without the scaling disagrees, so the
+    scaling is really applied."""
+    kw = dict(ROPE_VARIANTS[variant])
+    arch = kw.pop("arch")
+    model, weights = load_tiny(tmp_path, arch, qtype="Q8_0", seed=8, **kw)
+    tokens = np.random.default_rng(3).integers(0, model.args.vocab_size, 23).tolist()
+    assert_close(model, weights, arch, tokens)
+    plain = {k: v for k, v in weights.items() if not k.startswith("rope_")}
+    plain["_meta"] = weights["_meta"].copy()
+    plain["_meta"][7] = 0  # no rope.scaling.factor
+    unscaled = reference_logits(plain, arch, tokens)
+    assert np.abs(forward_chunks(model, tokens, 23) - unscaled).max() > 1e-3
+
+
+def test_phi3_long_or_short_factors_by_context(tmp_path):
+    """llama.cpp picks phi3's long factors when a sequence may run past the original
+    context (here 32 positions): the same file at 64 and at 32 positions differs."""
+    path = tmp_path / "phi3-128k.gguf"
+    write_tiny_gguf(path, "phi3", long_factors=True, orig_ctx=32, seed=9)
+    tokens = list(range(30, 50))
+    long_ = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=64)
+    short = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=32)
+    assert np.abs(forward_chunks(long_, tokens, 20) - forward_chunks(short, tokens, 20, ctx=32)).max() > 1e-3
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_phi3_fused_tensors_equal_separate_ones(tmp_path, qtype):
+    """phi3's fused attn_qkv and gate-up ffn_up, split at load by row ranges of the stored
+    blocks, give bit for bit the logits of the same weights stored as separate tensors."""
+    models = []
+    for fused in (True, False):
+        path = tmp_path / f"phi3-{qtype}-{fused}.gguf"
+        write_tiny_gguf(path, "phi3", qtype=qtype, seed=11, fused=fused)
+        gf = GGUFFile.open(path)
+        assert gf.has("blk.0.attn_qkv.weight") == fused and gf.has("blk.0.ffn_gate.weight") != fused
+        models.append(Model.load(gf, NumpyBackend(), max_positions=64))
+    tokens = np.random.default_rng(4).integers(0, models[0].args.vocab_size, 19).tolist()
+    for chunk in (19, 1):
+        assert np.array_equal(forward_chunks(models[0], tokens, chunk), forward_chunks(models[1], tokens, chunk))
+
+
+def test_phi3_fused_tensor_of_wrong_size_is_refused(tmp_path):
+    """A fused tensor whose rows do not add up to the heads in the metadata: one line."""
+    from panechat.engine.gguf_file import ModelFileError
+
+    path = tmp_path / "phi3.gguf"
+    write_tiny_gguf(path, "phi3", seed=1)
+    gf = GGUFFile.open(path)
+    gf.metadata["phi3.attention.head_count_kv"] = 1
+    with pytest.raises(ModelFileError, match="blk.0.attn_qkv.weight has 128 rows, metadata says 96") as e:
+        Model.load(gf, NumpyBackend(), max_positions=64)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "su"])
+def test_unknown_rope_scaling_is_refused_in_one_line(kind):
+    from panechat.engine.gguf_file import ModelFileError
+    from panechat.engine.model_args import ModelArgs
+
+    meta = {"general.architecture": "llama", "llama.block_count": 1, "llama.embedding_length": 64,
+            "llama.attention.head_count": 4, "llama.feed_forward_length": 96,
+            "llama.rope.scaling.type": kind, "llama.rope.scaling.factor": 2.0}
+    with pytest.raises(ModelFileError, match=f"unsupported RoPE scaling type '{kind}'.*linear, yarn"):
+        ModelArgs.from_metadata(meta)
+    meta["llama.rope.scaling.type"] = "yarn"
+    args = ModelArgs.from_metadata(meta)
+    assert args.rope_freq_scale == 0.5 and args.yarn_ext_factor == 1.0
+    meta["llama.rope.scaling.yarn_log_multiplier"] = 0.1  # DeepSeek's: not implemented, so refused
+    with pytest.raises(ModelFileError, match="yarn_log_multiplier"):
+        ModelArgs.from_metadata(meta)

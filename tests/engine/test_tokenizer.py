@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import random
 
+import numpy as np
 import pytest
 
 from panechat.engine.tokenizer import (
@@ -283,3 +284,49 @@ def test_spm_bos_space_prefix_and_byte_fallback(spm):
     no_prefix = Tokenizer.from_metadata({**meta, "tokenizer.ggml.add_space_prefix": False})
     assert no_prefix.decode(no_prefix.encode("a b", add_bos=False)) == "a b"
     assert tok.eos_id in tok.stop_ids
+
+
+def _spm_cache_files(root):
+    return sorted((root / "panechat" / "derived").glob("spm-merges-*.npy"))
+
+
+def test_spm_merges_are_cached_and_a_damaged_cache_is_rebuilt(spm, tmp_path, monkeypatch):
+    """The SPM merge list (seconds of Python for a 262k vocabulary) is kept in the XDG cache
+    under a hash of the vocabulary; a cached, a garbled and a bit-flipped entry all give the
+    tokenizer llama.cpp's algorithm gives, and a bad entry is replaced."""
+    _, meta, _ = spm
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
+    rng = random.Random(7)
+    texts = ["".join(rng.choice("abcdeh  xé") for _ in range(rng.randint(1, 24))) for _ in range(200)]
+    want = [_llama_cpp_spm(t, tokens, scores) for t in texts]
+
+    def check() -> None:
+        tok = Tokenizer.from_metadata(meta)
+        assert [tok.encode(t, add_bos=False) for t in texts] == want
+
+    check()  # builds and stores
+    (entry,) = _spm_cache_files(tmp_path)
+    good = entry.read_bytes()
+    check()  # from the cache
+    entry.write_bytes(b"not an array")
+    check()
+    assert entry.read_bytes() == good  # rewritten
+    flipped = np.load(entry)
+    flipped[5, 1] += 1  # still a well-formed array: the checksum catches it
+    np.save(entry, flipped)
+    check()
+    assert entry.read_bytes() == good
+    # another vocabulary (one score changed) gets its own entry
+    Tokenizer.from_metadata({**meta, "tokenizer.ggml.scores": [*scores[:-1], scores[-1] - 1]})
+    assert len(_spm_cache_files(tmp_path)) == 2
+
+
+def test_an_unwritable_cache_only_costs_time(spm, tmp_path, monkeypatch):
+    _, meta, _ = spm
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.encode("abc deh", add_bos=False) == _llama_cpp_spm("abc deh", meta["tokenizer.ggml.tokens"],
+                                                                   meta["tokenizer.ggml.scores"])

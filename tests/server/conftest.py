@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,22 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> EngineStats:
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"engine not idle after {timeout}s: {s}")
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_folders(tmp_path_factory):
+    """`panechat serve` subprocesses keep their conversations (--state-dir) and KV snapshots
+    (--kv-snapshots) in folders of this session, never the user's."""
+    keys = ("PANECHAT_DATA_DIR", "XDG_CACHE_HOME")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["PANECHAT_DATA_DIR"] = str(tmp_path_factory.mktemp("data"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ def _scrape(http) -> dict:
     out = {}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
-            key = s.name if not s.labels else (s.name, tuple(sorted(s.labels.items())))
+            labels = {k: v for k, v in s.labels.items() if k != "model"}  # the one model served here
+            key = s.name if not labels else (s.name, tuple(sorted(labels.items())))
             out[key] = s.value
     return out
 

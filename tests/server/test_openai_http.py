@@ -20,8 +20,11 @@ def test_health_and_models(http, live):
     h = http.get("/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     models = http.get("/v1/models").json()
-    assert models["object"] == "list" and models["data"][0]["id"] == live.model
-    assert http.get(f"/v1/models/{live.model}").json()["id"] == live.model
+    name = live.model.removesuffix(".gguf")  # models go by the names `panechat models` lists
+    assert models["object"] == "list" and models["data"][0]["id"] == name
+    assert models["data"][0]["meta"]["loaded"] and models["data"][0]["meta"]["file"] == live.model
+    assert len(models["data"]) == 1  # an Engine served as is loads no other model, so lists none
+    assert http.get(f"/v1/models/{live.model}").json()["id"] == name  # the file name finds it too
 
 
 def test_sdk_non_streaming(client, live):

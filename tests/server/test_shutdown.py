@@ -120,7 +120,7 @@ async def _admitted(c: httpx.AsyncClient) -> int:
     """Generations the engine has taken (admitted, or waiting in its queue)."""
     text = (await c.get("/metrics")).text
     return sum(int(float(m)) for m in re.findall(
-        r"^panechat_(?:requests_admitted_total|requests_waiting) (\S+)$", text, re.M))
+        r"^panechat_(?:requests_admitted_total|requests_waiting)(?:\{[^}]*\})? (\S+)$", text, re.M))
 
 
 async def _three(srv: Serve, max_tokens: int):

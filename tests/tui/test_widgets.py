@@ -154,6 +154,41 @@ async def test_dashboard_words_the_typed_stats_it_is_given():
         assert str(table.get_row_at(2)[0]) == "2 Tree"
 
 
+async def test_dashboard_names_the_chatml_fallback_of_a_base_model(tmp_path, tui_engine):
+    """A model file without a chat template (a base model) chats in ChatML, and the
+    dashboard's model line says so; the default model, with its own template, shows none."""
+    from panechat.app.clients.base import Finished, GenParams
+    from panechat.engine.engine import Engine, EngineConfig
+    from panechat.engine.loader import load_model
+
+    from ..tiny_gguf import write_tiny_gguf
+
+    path = tmp_path / "tiny-base.gguf"
+    write_tiny_gguf(path, "llama", chat_template=False)
+    base = Engine(load_model(path, "numpy", max_positions=128),
+                  EngineConfig(max_concurrent=1, kv_sessions=1, ctx_size=128, verify_invariance=False)).start()
+    try:
+        shown = {}
+        for engine in (base, tui_engine):
+            backend = LocalBackend(engine)
+            await backend.start()
+            app = DashboardHost(backend)
+            async with app.run_test(size=(60, 30)) as pilot:
+                await pilot.pause()
+                shown[engine.lm.name] = _text(app.query_one(Dashboard), "dash-model")
+        # the model line names the model as `panechat models` does (the file name without .gguf)
+        assert shown["tiny-base.gguf"] == "tiny-base\ntemplate: chatml (fallback)"
+        assert shown[tui_engine.lm.name] == tui_engine.lm.name.removesuffix(".gguf")
+        events = [ev async for ev in LocalBackend(base).stream("c1", [{"role": "user", "content": "hi"}],
+                                                               GenParams(max_tokens=4))]
+        fin = events[-1]
+        assert isinstance(fin, Finished) and fin.reason in ("stop", "length"), fin
+        chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert fin.usage["prompt_tokens"] == len(base.lm.tokenizer.encode(chatml, parse_special=True))
+    finally:
+        base.stop()
+
+
 def test_stream_states_are_worded_by_the_dashboard():
     words = [state_words(StreamStats("r", "c", state, prefill_done=7, prefill_total=8)) for state in StreamState]
     assert words == ["waiting", "queued", "prefill 87%", "decoding"]

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from textual import work
 from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -22,6 +23,7 @@ from ..widgets.pane import FLUSH_HZ, ChatPane
 from ..widgets.pane_grid import MAX_PANES, PaneGrid
 from .broadcast import BroadcastScreen
 from .conversations import ConversationsScreen
+from .model_picker import ModelPickerScreen
 from .pane_settings import PaneSettings, PaneSettingsScreen
 
 EXPORT_DIR_ENV = "PANECHAT_EXPORT_DIR"
@@ -51,6 +53,8 @@ class MainScreen(Screen):
                 tooltip="Write the active pane's conversation to a .md file"),
         Command("f4", "open_conversation", "Open", title="Open conversation",
                 tooltip="Open a stored conversation in a new pane"),
+        Command("f5", "pick_model", "Model", title="Choose model",
+                tooltip="Open a new pane on a model (or put the empty active pane on it)"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
     ]
 
@@ -106,13 +110,13 @@ class MainScreen(Screen):
     def panes(self) -> list[ChatPane]:
         return list(self.query_one(PaneGrid).query_children(ChatPane))
 
-    def _new_conversation(self):
+    def _new_conversation(self, model: str = ""):
         """A new conversation with the stored defaults (settings `default_max_tokens`,
-        `default_temperature`, `default_system`)."""
+        `default_temperature`, `default_system`) on `model` ('' = the default model)."""
         st = self.store.get_setting
         return self.store.new_conversation(
             system=st("default_system", ""), temperature=float(st("default_temperature", "0") or 0),
-            max_tokens=int(st("default_max_tokens", "512") or 512))
+            max_tokens=int(st("default_max_tokens", "512") or 512), model=model)
 
     def _make_pane(self, conv) -> ChatPane:
         return ChatPane(conv, self.store.messages(conv.id), self.backend,
@@ -288,6 +292,35 @@ class MainScreen(Screen):
                 await self.action_new_pane(conv_id)
 
         self.app.push_screen(ConversationsScreen(convs), open_it)
+
+    @work(exclusive=True, group="model-picker")
+    async def action_pick_model(self) -> None:
+        """The model picker; the chosen model goes to the active pane if it is empty and
+        idle, else to a new pane."""
+        try:
+            choices = await self.backend.model_choices()
+        except Exception as e:  # noqa: BLE001 - a listing problem is a notice, not a crash
+            self.notify(f"cannot list the models: {e}", severity="error")
+            return
+        name = await self.app.push_screen_wait(ModelPickerScreen(choices))
+        if name:
+            await self.open_on_model(name)
+
+    async def open_on_model(self, name: str) -> ChatPane | None:
+        """Put the active pane on model `name` when it has no turns and is idle, else open
+        a new pane on it; the conversation keeps the model (the store reopens it on it)."""
+        pane = self._active()
+        if pane is not None and not pane.history and not pane.busy:
+            pane.set_model(name)
+            self.store.save_conversation(pane.conversation)
+            self.refresh_names()
+            pane.focus_input()
+            return pane
+        conv = self._new_conversation(model=name)
+        pane = await self.action_new_pane(conv.id)
+        if pane is None:
+            self.store.delete_conversation(conv.id)
+        return pane
 
     def action_copy_reply(self) -> None:
         pane = self._active()

@@ -22,7 +22,9 @@ from ...clients.base import ChatBackend
 from ..perf import UI_COST
 
 BARS = " ▁▂▃▄▅▆▇█"
-WRAPPING = {"dash-backend", "dash-model", "dash-share"}  # may take several lines; the rest take one
+WRAPPING = {"dash-backend", "dash-model", "dash-share", "dash-models"}  # may take several lines; the rest take one
+# the model line names a chat template only when it is not the file's own (a base model)
+_TEMPLATE_NOTE = {"chatml-fallback": "\ntemplate: chatml (fallback)"}
 REFRESH_HZ = 4
 WINDOW_S = 60
 
@@ -59,6 +61,7 @@ class Dashboard(Vertical, can_focus=False):
     share_line: var[str] = var("", init=False)  # how teammates connect (--share)
     pane_names: var[dict[str, str]] = var(dict, init=False)
     stats: var[EngineStats | None] = var(None, init=False, always_update=True)  # the latest sample
+    model_stats: var[dict[str, EngineStats]] = var(dict, init=False)  # per model, when several
 
     DEFAULT_CSS = """
     Dashboard {
@@ -69,7 +72,7 @@ class Dashboard(Vertical, can_focus=False):
         padding: 0 1;
     }
     Dashboard Static { height: 1; }
-    Dashboard #dash-backend, Dashboard #dash-model, Dashboard #dash-share { height: auto; }
+    Dashboard #dash-backend, Dashboard #dash-model, Dashboard #dash-share, Dashboard #dash-models { height: auto; }
     Dashboard #dash-backend { text-style: bold; }
     Dashboard .dash-dim { color: $text-muted; }
     Dashboard .dash-spark { color: $accent; }
@@ -112,6 +115,7 @@ class Dashboard(Vertical, can_focus=False):
         yield Static(id="dash-model", classes="dash-dim")
         yield Static(id="dash-share", classes="dash-dim")
         yield Static(id="dash-batch")
+        yield Static(id="dash-models")  # one batch line per model, when several are loaded
         yield Static(id="dash-kv")
         yield Static(id="dash-occ-label", classes="dash-dim")
         yield Static(id="dash-occ", classes="dash-spark")
@@ -131,9 +135,20 @@ class Dashboard(Vertical, can_focus=False):
         self.set_interval(1 / REFRESH_HZ, self.refresh_stats)
 
     def refresh_stats(self) -> None:
-        """The periodic sample: the backend's description and its latest stats."""
+        """The periodic sample: the backend's description and its latest stats (per model
+        too, when it holds several)."""
         self._show_backend()
+        self.model_stats = self.backend.model_stats()
         self.show_stats(self.backend.stats())
+
+    def model_lines(self) -> list[str]:
+        """One batch line per loaded model (none with a single model: the batch line is it)."""
+        lines = []
+        for name, s in self.model_stats.items():
+            cap = f"/{s.batch_max}" if s.batch_max else ""
+            lines.append(f"{name[:22]}  batch {s.batch_now or 0}{cap}  queue {s.queue_depth or 0}  "
+                         f"{s.tok_s:.0f} tok/s")
+        return lines
 
     def watch_status_line(self) -> None:
         if self._ready:
@@ -145,7 +160,13 @@ class Dashboard(Vertical, can_focus=False):
 
     def watch_pane_names(self) -> None:
         if self._ready and self.stats is not None:
-            self._update_streams(self.stats.streams)
+            self._update_streams(self._all_streams(self.stats))
+
+    def _all_streams(self, s: EngineStats) -> tuple[tuple[str, StreamStats], ...]:
+        """(row key, stream) for every model's streams (each Engine numbers its own)."""
+        if len(self.model_stats) < 2:
+            return tuple((x.id, x) for x in s.streams)
+        return tuple((f"{name}/{x.id}", x) for name, ms in self.model_stats.items() for x in ms.streams)
 
     def watch_stats(self, s: EngineStats | None) -> None:
         if not self._ready:
@@ -156,7 +177,7 @@ class Dashboard(Vertical, can_focus=False):
             self._show("dash-kv", "")
         else:
             self._update_numbers(s, max(10, self.content_size.width))
-            self._update_streams(s.streams)
+            self._update_streams(self._all_streams(s))
         UI_COST.add("dashboard", time.perf_counter() - t0)
 
     def _show(self, widget_id: str, value: str, markup: bool = False) -> None:
@@ -173,7 +194,8 @@ class Dashboard(Vertical, can_focus=False):
         kind = {"local": "local engine", "remote": "panechat server", "openai": "OpenAI API"}.get(info.kind, info.kind)
         where = f" {info.url}" if info.url else ""
         self._show("dash-backend", f"{kind}{where}" + (f" · {info.backend}" if info.backend else ""))
-        self._show("dash-model", info.model or self.status_line)
+        self._show("dash-model", (info.model + _TEMPLATE_NOTE.get(info.chat_template, "")) if info.model
+                   else self.status_line)
         if self._shown.get("detail") != info.detail:
             self._shown["detail"] = info.detail
             self.query_one("#dash-backend").tooltip = info.detail or None
@@ -193,6 +215,7 @@ class Dashboard(Vertical, can_focus=False):
         if s.queue_depth is not None:
             parts.append(f"queue {s.queue_depth}")
         self._show("dash-batch", "  ".join(parts), markup=True)
+        self._show("dash-models", "\n".join(self.model_lines()))
         kv = f"KV slots {s.kv_in_use}/{s.kv_total}" if s.kv_total else "KV slots -"
         cached = (s.kv_resident or 0) - (s.kv_in_use or 0)  # idle conversations kept warm
         if s.kv_total and cached > 0:
@@ -215,11 +238,11 @@ class Dashboard(Vertical, can_focus=False):
             return 0
         return max((n for n, (a, b) in enumerate(zip(prev, hist)) if b > a), default=0)
 
-    def _update_streams(self, streams: tuple[StreamStats, ...]) -> None:
+    def _update_streams(self, streams: tuple[tuple[str, StreamStats], ...]) -> None:
         rows: dict[str, tuple[str, ...]] = {}
-        for x in streams:
+        for key, x in streams:
             name = self.pane_names.get(x.conversation) or f"other {x.conversation[-6:]}"
-            rows[x.id] = (name[:14], state_words(x)[:11], str(x.tokens), f"{x.tok_s:.1f}")
+            rows[key] = (name[:14], state_words(x)[:11], str(x.tokens), f"{x.tok_s:.1f}")
         old: dict[str, tuple[str, ...]] = self._shown.get("rows") or {}  # type: ignore[assignment]
         if rows == old:
             return

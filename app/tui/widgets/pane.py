@@ -171,8 +171,19 @@ class ChatPane(Vertical):
     def title(self) -> str:
         return self.conversation.title
 
+    @property
+    def model(self) -> str:
+        """The model this pane talks to: its conversation's, else the backend's default."""
+        return self.conversation.model or self.backend.info.model
+
     def refresh_title(self) -> None:
-        self.border_title = f"{self.number} · {self.conversation.title}"
+        model = self.model
+        self.border_title = f"{self.number} · {self.conversation.title}" + (f" · {model}" if model else "")
+
+    def set_model(self, model: str) -> None:
+        """Talk to `model` from the next reply on (the caller stores the conversation)."""
+        self.conversation.model = model
+        self.refresh_title()
 
     def focus_input(self) -> None:
         self.query_one(PromptInput).focus()
@@ -233,7 +244,7 @@ class ChatPane(Vertical):
         params = GenParams(temperature=c.temperature, max_tokens=c.max_tokens, seed=c.seed)
         messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         self.meter = meter = StreamMeter()
-        self.stream = stream = self.backend.stream(c.id, messages, params, c.system)
+        self.stream = stream = self.backend.stream(c.id, messages, params, c.system, c.model)
         if self._stop_requested:
             stream.cancel()
         self._md_stream = Markdown.get_stream(reply)

@@ -1,0 +1,93 @@
+"""`POST /v1/completions`: OpenAI's legacy text completion of a raw prompt (no chat
+template; BOS as the GGUF's add_bos_token flag says, special tokens parsed, as llama.cpp's
+server tokenizes a completion prompt). The fields, limits and errors are those of
+`/v1/chat/completions` (openai_api.py), with OpenAI's default of 16 tokens when
+`max_tokens` is absent; the stream is the same SSE with `text_completion` chunks.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ...engine.sampling import SamplingParams
+from .errors import bad_request
+from .openai_api import (SSEResponse, _finish_reason, engine_for, model_field, parse_generation_fields, read_json,
+                         submitted, timings_of, usage_of, whole_reply)
+from .state import ServerState, state_of
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's for /v1/completions
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompt: str
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_prompt(v) -> str:
+    """`prompt`: a non-empty string, or a list holding one (one completion per request)."""
+    if isinstance(v, list) and len(v) == 1:
+        v = v[0]
+    if not isinstance(v, str) or not v:
+        raise bad_request("'prompt' must be a non-empty string (one prompt per request)", param="prompt",
+                          code="invalid_type" if not isinstance(v, str) else "invalid_value")
+    return v
+
+
+def parse_completion_request(body, st: ServerState, engine=None) -> CompletionRequest:
+    """The validated request for `engine` (default: the default model's)."""
+    model = model_field(body) or st.model_id()
+    engine = engine or st.require_engine()
+    prompt = parse_prompt(body.get("prompt"))
+    if body.get("echo"):
+        raise bad_request("echo is not supported by this server", param="echo")
+    if body.get("suffix"):
+        raise bad_request("suffix (insertion) is not supported by this server", param="suffix")
+    if body.get("best_of") not in (None, 1):
+        raise bad_request("only best_of=1 is supported", param="best_of")
+    f = parse_generation_fields(body, engine, default_max_tokens=DEFAULT_MAX_TOKENS)
+    return CompletionRequest(model, prompt, f.params, f.stop, f.stream, f.include_usage)
+
+
+async def completions(request: Request) -> Response:
+    st = state_of(request)
+    data = await read_json(request, st)
+    engine = await engine_for(st, model_field(data))
+    req = parse_completion_request(data, st, engine)
+    gen = await submitted(lambda: st.submit_text(req.prompt, req.params, req.stop, engine=engine))
+    cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    if req.stream:
+        return CompletionSSE(request, gen, req, cid, created)
+    fin = await whole_reply(request, st, gen)
+    return JSONResponse({
+        "id": cid, "object": "text_completion", "created": created, "model": req.model,
+        "system_fingerprint": "panechat",
+        "choices": [{"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)}],
+        "usage": usage_of(fin),
+        "timings": timings_of(fin),
+    })
+
+
+class CompletionSSE(SSEResponse):
+    """The chat stream's events as `text_completion` chunks: `choices[0].text` is the new
+    text (no opening role chunk)."""
+
+    object_name = "text_completion"
+
+    def _chunk(self, text: str | None, finish: str | None = None, **extra) -> bytes:
+        if text is None:  # completions have no role to announce
+            return b""
+        return super()._chunk(text, finish, **extra)
+
+    def _choice(self, text: str | None, finish: str | None) -> dict:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
