@@ -77,6 +77,12 @@ class Backend(ABC):
     def linear(self, x: Array, w: Any) -> Array:
         """x [R, K] @ w.T -> [R, N], each output row independent of the others."""
 
+    def linear_many(self, x: Array, ws: tuple) -> tuple:
+        """``tuple(self.linear(x, w) for w in ws)``: products sharing their input (q, k, v;
+        gate, up). A backend may compute them in one call (fewer kernel launches a step);
+        each result must equal `linear`'s bit for bit."""
+        return tuple(self.linear(x, w) for w in ws)
+
     def linear_add(self, x: Array, w: Any, add: Array) -> Array:
         """linear(x, w) + add, with add [R, N] (a residual) or [N] (a bias): bit for bit
         `linear(x, w) + add` (the add rounds once); a backend may fuse it into the matmul."""

@@ -1,5 +1,6 @@
 """GGUF's 32-weight blocks (ggml Q8_0, Q4_0, Q4_1) unpacked for kernels that keep
-weights quantized: every backend reads the same bytes the same way.
+weights quantized as int8 codes plus float scales (MLX, CuPy); the numpy backend reads
+the blocks themselves (`quant_kernels`).
 
 ggml-common.h: Q8_0 = {f16 d; int8 q[32]}, Q4_0 = {f16 d; u8 qs[16]} with w = d*(q-8),
 Q4_1 = {f16 d; f16 m; u8 qs[16]} with w = d*q + m; byte j of qs holds element j in its

@@ -3,12 +3,11 @@
 Kernel policy: OpenBLAS sgemm is fast but its rows are not batch-invariant (an output
 row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
-arithmetic is fixed by the source. Q8_0/Q4_0/Q4_1 weights stay quantized (int8 plus a
-scale, and a min for Q4_1, per 32 weights): 4x fewer bytes per step than float32 and
-bit-identical to the float32 kernel on the dequantized weights. Q4_K/Q5_K/Q6_K and
-Q5_0/Q5_1 weights stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
-the file's memory map (`quant_kernels`), with the same bit-identity: a Q4_K_M file never
-gets a float32 copy of a quantized matrix. Elementwise ops and per-row reductions use
+arithmetic is fixed by the source. Quantized weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K) stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
+the file's memory map (`quant_kernels`, `block_linear`): a Q4_1 weight costs 5 bits a
+step, as in the file, and no quantized matrix ever gets a float32 copy. Each product is
+bit-identical to the float32 kernel on gguf's dequantized weights. Elementwise ops and per-row reductions use
 numpy (`ArrayBackend`).
 
 The kernels run on as many threads as other processes leave cores idle
@@ -27,25 +26,8 @@ import numpy as np
 
 from .array_backend import ArrayBackend, ArrayKV
 from .cpu_threads import ThreadGovernor
-from .gguf_blocks import kept_in_blocks, kept_quantized, unpack
+from .gguf_blocks import kept_in_blocks
 from .gguf_tensor import GGUFTensor
-
-
-@dataclass
-class QuantWeight:
-    """w[n, k] = q[n, k] * scales[n, k // 32] (+ mins[n, k // 32])."""
-
-    q: np.ndarray  # int8 [N, K]
-    scales: np.ndarray  # float32 [N, K/32]
-    mins: np.ndarray | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
 
 
 @dataclass
@@ -66,8 +48,9 @@ class KQuantWeight:
 
 @dataclass
 class StoredWeight:
-    """An F16/BF16 or Q5_0/Q5_1 weight [N, K] as stored, a view of the memory map: `data`
-    uint16 [N, K] (16-bit floats as integers) or uint8 [N, K/32 * bytes] (blocks)."""
+    """An F16/BF16 weight or one of 32-weight blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) [N, K]
+    as stored, a view of the memory map: `data` uint16 [N, K] (16-bit floats as integers)
+    or uint8 [N, K/32 * bytes] (blocks, f16 scales included)."""
 
     qtype: str
     data: np.ndarray
@@ -79,7 +62,7 @@ class StoredWeight:
 
 
 _HALF = ("F16", "BF16")
-_Q5 = ("Q5_0", "Q5_1")
+_BLOCK32 = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # quant_kernels.linear_block32
 _LANES = 16  # numpy_kernels.LANES: a 16-bit weight row must be whole vectors
 
 
@@ -106,15 +89,13 @@ class NumpyBackend(ArrayBackend):
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
         return (f"numpy on CPU ({threads}), numba row-invariant kernels, "
-                "Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K kept quantized, F16/BF16 in 16 bits")
+                "Q4_x/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K read as stored, F16/BF16 in 16 bits")
 
     def begin_step(self) -> None:
         if self.governor is not None:
             self.governor.tick()
 
-    def linear_weight(self, t: GGUFTensor) -> np.ndarray | QuantWeight | KQuantWeight | StoredWeight:
-        if kept_quantized(t):
-            return QuantWeight(*unpack(t.blocks, t.qtype, *t.shape))
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | KQuantWeight | StoredWeight:
         if kept_in_blocks(t):
             blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
             return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
@@ -122,24 +103,36 @@ class NumpyBackend(ArrayBackend):
         if t.qtype in _HALF and len(t.shape) == 2 and t.shape[1] % _LANES == 0:
             bits = np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape)  # no copy
             return StoredWeight(t.qtype, bits, t.shape)
-        if t.qtype in _Q5 and len(t.shape) == 2 and t.shape[1] % 32 == 0:
+        if t.qtype in _BLOCK32 and len(t.shape) == 2 and t.shape[1] % 32 == 0:
             return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks, dtype=np.uint8), t.shape)
         return t.dequantize()
 
-    def linear(self, x: np.ndarray, w: np.ndarray | QuantWeight | KQuantWeight | StoredWeight) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray | KQuantWeight | StoredWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
         if isinstance(w, KQuantWeight):
             self.quant_kernels.linear_kquant(x, w.blocks, w.qtype, w.d, w.dmin, out)
-        elif isinstance(w, StoredWeight) and w.qtype in _Q5:
-            self.quant_kernels.linear_q5(x, w.data, w.qtype, out)
+        elif isinstance(w, StoredWeight) and w.qtype in _BLOCK32:
+            self.quant_kernels.linear_block32(x, w.data, w.qtype, out)
         elif isinstance(w, StoredWeight):
             self.quant_kernels.linear_half(x, w.data, w.qtype, out)
-        elif isinstance(w, QuantWeight):
-            self.kernels.linear_q8(x, w.q, w.scales, out, w.mins)
         else:
             self.kernels.linear(x, w, out)
         return out
+
+    def linear_many(self, x: np.ndarray, ws: tuple) -> tuple:
+        """Weights of one block type and K (q, k, v; gate, up) in one parallel region:
+        fewer fork-joins a step, each product the same bits as `linear`'s."""
+        first = ws[0]
+        same = 1 < len(ws) <= 3 and isinstance(first, (KQuantWeight, StoredWeight)) and all(
+            type(w) is type(first) and w.qtype == first.qtype and w.shape[1] == first.shape[1] for w in ws)
+        x = np.ascontiguousarray(x)
+        if same and isinstance(first, KQuantWeight):
+            return tuple(self.quant_kernels.linear_kquant_many(x, [(w.blocks, w.d, w.dmin) for w in ws],
+                                                                first.qtype))
+        if same and isinstance(first, StoredWeight) and first.qtype in _BLOCK32:
+            return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
+        return super().linear_many(x, ws)
 
     def attend(self, kv: ArrayKV, layer, q, k, v, slots, positions, scale, window=0):
         self.write_kv(kv, layer, k, v, slots, positions)

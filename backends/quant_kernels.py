@@ -32,10 +32,13 @@ all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and g
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
+from numba.core import config
 from numba.extending import intrinsic
 
+from .block_linear import block_linear_driver
 from .gguf_blocks import KQUANT_BYTES, QK_K
 from .numpy_kernels import (
     _JIT,
@@ -51,7 +54,8 @@ from .numpy_kernels import (
     vsplat,
 )
 
-__all__ = ["QK_K", "KQUANT_BYTES", "linear_kquant", "superblock_scales", "linear_half", "linear_q5"]
+__all__ = ["QK_K", "KQUANT_BYTES", "BLOCK32_BYTES", "linear_kquant", "superblock_scales", "linear_half",
+           "linear_block32", "linear_block32_many", "linear_kquant_many", "linear_q5"]
 
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _U8VEC = ir.VectorType(ir.IntType(8), LANES)
@@ -78,6 +82,39 @@ def vload_bits(typingctx, arr, i, shift, mask):
         return builder.uitofp(q, _VEC)
 
     return f32vec(arr, i, shift, mask), codegen
+
+
+@intrinsic
+def vload_nibbles(typingctx, arr, i):
+    """(low nibbles, high nibbles) of the bytes ``arr.flat[i : i + 16]`` as two float32
+    vectors (uint8 C-array; exact): each byte widened to 32 bits once, then masked and
+    shifted there (x86 has no 8-bit vector shift)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)):
+        return None
+    pair = types.UniTuple(f32vec, 2)
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        q = builder.zext(builder.load(builder.bitcast(p, _U8VEC.as_pointer()), align=1, typ=_U8VEC), _I32VEC)
+        lo = builder.uitofp(builder.and_(q, _splat32(0x0F)), _VEC)
+        hi = builder.uitofp(builder.lshr(q, _splat32(4)), _VEC)
+        return context.make_tuple(builder, sig.return_type, [lo, hi])
+
+    return pair(arr, i), codegen
+
+
+@intrinsic
+def vload_s8(typingctx, arr, i):
+    """float32 vector of the bytes ``arr.flat[i : i + 16]`` read as int8 (uint8 C-array; exact)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        q = builder.load(builder.bitcast(p, _U8VEC.as_pointer()), align=1, typ=_U8VEC)
+        return builder.sitofp(q, _VEC)
+
+    return f32vec(arr, i), codegen
 
 
 @intrinsic
@@ -196,9 +233,38 @@ def vload_bit_lanes(typingctx, arr, i, first):
     return f32vec(arr, i, first), codegen
 
 
+def _target_has_f16c() -> bool:
+    """Whether numba compiles for a CPU with F16C (honours NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
+    feats = config.CPU_FEATURES
+    if feats is None:
+        feats = llvm.get_host_cpu_features().flatten()
+    return "+f16c" in feats.split(",")
+
+
+_F16C = _target_has_f16c()  # without it LLVM's half -> float is a libcall: use integer moves
+
+
+@intrinsic
+def _half_at(typingctx, arr, i):
+    """The IEEE half at bytes ``arr.flat[i : i + 2]`` (uint8 C-array) as float32 by the CPU's
+    own conversion (F16C vcvtph2ps: exact, like every half -> float widening)."""
+    if not (_is_c_array(arr, types.uint8) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        h = builder.load(builder.bitcast(p, ir.IntType(16).as_pointer()), align=1, typ=ir.IntType(16))
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
+
+    return types.float32(arr, i), codegen
+
+
 @njit(inline="always", **_JIT)
 def _f16_at(w, n, o):
-    """The IEEE half at bytes w[n, o:o+2] as float32, exactly (as vload_f16, one value)."""
+    """The IEEE half at bytes w[n, o:o+2] as float32, exactly (as vload_f16, one value):
+    one vcvtph2ps with F16C, else integer bit moves."""
+    if _F16C:
+        return _half_at(w, n * w.shape[1] + o)
     h = np.int32(w[n, o]) | (np.int32(w[n, o + 1]) << 8)
     mag = h & 0x7FFF
     if mag >= 0x7C00:
@@ -209,57 +275,135 @@ def _f16_at(w, n, o):
 
 
 @njit(inline="always", **_JIT)
-def _q5_codes(w, n, qh_at, qs_at, k):
-    """The 5-bit codes of w[n, k:k+16] in a 32-weight block, as floats (exact)."""
+def _q5_codes(w, n, qh_at, qs_at, half):
+    """The 5-bit codes of half `half` (0: weights 0-15, 1: 16-31) of a 32-weight block of
+    row n, as floats (exact)."""
     base = n * w.shape[1]
-    half = (k >> 4) & 1
     lo = vload_bits(w, base + qs_at, half * 4, 0x0F)
     hi = vload_bit_lanes(w, base + qh_at, half * 16)
     return vadd(lo, vmul(hi, vsplat(np.float32(16.0))))
 
 
+# Pair loaders (block_linear): (w[n, k:k+16], w[n, k+16:k+32]) for k a multiple of 32,
+# dequantized exactly as gguf does; a block's scales are decoded once for both halves.
+
 @njit(inline="always", **_JIT)
-def _load_q5_0(w, ws, wm, n, k):
-    """Dequantised w[n, k:k+16] of a Q5_0 row: d * (q - 16)."""
+def _pair_q8_0(w, wd, wdm, n, k):
+    """Q8_0 (34 B: f16 d, i8 q[32]): d * q."""
+    rb = (k >> 5) * 34
+    base = n * w.shape[1] + rb
+    d = vsplat(_f16_at(w, n, rb))
+    return vmul(vload_s8(w, base + 2), d), vmul(vload_s8(w, base + 18), d)
+
+
+@njit(inline="always", **_JIT)
+def _pair_q4_0(w, wd, wdm, n, k):
+    """Q4_0 (18 B: f16 d, u8 qs[16]): d * (q - 8); byte j holds weights j and j + 16."""
+    rb = (k >> 5) * 18
+    base = n * w.shape[1] + rb + 2
+    d, eight = vsplat(_f16_at(w, n, rb)), vsplat(np.float32(-8.0))
+    lo, hi = vload_nibbles(w, base)
+    return vmul(vadd(lo, eight), d), vmul(vadd(hi, eight), d)
+
+
+@njit(inline="always", **_JIT)
+def _pair_q4_1(w, wd, wdm, n, k):
+    """Q4_1 (20 B: f16 d, f16 m, u8 qs[16]): d * q + m."""
+    rb = (k >> 5) * 20
+    base = n * w.shape[1] + rb + 4
+    d, m = vsplat(_f16_at(w, n, rb)), vsplat(_f16_at(w, n, rb + 2))
+    lo, hi = vload_nibbles(w, base)
+    return vadd(vmul(lo, d), m), vadd(vmul(hi, d), m)
+
+
+@njit(inline="always", **_JIT)
+def _pair_q5_0(w, wd, wdm, n, k):
+    """Q5_0 (22 B: f16 d, u32 qh, u8 qs[16]): d * (q - 16)."""
     rb = (k >> 5) * 22
-    q = vadd(_q5_codes(w, n, rb + 2, rb + 6, k), vsplat(np.float32(-16.0)))
-    return vmul(vsplat(_f16_at(w, n, rb)), q)
+    d, sixteen = vsplat(_f16_at(w, n, rb)), vsplat(np.float32(-16.0))
+    return (vmul(d, vadd(_q5_codes(w, n, rb + 2, rb + 6, 0), sixteen)),
+            vmul(d, vadd(_q5_codes(w, n, rb + 2, rb + 6, 1), sixteen)))
 
 
 @njit(inline="always", **_JIT)
-def _load_q5_1(w, ws, wm, n, k):
-    """Dequantised w[n, k:k+16] of a Q5_1 row: d * q + m."""
+def _pair_q5_1(w, wd, wdm, n, k):
+    """Q5_1 (24 B: f16 d, f16 m, u32 qh, u8 qs[16]): d * q + m."""
     rb = (k >> 5) * 24
-    q = _q5_codes(w, n, rb + 4, rb + 8, k)
-    return vadd(vmul(vsplat(_f16_at(w, n, rb)), q), vsplat(_f16_at(w, n, rb + 2)))
+    d, m = vsplat(_f16_at(w, n, rb)), vsplat(_f16_at(w, n, rb + 2))
+    return (vadd(vmul(d, _q5_codes(w, n, rb + 4, rb + 8, 0)), m),
+            vadd(vmul(d, _q5_codes(w, n, rb + 4, rb + 8, 1)), m))
 
 
 @njit(parallel=True, **_JIT)
-def _linear_q5_0(x, w, out):
-    _linear_driver(x, w, w, w, out, _load_q5_0)
+def _linear_q8_0(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q8_0)
 
 
 @njit(parallel=True, **_JIT)
-def _linear_q5_1(x, w, out):
-    _linear_driver(x, w, w, w, out, _load_q5_1)
+def _linear_q4_0(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_0)
 
 
-Q5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per 32-weight block
+@njit(parallel=True, **_JIT)
+def _linear_q4_1(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_1)
 
 
-def linear_q5(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
-    """out[M, N] = x[M, K] @ W.T for W stored as Q5_0/Q5_1 blocks, uint8 [N, K/32 * bytes]
-    (C-contiguous); the f16 scales are widened in the kernel. Bit-identical to
-    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+@njit(parallel=True, **_JIT)
+def _linear_q5_0(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_0)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q5_1(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
+
+
+BLOCK32_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}  # bytes per 32 weights
+_BLOCK32_KERNELS = {"Q8_0": _linear_q8_0, "Q4_0": _linear_q4_0, "Q4_1": _linear_q4_1,
+                    "Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1}
+
+
+def _check_block32(x, blocks, qtype, out):
     _require("x", x, np.float32, 2)
     _require("blocks", blocks, np.uint8, 2)
     _require("out", out, np.float32, 2)
     M, K = x.shape
-    if K % 32 or blocks.shape[1] != K // 32 * Q5_BYTES[qtype] or out.shape != (M, blocks.shape[0]):
-        raise ValueError(f"linear_q5: shapes x{x.shape} {qtype} blocks{blocks.shape} out{out.shape} "
+    if K % 32 or blocks.shape[1] != K // 32 * BLOCK32_BYTES[qtype] or out.shape != (M, blocks.shape[0]):
+        raise ValueError(f"linear_block32: shapes x{x.shape} {qtype} blocks{blocks.shape} out{out.shape} "
                          "do not match (K a multiple of 32)")
-    {"Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1}[qtype](x, blocks, out)
+
+
+def linear_block32(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as 32-weight blocks of `qtype` (Q4_0, Q4_1,
+    Q8_0, Q5_0, Q5_1), uint8 [N, K/32 * bytes] (C-contiguous; a memory-map view is fine);
+    the f16 scales are widened in the kernel. Bit-identical to
+    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _check_block32(x, blocks, qtype, out)
+    _BLOCK32_KERNELS[qtype](x, (blocks, blocks, blocks), (out, out, out), 1)
     return out
+
+
+def _three(items: list) -> tuple:
+    """`items` (1..3) padded to a 3-tuple by repeating the first: the kernels' arity."""
+    if not 1 <= len(items) <= 3:
+        raise ValueError(f"a fused linear takes 1 to 3 weights, got {len(items)}")
+    return tuple(items) + (items[0],) * (3 - len(items))
+
+
+def linear_block32_many(x: np.ndarray, blocks: list[np.ndarray], qtype: str) -> list[np.ndarray]:
+    """[x @ W.T for W in blocks] (1 to 3 weights of one 32-weight `qtype`, same K) in one
+    parallel region; each product bit-identical to `linear_block32`'s."""
+    outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b in blocks]
+    for b, o in zip(blocks, outs):
+        _check_block32(x, b, qtype, o)
+    _BLOCK32_KERNELS[qtype](x, _three(blocks), _three(outs), len(blocks))
+    return outs
+
+
+def linear_q5(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """`linear_block32` for Q5_0/Q5_1."""
+    return linear_block32(x, blocks, qtype, out)
 
 
 @njit(inline="always", **_JIT)
@@ -274,61 +418,72 @@ def _scale_min(w, n, o, j):
 
 
 @njit(inline="always", **_JIT)
-def _load_q4_k(w, wd, wdm, n, k):
-    """Dequantised w[n, k:k+16] of a Q4_K row (wd, wdm: float32 d, dmin per super-block)."""
+def _pair_q4_k(w, wd, wdm, n, k):
+    """Q4_K sub-block of 32 at k (wd, wdm: float32 d, dmin per super-block):
+    (d * sc) * q - (dmin * m), the 6-bit sc and m unpacked once for the 32 weights."""
     sb, i = k >> 8, k & 255
     rb = sb * 144
-    base = n * w.shape[1] + rb
     sc, mn = _scale_min(w, n, rb + 4, i >> 5)
-    ds = wd[n, sb] * np.float32(sc)
-    dm = wdm[n, sb] * np.float32(mn)
-    q = vload_bits(w, base + 16 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
-    return vsub(vmul(q, vsplat(ds)), vsplat(dm))
+    ds, dm = vsplat(wd[n, sb] * np.float32(sc)), vsplat(wdm[n, sb] * np.float32(mn))
+    q = n * w.shape[1] + rb + 16 + (i >> 6) * 32
+    shift = ((i >> 5) & 1) * 4
+    return (vsub(vmul(vload_bits(w, q, shift, 0x0F), ds), dm),
+            vsub(vmul(vload_bits(w, q + 16, shift, 0x0F), ds), dm))
 
 
 @njit(inline="always", **_JIT)
-def _load_q5_k(w, wd, wdm, n, k):
-    """Dequantised w[n, k:k+16] of a Q5_K row."""
+def _q5_k_codes(w, base, i):
+    """The 5-bit codes of Q5_K weights i..i+15 of the super-block at byte `base` (exact)."""
+    lo = vload_bits(w, base + 48 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
+    hi = vload_bits(w, base + 16 + (i & 31), i >> 5, 0x01)
+    return vadd(lo, vmul(hi, vsplat(np.float32(16.0))))  # exact: small integers
+
+
+@njit(inline="always", **_JIT)
+def _pair_q5_k(w, wd, wdm, n, k):
+    """Q5_K sub-block of 32 at k: as Q4_K with a fifth bit from qh."""
     sb, i = k >> 8, k & 255
     rb = sb * 176
     base = n * w.shape[1] + rb
     sc, mn = _scale_min(w, n, rb + 4, i >> 5)
-    ds = wd[n, sb] * np.float32(sc)
-    dm = wdm[n, sb] * np.float32(mn)
-    lo = vload_bits(w, base + 48 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
-    hi = vload_bits(w, base + 16 + (i & 31), i >> 5, 0x01)
-    q = vadd(lo, vmul(hi, vsplat(np.float32(16.0))))  # exact: small integers
-    return vsub(vmul(q, vsplat(ds)), vsplat(dm))
+    ds, dm = vsplat(wd[n, sb] * np.float32(sc)), vsplat(wdm[n, sb] * np.float32(mn))
+    return (vsub(vmul(_q5_k_codes(w, base, i), ds), dm),
+            vsub(vmul(_q5_k_codes(w, base, i + 16), ds), dm))
 
 
 @njit(inline="always", **_JIT)
-def _load_q6_k(w, wd, wdm, n, k):
-    """Dequantised w[n, k:k+16] of a Q6_K row (wdm unused)."""
-    sb, i = k >> 8, k & 255
-    rb = sb * 210
+def _q6_k_half(w, wd, n, sb, rb, i):
+    """Dequantised Q6_K weights i..i+15 of super-block sb (at byte rb of row n)."""
     base = n * w.shape[1] + rb
     r = i & 127
     lo = vload_bits(w, base + (i >> 7) * 64 + (r & 63), (r >> 6) * 4, 0x0F)
     hi = vload_bits(w, base + 128 + (i >> 7) * 32 + (r & 31), (r >> 5) * 2, 0x03)
     q = vadd(vadd(lo, vmul(hi, vsplat(np.float32(16.0)))), vsplat(np.float32(-32.0)))  # exact
-    sc = np.int8(w[n, rb + 192 + (i >> 4)])
-    ds = wd[n, sb] * np.float32(sc)
+    ds = wd[n, sb] * np.float32(np.int8(w[n, rb + 192 + (i >> 4)]))
     return vmul(q, vsplat(ds))
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q4_k(x, w, wd, wdm, out):
-    _linear_driver(x, w, wd, wdm, out, _load_q4_k)
+@njit(inline="always", **_JIT)
+def _pair_q6_k(w, wd, wdm, n, k):
+    """Q6_K weights k..k+31: two 16-weight groups, each with its own 8-bit scale."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 210
+    return _q6_k_half(w, wd, n, sb, rb, i), _q6_k_half(w, wd, n, sb, rb, i + 16)
 
 
 @njit(parallel=True, **_JIT)
-def _linear_q5_k(x, w, wd, wdm, out):
-    _linear_driver(x, w, wd, wdm, out, _load_q5_k)
+def _linear_q4_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q4_k)
 
 
 @njit(parallel=True, **_JIT)
-def _linear_q6_k(x, w, wd, wdm, out):
-    _linear_driver(x, w, wd, wdm, out, _load_q6_k)
+def _linear_q5_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q5_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q6_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
 
 
 _KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k}
@@ -349,11 +504,7 @@ def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.nd
     return f16_at(0), f16_at(2)
 
 
-def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, dmin: np.ndarray,
-                  out: np.ndarray) -> np.ndarray:
-    """out[M, N] = x[M, K] @ W.T for W stored as `qtype` blocks: uint8 [N, K/256 * bytes]
-    (C-contiguous; a memory-map view is fine), with `d`, `dmin` from `superblock_scales`.
-    Bit-identical to ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+def _check_kquant(x, blocks, qtype, d, dmin, out):
     _require("x", x, np.float32, 2)
     _require("blocks", blocks, np.uint8, 2)
     _require("out", out, np.float32, 2)
@@ -366,6 +517,25 @@ def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, 
                          f"out{out.shape} do not match (K a multiple of {QK_K})")
     if d.shape != (N, K // QK_K) or dmin.shape != d.shape:
         raise ValueError("linear_kquant: d and dmin must be float32 [N, K/256]")
-    _KERNELS[qtype](x, blocks, d, dmin, out)
+
+
+def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, dmin: np.ndarray,
+                  out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as `qtype` blocks: uint8 [N, K/256 * bytes]
+    (C-contiguous; a memory-map view is fine), with `d`, `dmin` from `superblock_scales`.
+    Bit-identical to ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _check_kquant(x, blocks, qtype, d, dmin, out)
+    _KERNELS[qtype](x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
     return out
 
+
+def linear_kquant_many(x: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                       qtype: str) -> list[np.ndarray]:
+    """[x @ W.T for W in weights] (1 to 3 (blocks, d, dmin) of one K-quant `qtype`, same K)
+    in one parallel region; each product bit-identical to `linear_kquant`'s."""
+    outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b, _, _ in weights]
+    for (b, d, dm), o in zip(weights, outs):
+        _check_kquant(x, b, qtype, d, dm, o)
+    _KERNELS[qtype](x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
+                    _three([w[2] for w in weights]), _three(outs), len(weights))
+    return outs

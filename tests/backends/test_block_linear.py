@@ -1,0 +1,106 @@
+"""Block-resident weights and fused products (backends/block_linear.py, quant_kernels.py):
+one call for several weights gives each product's bits, and the model's forward pass on
+stored blocks, fused, equals the unfused forward on float32 weights bit for bit."""
+
+import numpy as np
+import pytest
+
+from panechat.backends import numpy_kernels as nk
+from panechat.backends.gguf_tensor import GGUFTensor
+from panechat.backends.numpy_backend import NumpyBackend
+from panechat.engine.gguf_file import GGUFFile
+from panechat.engine.model import Batch, Model
+
+from ..tiny_gguf import write_tiny_gguf
+from .test_numpy_kernels import raw_blocks
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def _weights(rng, qtype, shapes):
+    """Kept weights and gguf's float32 dequantization of each [N, K] in `shapes`."""
+    from gguf import GGMLQuantizationType, quants
+
+    be = NumpyBackend()
+    kept, dense = [], []
+    for n, k in shapes:
+        blocks = raw_blocks(rng, qtype, n, k)
+        kept.append(be.linear_weight(GGUFTensor("w", (n, k), qtype, blocks)))
+        dense.append(np.ascontiguousarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]),
+                                          dtype=np.float32).reshape(n, k))
+    return be, kept, dense
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 33])
+def test_linear_many_equals_each_linear_and_float32(rng, qtype, M):
+    """q, k, v shapes (N not a multiple of the 6-column tile) in one call: every product is
+    the single call's and the float32 kernel's on gguf's floats, at the register path
+    (M <= 4) and the panel path."""
+    be, kept, dense = _weights(rng, qtype, [(70, 512), (20, 512), (33, 512)])
+    x = rng.standard_normal((M, 512), dtype=np.float32)
+    fused = be.linear_many(x, tuple(kept))
+    assert len(fused) == 3
+    for got, w, d in zip(fused, kept, dense):
+        assert np.array_equal(got, be.linear(x, w))
+        assert np.array_equal(got, nk.linear(x, d, np.empty((M, d.shape[0]), np.float32)))
+
+
+def test_linear_many_rows_invariant(rng):
+    """Row counts 1..33 through the fused call, shuffled: each row's bits as alone."""
+    be, kept, _ = _weights(rng, "Q4_1", [(40, 256), (16, 256)])
+    pool = rng.standard_normal((33, 256), dtype=np.float32)
+    alone = [np.concatenate([be.linear_many(pool[i:i + 1], tuple(kept))[j] for i in range(33)])
+             for j in range(2)]
+    for B in range(1, 34):
+        pick = rng.permutation(33)[:B]
+        got = be.linear_many(pool[pick], tuple(kept))
+        assert all(np.array_equal(got[j], alone[j][pick]) for j in range(2)), B
+
+
+class _Float32Unfused(NumpyBackend):
+    """The reference path: every weight dequantized to float32 by gguf, one `linear` call
+    per product (the base class's `linear_many`)."""
+
+    def linear_weight(self, t):
+        return t.dequantize()
+
+    def linear_many(self, x, ws):
+        return tuple(self.linear(x, w) for w in ws)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_forward_on_blocks_fused_equals_float32_unfused(tmp_path, qtype):
+    """A batch mixing a prefill chunk and decode rows of other sequences: identical logits."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtype=qtype, tied=False, seed=4, n_embd=64, n_ff=96)
+    fast = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=64)
+    ref = Model.load(GGUFFile.open(path), _Float32Unfused(), max_positions=64)
+    assert not isinstance(fast.layers[0].attn_q, np.ndarray)  # kept as stored
+    rng = np.random.default_rng(2)
+    a = fast.args
+    kvs = [m.backend.new_kv(3, a.n_layer, a.n_kv_head, 64, a.head_dim) for m in (fast, ref)]
+    steps = [  # (tokens, slots, positions)
+        (rng.integers(0, a.vocab_size, 9), [0] * 9, range(9)),
+        (rng.integers(0, a.vocab_size, 6), [1] * 5 + [0], list(range(5)) + [9]),
+        (rng.integers(0, a.vocab_size, 3), [0, 1, 2], [10, 5, 0]),
+    ]
+    for toks, slots, pos in steps:
+        b = Batch(np.asarray(toks, np.int32), np.asarray(slots, np.int32), np.asarray(pos, np.int32),
+                  np.arange(len(toks)))
+        got, want = (m.forward(kv, b) for m, kv in zip((fast, ref), kvs))
+        assert np.array_equal(got, want)
+
+
+def test_q4_1_weights_stay_in_the_files_bytes(tmp_path):
+    """The default model's type: each matrix is a view of the memory map, resident bytes
+    the file's tensor bytes (no int8 widening, no float32 copy)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", qtype="Q4_1", tied=False, seed=1)
+    gf = GGUFFile.open(path)
+    m = Model.load(gf, NumpyBackend(), max_positions=64)
+    w, t = m.layers[0].ffn_up, gf.tensor("blk.0.ffn_up.weight")
+    assert w.nbytes == t.nbytes and np.shares_memory(w.data, t.blocks)
