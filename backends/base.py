@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .gguf_tensor import GGUFTensor
+from .paged_kv import BLOCK_TOKENS, PagedKV
 
 Array = Any  # the backend's array type
 
@@ -77,28 +78,89 @@ class Backend(ABC):
         """gelu(gate) * up, elementwise, GELU in its tanh approximation (gemma's FFN)."""
         raise NotImplementedError(f"the GELU feed-forward (gemma) is not yet supported on {self.name}")
 
-    @abstractmethod
-    def new_kv(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int) -> Any:
-        """Allocate the KV store: per layer, K and V of shape [slots, n_kv, ctx, head_dim]."""
+    def new_kv(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int,
+               dtype: str = "f16") -> PagedKV:
+        """A paged store cut into `n_slots` whole-context slots (slot s owns a fixed run of
+        blocks, `kv.slot_table`): what a caller without its own block tables uses."""
+        per = -(-ctx // BLOCK_TOKENS)
+        kv = self.new_paged_kv(n_slots * per, n_layer, n_kv, head_dim, dtype)
+        kv.slot_blocks = per
+        kv.slot_table = self.asarray(np.arange(n_slots * per, dtype=np.int32).reshape(n_slots, per))
+        return kv
 
     @abstractmethod
-    def write_kv(self, kv: Any, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
-        """Store k, v [R, n_kv, hd] of layer `layer` at each row's (slot, position)."""
+    def new_paged_kv(self, n_blocks: int, n_layer: int, n_kv: int, head_dim: int,
+                     dtype: str = "f16") -> PagedKV:
+        """Allocate the KV store: per layer, K and V [n_blocks, n_kv, BLOCK_TOKENS, head_dim]
+        in float16 ('f16') or float32 ('f32'), zeroed."""
 
     @abstractmethod
-    def attend(self, kv: Any, layer: int, q: Array, k: Array, v: Array,
-               slots: Array, positions: Array, scale: float, window: int = 0) -> Array:
+    def write_kv(self, kv: PagedKV, layer: int, k: Array, v: Array, seqs: Array, positions: Array,
+                 tables: Array | None = None) -> None:
+        """Store k, v [R, n_kv, hd] (float32, rounded once to the KV dtype) of layer `layer`
+        at each row's position in its sequence's blocks: block tables[seq, pos // B],
+        offset pos % B (tables None: `kv.slot_table`, seqs are slots)."""
+
+    @abstractmethod
+    def attend(self, kv: PagedKV, layer: int, q: Array, k: Array, v: Array,
+               seqs: Array, positions: Array, scale: float, window: int = 0,
+               tables: Array | None = None) -> Array:
         """`write_kv` k and v, then causal attention of q [R, n_head, hd] over keys
-        0..position of the row's slot -> [R, n_head, hd]; with a sliding `window` > 0
-        over keys max(0, position - window + 1)..position only."""
+        0..position of the row's sequence, read through its block table in position order
+        and converted to float32 -> [R, n_head, hd]; with a sliding `window` > 0 over keys
+        max(0, position - window + 1)..position only."""
 
     def unsupported(self, args: Any) -> str | None:
         """Why this backend cannot run a model with these `ModelArgs`, or None."""
         return None
 
-    @abstractmethod
-    def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
-        """Copy the first n_tokens cached positions of slot src into slot dst."""
+    def copy_blocks(self, kv: PagedKV, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""
+        if not src:
+            return
+        s, d = self.asarray(np.asarray(src, np.int32)), self.asarray(np.asarray(dst, np.int32))
+        for layer in range(len(kv.k)):
+            kv.k[layer][d] = kv.k[layer][s]
+            kv.v[layer][d] = kv.v[layer][s]
+
+    def kv_export(self, kv: PagedKV, blocks: list[int], n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The KV of positions 0..n_tokens-1 held in `blocks` (in order), per layer (K, V)
+        as host arrays [n_kv, n_tokens, head_dim] in the KV dtype (for snapshots)."""
+        nb = -(-n_tokens // BLOCK_TOKENS)
+        if nb > len(blocks):
+            raise ValueError(f"kv_export: {n_tokens} tokens need {nb} blocks, got {len(blocks)}")
+        idx = self.asarray(np.asarray(blocks[:nb], np.int32))
+        out = []
+        for layer in range(len(kv.k)):
+            pair = []
+            for store in (kv.k[layer], kv.v[layer]):
+                a = self.to_numpy(store[idx])  # (nb, n_kv, B, hd)
+                a = a.transpose(1, 0, 2, 3).reshape(a.shape[1], nb * BLOCK_TOKENS, a.shape[3])
+                pair.append(np.ascontiguousarray(a[:, :n_tokens]))
+            out.append((pair[0], pair[1]))
+        return out
+
+    def kv_import(self, kv: PagedKV, blocks: list[int], arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write `kv_export`'s arrays back into `blocks` (the positions past n_tokens in the
+        last block keep what they held)."""
+        if len(arrays) != len(kv.k):
+            raise ValueError(f"kv_import: {len(arrays)} layers, the store has {len(kv.k)}")
+        for layer, pair in enumerate(arrays):
+            for store, a in zip((kv.k[layer], kv.v[layer]), pair):
+                n_kv, n, hd = a.shape
+                if (n_kv, hd) != (kv.n_kv, kv.head_dim):
+                    raise ValueError(f"kv_import: shape {a.shape} does not fit [{kv.n_kv}, n, {kv.head_dim}]")
+                nb = -(-n // BLOCK_TOKENS)
+                if nb > len(blocks):
+                    raise ValueError(f"kv_import: {n} tokens need {nb} blocks, got {len(blocks)}")
+                full, tail = divmod(n, BLOCK_TOKENS)
+                host = np.ascontiguousarray(a).astype(self.to_numpy(store[:1]).dtype, copy=False)
+                if full:
+                    part = host[:, : full * BLOCK_TOKENS].reshape(n_kv, full, BLOCK_TOKENS, hd)
+                    store[self.asarray(np.asarray(blocks[:full], np.int32))] = self.asarray(
+                        np.ascontiguousarray(part.transpose(1, 0, 2, 3)))
+                if tail:
+                    store[blocks[full], :, :tail] = self.asarray(np.ascontiguousarray(host[:, full * BLOCK_TOKENS:]))
 
     def rope_tables(self, rope_dim: int, base: float, max_pos: int,
                     freq_factors: np.ndarray | None = None) -> tuple[Array, Array]:

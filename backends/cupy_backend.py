@@ -13,8 +13,9 @@ Weights live on the GPU:
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
-copied over (`Backend.embed`). Activations, the KV cache (`ArrayKV`, float32 [slots, n_kv,
-ctx, head_dim] per layer) and all arithmetic are float32.
+copied over (`Backend.embed`). The KV cache is paged (`PagedKV`: float16 by default, each
+value rounded once when written; `attend` gathers a step's sequences in position order as
+float32 for the attention kernel); activations and all arithmetic are float32.
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from .errors import BackendUnavailable, one_line
-from .array_backend import ArrayBackend, ArrayKV
+from .array_backend import ArrayBackend
+from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
@@ -215,12 +217,6 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty_like(gate)
         return self.kernels.silu_mul(gate, up, out)
 
-    def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
-        xp = self.xp
-        self.kernels.kv_write(self._f32(k), self._f32(v), kv.k[layer], kv.v[layer],
-                              xp.ascontiguousarray(slots, dtype=xp.int32),
-                              xp.ascontiguousarray(positions, dtype=xp.int32))
-
     def unsupported(self, args: Any) -> str | None:
         if args.sliding_window:
             return f"sliding-window attention not yet supported on {self.name}"
@@ -228,19 +224,20 @@ class CupyBackend(ArrayBackend):
             return f"the {args.ffn_act} feed-forward not yet supported on {self.name}"
         return None
 
-    def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
-               slots: Any, positions: Any, scale: float, window: int = 0) -> Any:
+    def attend(self, kv: PagedKV, layer: int, q: Any, k: Any, v: Any,
+               seqs: Any, positions: Any, scale: float, window: int = 0, tables: Any = None) -> Any:
         if window:
             raise ValueError(f"sliding-window attention not yet supported on {self.name}")
         xp = self.xp
         q = self._f32(q)
-        slots = xp.ascontiguousarray(slots, dtype=xp.int32)
+        seqs = xp.ascontiguousarray(seqs, dtype=xp.int32)
         positions = xp.ascontiguousarray(positions, dtype=xp.int32)
         if q.shape[-1] > MAX_HEAD_DIM:
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
-        self.write_kv(kv, layer, k, v, slots, positions)
+        self.write_kv(kv, layer, self._f32(k), self._f32(v), seqs, positions, tables)
+        kc, vc = self.contiguous_kv(kv, layer, tables)  # (S, n_kv, max_blocks * B, hd) float32
         out = xp.empty_like(q)
-        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out)
+        return self.kernels.attention(q, kc, vc, seqs, positions, scale, out)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -290,16 +287,15 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
     u = rng.standard_normal(g.size, dtype=np.float32)
     same("silu_mul", backend.silu_mul(backend.asarray(g), backend.asarray(u)), emu.silu_mul(g, u))
     for S, G, C, D, H, R in ((4, 2, 80, 40, 6, 7), (3, 1, 300, 128, 2, 5), (2, 2, 700, 64, 8, 9)):
-        kvs = []
-        for be in (backend, emu):
-            kv = be.new_kv(S, 1, G, C, D)
-            kvs.append(kv)
-        init_k = rng.standard_normal((S, G, C, D), dtype=np.float32)
-        init_v = rng.standard_normal((S, G, C, D), dtype=np.float32)
+        kvs = [be.new_kv(S, 1, G, C, D) for be in (backend, emu)]
+        init_k = rng.standard_normal(kvs[1].k[0].shape, dtype=np.float32).astype(kvs[1].k[0].dtype)
+        init_v = rng.standard_normal(kvs[1].v[0].shape, dtype=np.float32).astype(kvs[1].v[0].dtype)
         kvs[0].k[0][...] = backend.asarray(init_k)
         kvs[0].v[0][...] = backend.asarray(init_v)
         kvs[1].k[0][...] = init_k
         kvs[1].v[0][...] = init_v
+        order = rng.permutation(kvs[1].n_blocks).astype(np.int32).reshape(S, -1)  # shuffled tables
+        kvs[0].slot_table, kvs[1].slot_table = backend.asarray(order), order
         pairs = rng.choice(S * C, R, replace=False)  # distinct (slot, position) per row
         slots, poss = (pairs // C).astype(np.int32), (pairs % C).astype(np.int32)
         poss[0] = C - 1  # the longest key range
@@ -311,6 +307,6 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
                              backend.asarray(slots), backend.asarray(poss), D ** -0.5)
         want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5)
         same(name, got, want)
-        same(name + " K cache", kvs[0].k[0], kvs[1].k[0])
-        same(name + " V cache", kvs[0].v[0], kvs[1].v[0])
+        same(name + " K cache", kvs[0].k[0].astype(np.float32), kvs[1].k[0].astype(np.float32))
+        same(name + " V cache", kvs[0].v[0].astype(np.float32), kvs[1].v[0].astype(np.float32))
     return problems

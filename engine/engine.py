@@ -24,6 +24,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
+from ..backends.paged_kv import BLOCK_TOKENS
 from .config import EngineConfig
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
@@ -286,7 +287,9 @@ class Engine:
                     plan = self.scheduler.schedule()
                     self._publish_state(force=self._members_changed or not plan.requests)
                 for c in plan.kv_copies:  # before the forward pass, in order
-                    be.copy_slot(self.kv, c.src, c.dst, c.n_tokens)
+                    per, n = self.kv.slot_blocks, -(-c.n_tokens // BLOCK_TOKENS)
+                    be.copy_blocks(self.kv, list(range(c.src * per, c.src * per + n)),
+                                   list(range(c.dst * per, c.dst * per + n)))
                 copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()

@@ -47,13 +47,18 @@ class Layer:
 
 @dataclass
 class Batch:
-    """Rows to compute in one step: token, slot and position per row, plus the rows whose
-    logits are wanted (the last row of each sequence in the step)."""
+    """Rows to compute in one step: token, sequence and position per row, plus the rows
+    whose logits are wanted (the last row of each sequence in the step).
+
+    `block_tables` [S, max_blocks] int32 lists each sequence's KV blocks (row r's position
+    p lies in block block_tables[slots[r], p // BLOCK_TOKENS]); None: `slots` are the
+    fixed whole-context slots of a store made by `Backend.new_kv`."""
 
     tokens: np.ndarray  # (R,) int32
-    slots: np.ndarray  # (R,) int32
+    slots: np.ndarray  # (R,) int32: the row's sequence (an index into block_tables)
     positions: np.ndarray  # (R,) int32
     logit_rows: np.ndarray  # (L,) int64
+    block_tables: np.ndarray | None = None  # (S, max_blocks) int32
 
 
 @dataclass
@@ -142,6 +147,7 @@ class Model:
         be.begin_step()
         slots = be.asarray(batch.slots)
         positions = be.asarray(batch.positions)
+        tables = None if batch.block_tables is None else be.asarray(batch.block_tables)
         R = len(batch.tokens)
         ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         x = be.embed(self.token_embd, batch.tokens)  # (R, D)
@@ -154,7 +160,7 @@ class Model:
             v = _biased(be.linear(h, L.attn_v), L.attn_v_bias).reshape(R, a.n_kv_head, a.head_dim)
             q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
             k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
-            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
+            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i), tables)  # (R, n_head, hd)
             o = be.linear(o.reshape(R, a.n_head * a.head_dim), L.attn_output)
             x = x + _normed(be, o, L.post_attention_norm, a.rms_eps)
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
