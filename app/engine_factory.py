@@ -18,6 +18,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given)
 
 
+def load_model_from_args(args: argparse.Namespace):
+    """The model --model names (or the default) on --backend, for --ctx-size positions."""
+    return load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
+                      max_positions=engine_config(args).ctx_size)
+
+
 def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     """Load the model named by --model (or the default) on --backend and start the engine.
 

@@ -8,6 +8,7 @@ the call or where the row sits. `self_check()` verifies that on the running devi
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -42,6 +43,21 @@ class Backend(ABC):
         """Prepare the [N, K] weight `t`, as the file stores it, for `linear` (layout, dtype,
         device): a type the backend keeps quantized from `t.blocks` (no float32 copy), any
         other from `t.dequantize()`."""
+
+    def free_memory(self) -> int | None:
+        """Bytes the KV store could still take on this device (the default KV budget is a
+        share of it): the host's available RAM (None where unknown)."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
 
     def nbytes(self, w: Any) -> int:
         """Resident bytes of a prepared weight."""

@@ -193,6 +193,11 @@ class CupyBackend(ArrayBackend):
                           None if h.scales is None else xp.asarray(h.scales),
                           None if h.mins is None else xp.asarray(h.mins))
 
+    def free_memory(self) -> int | None:
+        if self.xp is np:  # the emulation on the CPU
+            return super().free_memory()
+        return int(self.xp.cuda.Device().mem_info[0])
+
     def nbytes(self, w: Any) -> int:
         return int(w.nbytes)
 

@@ -1,4 +1,4 @@
-"""The engine: one compute thread owns the model and every KV slot.
+"""The engine: one compute thread owns the model and the KV block pool.
 
 Requests come in from any thread (or asyncio task) through `submit`; each step the
 scheduler picks the rows, the model computes them in one forward pass, and every
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import OrderedDict
 import logging
 import queue
 import threading
@@ -24,11 +25,11 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-from ..backends.paged_kv import BLOCK_TOKENS
-from .config import EngineConfig
+from ..backends.paged_kv import BLOCK_TOKENS, bytes_per_block
+from .config import EngineConfig, format_size
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
-from .kv_slots import SlotPool
+from .kv_blocks import ROOT, BlockPool, blocks_for
 from .loader import LoadedModel
 from .metrics import EngineMetrics, retry_after_estimate
 from .model import Batch
@@ -38,7 +39,8 @@ from .scheduler import QueueFull, Scheduler, StepPlan
 from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "EngineStopped"]
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "KVBudgetTooSmall",
+           "EngineStopped"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,11 @@ _STREAM_STATE = {RequestState.WAITING: StreamState.QUEUED, RequestState.PREFILLI
 
 class PromptTooLong(ValueError):
     """The prompt does not fit the per-conversation context (never truncated silently)."""
+
+
+class KVBudgetTooSmall(PromptTooLong):
+    """The prompt plus max_tokens needs more KV blocks than the whole budget holds: it could
+    never run, so it is refused at once rather than left waiting."""
 
 
 class EngineStopped(RuntimeError):
@@ -124,7 +131,8 @@ class Generation:
 
 
 class Engine:
-    """Batched, batch-invariant generation over resident KV slots."""
+    """Batched, batch-invariant generation over one pool of paged KV blocks, with shared
+    prefixes cached."""
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None):
         self.lm = lm
@@ -134,13 +142,16 @@ class Engine:
         if self.ctx < cfg.MIN_CTX:  # the config is valid, so the model's own context is this short
             raise ValueError(f"the model's context ({args.context_length} tokens) is shorter than "
                              f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
-        n_slots = cfg.kv_sessions or 2 * cfg.max_concurrent
+        per_block = bytes_per_block(args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
+        self.kv_budget_note = self._kv_budget(cfg, per_block)
+        n_blocks = max(1, self.kv_budget // per_block)
         be = lm.model.backend
-        self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
-        self.pool = SlotPool(n_slots)
+        self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
+        self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
-        self.metrics.kv_total = n_slots
+        self.metrics.kv_total = n_blocks
+        self.metrics.kv_bytes_per_block = per_block
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
         self.batching = True
@@ -153,24 +164,41 @@ class Engine:
         self._stop = False
         self._published = 0.0  # when the stats state was last rebuilt
         self._members_changed = False  # a request came or went since then
+        self._conversations: OrderedDict[str, list[tuple]] = OrderedDict()  # see _remember
+
+    def _kv_budget(self, cfg: EngineConfig, per_block: int) -> str:
+        """Set `kv_budget` (bytes) from --kv-memory, else --kv-sessions whole contexts, else
+        a share of the device's free memory; returns how it was chosen (start-up line)."""
+        if cfg.kv_memory is not None:
+            self.kv_budget = cfg.kv_memory
+            return "--kv-memory"
+        if cfg.kv_sessions is not None:
+            self.kv_budget = cfg.kv_sessions * blocks_for(self.ctx) * per_block
+            return f"--kv-sessions {cfg.kv_sessions} contexts"
+        free = self.lm.model.backend.free_memory()
+        if free is None:  # unknown: room for 2 x max-concurrent whole contexts
+            self.kv_budget = 2 * cfg.max_concurrent * blocks_for(self.ctx) * per_block
+            return "default: free memory unknown, 2 x max-concurrent contexts"
+        self.kv_budget = max(int(free * cfg.KV_MEMORY_SHARE), blocks_for(self.ctx) * per_block)
+        return f"default: {cfg.KV_MEMORY_SHARE:.0%} of {format_size(free)} free; set --kv-memory"
 
     # -- public API ------------------------------------------------------------------
     def startup_lines(self) -> list[str]:
         """Human-readable start-up report: backend, KV memory, concurrency mode."""
         be, m = self.lm.model.backend, self.lm.model
-        per_slot = self.kv.bytes_per_slot
-        n = len(self.pool.slots)
+        kv = self.kv
         lines = [
             f"model: {self.lm.name} ({m.args.architecture}, {m.args.n_layer} layers, "
             f"loaded in {m.load_seconds:.1f} s, {m.weight_bytes / 2**20:.0f} MiB of weights)",
             f"backend: {be.describe()}",
-            f"context: {self.ctx} tokens per conversation; KV {per_slot / 2**20:.0f} MiB per slot, "
-            f"{n} slots = {per_slot * n / 2**20:.0f} MiB",
+            f"context: {self.ctx} tokens per conversation",
+            f"KV cache: {format_size(kv.nbytes)} ({self.kv_budget_note}), {kv.dtype}, "
+            f"{kv.n_blocks} blocks of {BLOCK_TOKENS} tokens = {kv.n_blocks * BLOCK_TOKENS} tokens "
+            f"({kv.n_blocks * BLOCK_TOKENS / self.ctx:.1f} full contexts), shared prefixes cached",
         ]
         k = self.cfg.max_concurrent
         if self.batching:
-            lines.append(f"concurrency: {k} generations at once, each on its own KV slot, "
-                         "decode batched, answers identical to solo")
+            lines.append(f"concurrency: {k} generations at once, decode batched, answers identical to solo")
         else:
             lines.append(f"concurrency: {k} generations at once, decode NOT batched (one sequence "
                          f"per step) because the invariance self-check failed: {self.invariance_problem}")
@@ -225,6 +253,12 @@ class Engine:
         if len(prompt_ids) >= self.ctx:
             raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens but the context holds {self.ctx}; "
                                 "shorten the conversation or raise --ctx-size")
+        need = blocks_for(min(len(prompt_ids) + params.max_tokens, self.ctx))
+        if need > self.pool.n_blocks:
+            raise KVBudgetTooSmall(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{format_size(need * self.kv.bytes_per_block)} of KV but the budget is "
+                f"{format_size(self.kv.nbytes)}; lower max_tokens or raise --kv-memory")
         rid = f"req-{next(self._ids)}"
         gen = Generation(self, rid)
         tok = self.lm.tokenizer
@@ -286,10 +320,8 @@ class Engine:
                     self._reap_cancelled()
                     plan = self.scheduler.schedule()
                     self._publish_state(force=self._members_changed or not plan.requests)
-                for c in plan.kv_copies:  # before the forward pass, in order
-                    per, n = self.kv.slot_blocks, -(-c.n_tokens // BLOCK_TOKENS)
-                    be.copy_blocks(self.kv, list(range(c.src * per, c.src * per + n)),
-                                   list(range(c.dst * per, c.dst * per + n)))
+                if plan.kv_copies:  # before the forward pass
+                    be.copy_blocks(self.kv, [c.src for c in plan.kv_copies], [c.dst for c in plan.kv_copies])
                 copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()
@@ -302,28 +334,31 @@ class Engine:
             except Exception as e:  # shared work failed: fail the requests it touched
                 log.exception("engine step failed")
                 with self._lock:
-                    # a failed copy leaves a slot whose KV its request relies on: fail them all
+                    # a failed copy leaves a block whose KV its request relies on: fail them all
                     ok = plan is not None and plan.requests and copied
                     victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
                         self._fail(r, f"internal error: {type(e).__name__}: {e}")
 
     def _step(self, plan: StepPlan) -> None:
-        tokens, slots, positions, logit_rows, sampled = [], [], [], [], []
+        tokens, seqs, positions, logit_rows, sampled = [], [], [], [], []
         now = time.perf_counter()
-        for r, n in zip(plan.requests, plan.n_tokens):
+        width = max(len(r.blocks) for r in plan.requests)
+        tables = np.zeros((len(plan.requests), width), np.int32)  # padding: never read
+        for i, (r, n) in enumerate(zip(plan.requests, plan.n_tokens)):
             if r.t_start == 0.0:
                 r.t_start = now
                 self.metrics.record_admit(len(r.prompt_ids), r.reused)
             tokens.extend(r.known_slice(r.computed, n))
             positions.extend(range(r.computed, r.computed + n))
-            slots.extend([r.slot] * n)
+            seqs.extend([i] * n)
+            tables[i, :len(r.blocks)] = r.blocks
             r.computed += n
             if r.computed == r.n_known:  # caught up: this row's logits give the next token
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(r)
-        batch = Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
-                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64))
+        batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
+                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64), tables)
         logits = self.lm.model.forward(self.kv, batch)
         now = time.perf_counter()
         with self._lock:
@@ -359,8 +394,9 @@ class Engine:
     def _accept(self, r: Request, tok: int, now: float) -> None:
         if r.state == RequestState.PREFILLING:
             r.state = RequestState.DECODING
-            r.t_first = now
-            r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
+            if not r.t_first:  # (not again after a preemption's recompute)
+                r.t_first = now
+                r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
         if tok in r.stop_ids:
             self._flush(r)
             self._finish(r, "stop")
@@ -387,7 +423,11 @@ class Engine:
     def _finish(self, r: Request, reason: str, error: str | None = None, keep_cache: bool = True) -> None:
         if r.state == RequestState.FINISHED:
             return
-        self.scheduler.finish(r, keep_cache=keep_cache)
+        if keep_cache and r in self.scheduler.running:
+            self.scheduler.finish(r, keep_cache=True)
+            self._remember(r)
+        else:
+            self.scheduler.finish(r, keep_cache=keep_cache)
         self._by_id.pop(r.id, None)
         r.t_end = time.perf_counter()
         ttft = (r.t_first - r.t_submit) if r.t_first else None
@@ -426,10 +466,42 @@ class Engine:
                 ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
                 prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
             ))
-        idle = tuple(IdleConversation(s.conversation, s.index, len(s.tokens))
-                     for s in self.pool.slots if s.tokens and not s.busy)
-        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), self.pool.in_use,
-                               self.pool.resident, len(self.pool.slots), self.pool.evictions)
+        running = {r.conversation for r in self.scheduler.running}
+        idle = tuple(IdleConversation(conv, block, n) for conv, block, n in self._idle_conversations()
+                     if conv not in running)
+        p = self.pool
+        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), p.in_use, p.resident,
+                               p.n_blocks, p.evictions, kv_shared=p.shared, kv_peak_in_use=p.peak_in_use,
+                               prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
+                               preemptions=self.scheduler.preemptions)
+
+    def _remember(self, r: Request) -> None:
+        """Note the prefix-cache keys of the blocks a finished turn left cached (for the
+        dashboard's idle conversations)."""
+        keys, parent, known = [], ROOT, r.known
+        for j in range(r.n_hashed):
+            key = (parent, tuple(known[j * BLOCK_TOKENS:(j + 1) * BLOCK_TOKENS]))
+            keys.append(key)
+            parent = hash(key)
+        if keys:
+            self._conversations.pop(r.conversation, None)
+            self._conversations[r.conversation] = keys
+            while len(self._conversations) > 64:
+                self._conversations.popitem(last=False)
+
+    def _idle_conversations(self) -> list[tuple[str, int, int]]:
+        """(conversation, first block, cached tokens) of remembered conversations whose
+        first blocks are still cached, most recent first; forgets the evicted ones."""
+        out, cached = [], self.pool.cached
+        for conv, keys in reversed(list(self._conversations.items())):
+            n = 0
+            while n < len(keys) and keys[n] in cached:
+                n += 1
+            if n == 0:
+                del self._conversations[conv]
+            else:
+                out.append((conv, cached[keys[0]], n * BLOCK_TOKENS))
+        return out
 
 
 def _validated_ids(prompt_ids, vocab_size: int) -> list[int]:

@@ -66,23 +66,39 @@ class EngineCollector(Collector):
         yield gauge("panechat_requests_waiting", "Generations waiting in the queue", s.queue_depth or 0)
         yield gauge("panechat_max_concurrent", "Generations computed at once (--max-concurrent)",
                     s.batch_max or 0)
-        yield gauge("panechat_kv_slots_in_use", "KV slots held by a running generation", s.kv_in_use or 0)
-        yield gauge("panechat_kv_slots_resident", "KV slots holding a cached conversation prefix",
+        used, total, per = s.kv_in_use or 0, s.kv_total or 0, s.kv_bytes_per_block or 0
+        yield gauge("panechat_kv_cache_usage_perc", "Fraction of the KV blocks held by running generations "
+                    "(1 = full)", used / total if total else 0.0)
+        yield gauge("panechat_kv_blocks_in_use", "KV blocks held by running generations", used)
+        yield gauge("panechat_kv_blocks_resident", "KV blocks holding KV: in use, or cached for reuse",
                     s.kv_resident or 0)
-        yield gauge("panechat_kv_slots_total", "KV slots (--kv-sessions)", s.kv_total or 0)
+        yield gauge("panechat_kv_blocks_total", "KV blocks in the budget (--kv-memory)", total)
+        yield gauge("panechat_kv_blocks_shared", "KV blocks held by more than one generation", s.kv_shared)
+        yield gauge("panechat_kv_block_tokens", "Tokens per KV block", s.kv_block_tokens or 0)
+        yield gauge("panechat_kv_bytes_in_use", "Bytes of the KV blocks held by running generations", used * per)
+        yield gauge("panechat_kv_bytes_total", "Bytes of the KV budget", total * per)
+        yield counter("panechat_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      s.prefix_cache_queries)
+        yield counter("panechat_prefix_cache_hits", "Prompt tokens found computed in the prefix cache",
+                      s.prefix_cache_hits)
+        yield counter("panechat_kv_preemptions", "Generations sent back to the queue when KV blocks ran out",
+                      s.preemptions)
+        yield counter("panechat_kv_snapshots_written", "Conversations' KV written to disk", s.kv_snapshots_written)
+        yield counter("panechat_kv_snapshots_restored", "Conversations' KV read back from disk instead of "
+                      "prefilled", s.kv_snapshots_restored)
         yield gauge("panechat_batch_size", "Sequences in the latest forward step", s.batch_now or 0)
         yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", s.tok_s)
         yield gauge("panechat_context_tokens", "Context per conversation (tokens)", s.ctx or 0)
         yield counter("panechat_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens)
         yield counter("panechat_generated_tokens", "Tokens generated", s.generated_tokens)
         yield counter("panechat_reused_prefix_tokens",
-                      "Prompt tokens whose KV was reused from a resident slot (not recomputed)",
+                      "Prompt tokens whose KV was reused from the prefix cache (not recomputed)",
                       s.reused_tokens)
         yield counter("panechat_steps", "Forward steps run", s.steps)
-        yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", s.evictions)
+        yield counter("panechat_kv_evictions", "Cached idle KV blocks evicted to make room", s.evictions)
         yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
                       s.refused)
-        yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", s.requests_total)
+        yield counter("panechat_requests_admitted", "Requests admitted (given KV blocks)", s.requests_total)
         fin = CounterMetricFamily("panechat_requests_finished", "Finished generations by finish reason",
                                   labels=["reason"])
         for reason, n in sorted(s.requests_finished.items()):

@@ -1,4 +1,4 @@
-"""The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV slots, streams.
+"""The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV blocks, streams.
 
 It pulls `backend.stats()` (an `EngineStats`: the engine's snapshot, the server's pushed
 stats, or what an OpenAI API lets us measure) a few times a second and shows it with
@@ -41,6 +41,26 @@ def sparkline(values: list[float], width: int, vmax: float) -> str:
             level = 1
         cols.append(BARS[level])
     return "".join(cols)
+
+
+def kv_words(s: EngineStats) -> str:
+    """'KV 12/800 blocks 1.5% (3.4 MiB)  4 shared  20 cached  hits 76%': blocks held by
+    running generations of the budget, then shared and idle cached blocks and the prefix
+    cache's hit rate (tokens) when there are any."""
+    if not s.kv_total:
+        return "KV -"
+    used = s.kv_in_use or 0
+    out = f"KV {used}/{s.kv_total} blocks {100 * used / s.kv_total:.1f}%"
+    if s.kv_bytes_per_block:
+        out += f" ({used * s.kv_bytes_per_block / 2**20:.1f} MiB)"
+    if s.kv_shared:
+        out += f"  {s.kv_shared} shared"
+    cached = (s.kv_resident or 0) - used  # idle conversations' blocks kept warm
+    if cached > 0:
+        out += f"  {cached} cached"
+    if s.prefix_cache_queries:
+        out += f"  hits {100 * s.prefix_cache_hits / s.prefix_cache_queries:.0f}%"
+    return out
 
 
 def state_words(s: StreamStats) -> str:
@@ -193,10 +213,7 @@ class Dashboard(Vertical, can_focus=False):
         if s.queue_depth is not None:
             parts.append(f"queue {s.queue_depth}")
         self._show("dash-batch", "  ".join(parts), markup=True)
-        kv = f"KV slots {s.kv_in_use}/{s.kv_total}" if s.kv_total else "KV slots -"
-        cached = (s.kv_resident or 0) - (s.kv_in_use or 0)  # idle conversations kept warm
-        if s.kv_total and cached > 0:
-            kv += f" ({cached} cached)"
+        kv = kv_words(s)
         self._show("dash-kv", f"{kv}  terminals {s.terminals if s.terminals is not None else 1}")
         occ = list(self.occupancy)
         tps = list(self.tok_s)
