@@ -29,7 +29,7 @@ from ..backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from .config import EngineConfig, format_size
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
-from .kv_blocks import ROOT, BlockPool, blocks_for
+from .kv_blocks import BlockPool, blocks_for
 from .loader import LoadedModel
 from .metrics import EngineMetrics, retry_after_estimate
 from .model import Batch
@@ -164,7 +164,7 @@ class Engine:
         self._stop = False
         self._published = 0.0  # when the stats state was last rebuilt
         self._members_changed = False  # a request came or went since then
-        self._conversations: OrderedDict[str, list[tuple]] = OrderedDict()  # see _remember
+        self._conversations: OrderedDict[str, list[tuple[int, tuple]]] = OrderedDict()  # see _remember
 
     def _kv_budget(self, cfg: EngineConfig, per_block: int) -> str:
         """Set `kv_budget` (bytes) from --kv-memory, else --kv-sessions whole contexts, else
@@ -476,31 +476,33 @@ class Engine:
                                preemptions=self.scheduler.preemptions)
 
     def _remember(self, r: Request) -> None:
-        """Note the prefix-cache keys of the blocks a finished turn left cached (for the
-        dashboard's idle conversations)."""
-        keys, parent, known = [], ROOT, r.known
-        for j in range(r.n_hashed):
-            key = (parent, tuple(known[j * BLOCK_TOKENS:(j + 1) * BLOCK_TOKENS]))
-            keys.append(key)
-            parent = hash(key)
-        if keys:
+        """Note the cached blocks a finished turn leaves (its leading registered ones, with
+        the key each is cached under), for the dashboard's idle conversations."""
+        held = []
+        for b in r.blocks[:r.n_hashed]:
+            key = self.pool.key[b]
+            if key is None:  # a duplicate of a block cached earlier: the chain goes on elsewhere
+                break
+            held.append((b, key))
+        if held:
             self._conversations.pop(r.conversation, None)
-            self._conversations[r.conversation] = keys
+            self._conversations[r.conversation] = held
             while len(self._conversations) > 64:
                 self._conversations.popitem(last=False)
 
     def _idle_conversations(self) -> list[tuple[str, int, int]]:
         """(conversation, first block, cached tokens) of remembered conversations whose
-        first blocks are still cached, most recent first; forgets the evicted ones."""
-        out, cached = [], self.pool.cached
-        for conv, keys in reversed(list(self._conversations.items())):
+        first blocks are still cached, most recent first; forgets the evicted ones. A block
+        still holds them while the pool keeps the same key object for it (no hashing)."""
+        out, keys = [], self.pool.key
+        for conv, held in reversed(list(self._conversations.items())):
             n = 0
-            while n < len(keys) and keys[n] in cached:
+            while n < len(held) and keys[held[n][0]] is held[n][1]:
                 n += 1
             if n == 0:
                 del self._conversations[conv]
             else:
-                out.append((conv, cached[keys[0]], n * BLOCK_TOKENS))
+                out.append((conv, held[0][0], n * BLOCK_TOKENS))
         return out
 
 
