@@ -828,7 +828,19 @@ def _gather(blocks, table, first, P, g, buf):
 
 
 @njit(parallel=True, **_JIT)
-def _paged_attention(q, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, out):
+def _gather_shared(k_blocks, v_blocks, tables, seq_of, n_pos, kbuf, vbuf):
+    """kbuf[u, g, :n_pos[u]] = keys of sequence seq_of[u], kv head g, in position order
+    (float32); vbuf likewise: once per call for a sequence with several rows."""
+    G = k_blocks.shape[1]
+    for task in prange(len(seq_of) * G):
+        u, g = task // G, task % G
+        _gather(k_blocks, tables[seq_of[u]], 0, n_pos[u], g, kbuf[u, g])
+        _gather(v_blocks, tables[seq_of[u]], 0, n_pos[u], g, vbuf[u, g])
+
+
+@njit(parallel=True, **_JIT)
+def _paged_attention(q, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, buf_of,
+                     kbuf, vbuf, out):
     R, H, D = q.shape
     G = k_blocks.shape[1]
     grp = H // G
@@ -836,11 +848,15 @@ def _paged_attention(q, k_blocks, v_blocks, tables, row_seq, row_pos, scale, win
         r, g = task // G, task % G
         first = max(0, row_pos[r] - window + 1) if window > 0 else 0
         P = row_pos[r] + 1 - first
-        kbuf = np.empty((P, D), np.float32)
-        vbuf = np.empty((P, D), np.float32)
-        _gather(k_blocks, tables[row_seq[r]], first, P, g, kbuf)
-        _gather(v_blocks, tables[row_seq[r]], first, P, g, vbuf)
-        _attend_heads(q, kbuf, vbuf, 0, r, g * grp, grp, P, scale, out)
+        u = buf_of[row_seq[r]]
+        if u >= 0:  # the sequence's keys were gathered once for all its rows
+            _attend_heads(q, kbuf[u, g], vbuf[u, g], first * D, r, g * grp, grp, P, scale, out)
+        else:  # a sequence with one row: gather just its window, in this task
+            kb = np.empty((P, D), np.float32)
+            vb = np.empty((P, D), np.float32)
+            _gather(k_blocks, tables[row_seq[r]], first, P, g, kb)
+            _gather(v_blocks, tables[row_seq[r]], first, P, g, vb)
+            _attend_heads(q, kb, vb, 0, r, g * grp, grp, P, scale, out)
 
 
 def paged_attention(
@@ -860,8 +876,9 @@ def paged_attention(
     k_blocks, v_blocks [n_blocks, n_kv, B, hd]: float32, or float16 (read exactly as
     float32); tables int32 [S, max_blocks]: position p of sequence s lies in block
     tables[s, p // B] at offset p % B; row_seq, row_pos int32 [R]. Each (row, kv head)
-    first gathers its keys and values in position order into float32 buffers, then runs
-    the contiguous kernel's arithmetic on them."""
+    reads its keys and values in position order from float32 buffers, then runs
+    the contiguous kernel's arithmetic on them; a sequence with several rows in the call (a
+    prefill chunk) is gathered once for all of them, up to its last row's position."""
     if k_blocks.dtype == np.float16:
         k_blocks, v_blocks = k_blocks.view(np.uint16), v_blocks.view(np.uint16)
     for name, a, dtype, ndim in (
@@ -891,8 +908,22 @@ def paged_attention(
             raise ValueError("paged_attention: a block table entry is out of range")
     if window < 0:
         raise ValueError(f"paged_attention: window must be >= 0, got {window}")
+    # a sequence with several rows (a prefill chunk) is gathered once, not once per row
+    counts = np.bincount(row_seq, minlength=tables.shape[0]) if R else np.zeros(tables.shape[0], np.int64)
+    multi = np.nonzero(counts > 1)[0].astype(np.int32)
+    buf_of = np.full(tables.shape[0], -1, np.int32)
+    buf_of[multi] = np.arange(len(multi), dtype=np.int32)
+    n_pos = np.zeros(len(multi), np.int32)
+    if len(multi):
+        mine = buf_of[row_seq] >= 0
+        np.maximum.at(n_pos, buf_of[row_seq[mine]], row_pos[mine] + 1)
+    width = int(n_pos.max()) if len(multi) else 0
+    kbuf = np.empty((len(multi), G, width, D), np.float32)
+    vbuf = np.empty((len(multi), G, width, D), np.float32)
+    if len(multi):
+        _gather_shared(k_blocks, v_blocks, tables, multi, n_pos, kbuf, vbuf)
     _paged_attention(q, k_blocks, v_blocks, tables, row_seq, row_pos, np.float32(scale),
-                     np.int64(window), out)
+                     np.int64(window), buf_of, kbuf, vbuf, out)
     return out
 
 
