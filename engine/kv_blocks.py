@@ -163,9 +163,11 @@ class BlockPool:
         reuse = i * BLOCK_TOKENS
         src, m = self._best_partial(parent, tokens[reuse:min(reuse + BLOCK_TOKENS, limit)])
         need = blocks_for(n) - len(shared)
-        idle_shared = sum(1 for b in shared if self.ref[b] == 0) + (src is not None and self.ref[src] == 0)
+        idle_shared = sum(1 for b in shared if self.ref[b] == 0)
+        if src is not None and need > self.available - idle_shared - (self.ref[src] == 0):
+            src, m = None, 0  # no room to keep the copy's source too: recompute those tokens
         if need > self.available - idle_shared:
-            return None
+            return None  # (never when nothing runs: blocks_for(n) <= n_blocks is checked at submit)
         for b in shared:
             self.take(b)
         if src is not None:

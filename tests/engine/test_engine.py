@@ -109,16 +109,16 @@ def test_a_prefix_copied_from_another_conversations_slot_gives_the_solo_reply(ma
 def test_evicted_conversation_comes_back_with_the_same_reply(make_engine, loaded_model):
     def conversation(e, first_q):
         a1 = e.submit(_msgs(first_q), params=SamplingParams(max_tokens=10), conversation="a").result()
-        e.submit(_msgs("Interrupting question with a few more words in it, so that it takes "
-                       "a whole block of its own?"), params=SamplingParams(max_tokens=10),
-                 conversation="b").result()
+        e.submit(_msgs("Interrupting question with quite a few more words in it, so that together with the "
+                       "system prompt it fills almost all of the small KV budget of this test?"),
+                 params=SamplingParams(max_tokens=10), conversation="b").result()  # 64 + 10 tokens
         hist = _msgs(first_q) + [{"role": "assistant", "content": a1.text}, {"role": "user", "content": "And then?"}]
         return e.submit(hist, params=SamplingParams(max_tokens=10), conversation="a").result()
 
     a = loaded_model.model.args
     block = bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, "f16")
     kept = conversation(make_engine(max_concurrent=1), "Name a planet.")
-    evicting = make_engine(max_concurrent=1, kv_memory=6 * block)  # 96 tokens: a's first turn goes
+    evicting = make_engine(max_concurrent=1, kv_memory=5 * block)  # 80 tokens: b evicts a's first turn
     rebuilt = conversation(evicting, "Name a planet.")
     # Rebuilt: only the system prompt it shares with "b" is still cached.
     assert rebuilt.usage["reused_tokens"] < kept.usage["reused_tokens"] - 10

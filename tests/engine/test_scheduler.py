@@ -184,3 +184,18 @@ def test_cancelled_and_failed_requests_return_their_blocks():
     s.finish(b, keep_cache=False)  # failed: its KV is dropped
     s.finish(c)
     assert all_free(pool)
+
+
+def test_a_copy_source_that_does_not_fit_beside_the_prompt_is_recomputed_instead():
+    """The copy-on-write source is held until the copy is done; when the budget cannot hold
+    it beside the new prompt's blocks, admission skips the copy rather than wait forever."""
+    pool = BlockPool(3)
+    s = Scheduler(pool, max_concurrent=1, max_queue=2, prefill_chunk=64)
+    s.add(req("a", range(40), max_tokens=1))
+    run_all(s)  # blocks 0..1 of a cached
+    b = req("b", list(range(20)) + [500] * 27, max_tokens=1)  # 47 tokens: all 3 blocks
+    s.add(b)
+    plan = s.schedule()
+    assert plan.requests == [b] and plan.kv_copies == [] and b.computed == 16
+    run_all(s)
+    assert all_free(pool)
