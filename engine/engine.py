@@ -322,6 +322,8 @@ class Engine:
                     self._publish_state(force=self._members_changed or not plan.requests)
                 if plan.kv_copies:  # before the forward pass
                     be.copy_blocks(self.kv, [c.src for c in plan.kv_copies], [c.dst for c in plan.kv_copies])
+                    with self._lock:
+                        self.scheduler.copies_done()
                 copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()

@@ -7,8 +7,10 @@ A full block (BLOCK_TOKENS computed positions) is registered under the key
 tokens up to and including it are the same: its KV is then bit for bit what that sequence
 would compute (a position's K and V depend only on the tokens up to it). A new sequence
 shares the cached full blocks its tokens start with, and may copy (copy-on-write) the
-first divergent cached block when its tokens match that block's first few. Blocks whose
-sequences ended stay cached until memory is needed, least recently used first.
+first divergent cached block when its tokens match that block's first few (an ended
+sequence's last, partly filled block is kept as such a source too, so a conversation's
+next turn recomputes nothing it already has). Blocks whose sequences ended stay cached
+until memory is needed, least recently used first.
 """
 
 from __future__ import annotations
@@ -131,6 +133,13 @@ class BlockPool:
             self.children.setdefault(parent, set()).add(b)
         return hash(key)
 
+    def register_partial(self, b: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """Block b holds the computed KV of fewer than BLOCK_TOKENS `tokens` after `parent`
+        and will not be written again (its sequence ended): keep it findable as a
+        copy-on-write source only (a full-block lookup never matches a shorter key)."""
+        if 0 < len(tokens) < BLOCK_TOKENS:
+            self.register(b, parent, tokens)
+
     def _forget(self, b: int) -> None:
         key = self.key[b]
         if key is not None:
@@ -194,8 +203,8 @@ class BlockPool:
         if want:
             for b in self.children.get(parent, ()):
                 toks = self.key[b][1]
-                k = 0
-                while k < len(want) and toks[k] == want[k]:
+                k, n = 0, min(len(want), len(toks))
+                while k < n and toks[k] == want[k]:
                     k += 1
                 if k > m:
                     best, m = b, k

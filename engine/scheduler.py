@@ -96,8 +96,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan the next step (no requests when nothing runs; the
         copies of requests admitted now are in the plan either way)."""
-        self.pool.unpin(self._pinned)  # the engine did the last plan's copies
-        self._pinned = []
+        self.copies_done()  # (the engine says so itself after each plan's copies)
         for r in self.running:
             self._commit(r)
         copies = self._admit()
@@ -121,6 +120,12 @@ class Scheduler:
                 reqs.append(r)
                 counts.append(n)
         return StepPlan(reqs, counts, copies)
+
+    def copies_done(self) -> None:
+        """The engine has done the last plan's block copies: release their sources."""
+        if self._pinned:
+            self.pool.unpin(self._pinned)
+            self._pinned = []
 
     def _admit(self) -> list[BlockCopy]:
         """Move waiting requests into the running set, in order, while their blocks are
@@ -158,7 +163,7 @@ class Scheduler:
     def preempt(self, r: Request) -> None:
         """Take r's blocks back (computed full ones stay cached) and put r at the head of
         the queue; it is recomputed from its known tokens when admitted again."""
-        self._commit(r)
+        self._commit(r, ended=True)
         self.pool.release(r.blocks)
         r.blocks, r.computed, r.n_hashed, r.last_hash = [], 0, 0, ROOT
         r.state = RequestState.WAITING
@@ -167,14 +172,19 @@ class Scheduler:
         self.running.remove(r)
         self.waiting.appendleft(r)
 
-    def _commit(self, r: Request) -> None:
-        """Register r's blocks that became full and computed, so others may share them."""
+    def _commit(self, r: Request, ended: bool = False) -> None:
+        """Register r's blocks that became full and computed, so others may share them;
+        when r's blocks are being given up (`ended`), its partly filled last block too, as a
+        copy-on-write source."""
         full = r.computed // BLOCK_TOKENS
         while r.n_hashed < full:
             j = r.n_hashed
             toks = tuple(r.known_slice(j * BLOCK_TOKENS, BLOCK_TOKENS))
             r.last_hash = self.pool.register(r.blocks[j], r.last_hash, toks)
             r.n_hashed += 1
+        if ended and r.computed > full * BLOCK_TOKENS:
+            toks = tuple(r.known_slice(full * BLOCK_TOKENS, r.computed - full * BLOCK_TOKENS))
+            self.pool.register_partial(r.blocks[full], r.last_hash, toks)
 
     def finish(self, req: Request, keep_cache: bool = True) -> None:
         """Remove a request; its computed full blocks stay cached (unless `keep_cache` is
@@ -182,7 +192,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             if keep_cache:
-                self._commit(req)
+                self._commit(req, ended=True)
             self.pool.release(req.blocks, keep_cache)  # (req.blocks keeps the table, for reading)
         elif req in self.waiting:
             self.waiting.remove(req)

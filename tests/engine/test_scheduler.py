@@ -15,7 +15,9 @@ def req(rid, prompt, conversation=None, max_tokens=4):
 
 
 def fake_step(sched, plan, next_token=7):
-    """What the engine does after a forward pass: advance computed, sample when caught up."""
+    """What the engine does with a plan: the copies, then after the forward pass advance
+    computed and sample when caught up."""
+    sched.copies_done()
     for r, n in zip(plan.requests, plan.n_tokens):
         r.computed += n
         if r.computed == r.n_known:
@@ -139,19 +141,33 @@ def test_max_seqs_per_step_limits_the_rows_but_not_admission_or_copies():
 def test_idle_cached_blocks_are_evicted_least_recently_used_first():
     pool = BlockPool(6)
     s = Scheduler(pool, max_concurrent=1, max_queue=4, prefill_chunk=64)
-    for r in (req("a", range(33), max_tokens=1), req("b", range(100, 133), max_tokens=1),
-              req("a2", list(range(32)) + [5], max_tokens=1)):  # a used last
+    a, b, a2 = req("a", range(32), max_tokens=1), req("b", range(100, 132), max_tokens=1), req("a2", range(32), max_tokens=1)
+    for r in (a, b, a2):  # a used last (a2 is the same prompt: it shares a's blocks)
         s.add(r)
         run_all(s)
-    assert len(pool.idle) == 4 and len(pool.free) == 2 and pool.evictions == 0
+    assert a2.reused == 31 and len(pool.idle) == 4 and len(pool.free) == 2 and pool.evictions == 0
     s.add(req("c", range(200, 233), max_tokens=1))  # 3 blocks: 2 free + 1 evicted
     run_all(s)
-    assert pool.evictions == 1  # b's tail block: least recently used, tail before head
-    d, a3 = req("d", list(range(100, 132)) + [6]), req("a3", list(range(32)) + [6])
-    for r in (a3, d):
-        s.add(r)
-        run_all(s)
-    assert d.reused == 16 and a3.reused == 32 and all_free(pool)
+    assert pool.evictions == 1  # b's tail block: least recently used, a sequence's tail before its head
+    assert pool.key[a.blocks[0]] is not None and pool.key[a.blocks[1]] is not None  # a's blocks kept
+    d = req("d", list(range(100, 132)) + [6])
+    s.add(d)
+    run_all(s)
+    assert d.reused == 16 and all_free(pool)
+
+
+def test_an_ended_sequences_partly_filled_block_is_a_copy_source_for_its_next_turn():
+    pool = BlockPool(8)
+    s = Scheduler(pool, max_concurrent=1, max_queue=2, prefill_chunk=64)
+    t1 = req("t1", range(30), max_tokens=5)  # computes 34 positions: 2 full blocks + 2 tokens
+    s.add(t1)
+    run_all(s)
+    t2 = req("t2", t1.known[:34] + [50, 51, 52])
+    s.add(t2)
+    plan = s.schedule()
+    assert t2.computed == 34 and plan.kv_copies == [BlockCopy(t1.blocks[2], t2.blocks[2])]
+    run_all(s)
+    assert all_free(pool)
 
 
 def test_a_decode_that_runs_out_of_blocks_preempts_the_youngest_and_recomputes_it():
