@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import OrderedDict
 import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from numbers import Integral
 from typing import AsyncIterator, Iterator
 
