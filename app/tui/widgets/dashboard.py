@@ -44,23 +44,21 @@ def sparkline(values: list[float], width: int, vmax: float) -> str:
 
 
 def kv_words(s: EngineStats) -> str:
-    """'KV 12/800 blocks 1.5% (3.4 MiB)  4 shared  20 cached  hits 76%': blocks held by
-    running generations of the budget, then shared and idle cached blocks and the prefix
-    cache's hit rate (tokens) when there are any."""
+    """'KV 12/800 2%, 20 cached, 4 shared, hits 76%': KV blocks held by running generations
+    of the budget, then (when there are any) idle blocks kept cached, blocks shared between
+    generations and the prefix cache's hit rate in tokens. Bytes are in /metrics."""
     if not s.kv_total:
         return "KV -"
     used = s.kv_in_use or 0
-    out = f"KV {used}/{s.kv_total} blocks {100 * used / s.kv_total:.1f}%"
-    if s.kv_bytes_per_block:
-        out += f" ({used * s.kv_bytes_per_block / 2**20:.1f} MiB)"
-    if s.kv_shared:
-        out += f"  {s.kv_shared} shared"
+    parts = [f"KV {used}/{s.kv_total} {100 * used / s.kv_total:.0f}%"]
     cached = (s.kv_resident or 0) - used  # idle conversations' blocks kept warm
     if cached > 0:
-        out += f"  {cached} cached"
+        parts.append(f"{cached} cached")
+    if s.kv_shared:
+        parts.append(f"{s.kv_shared} shared")
     if s.prefix_cache_queries:
-        out += f"  hits {100 * s.prefix_cache_hits / s.prefix_cache_queries:.0f}%"
-    return out
+        parts.append(f"hits {100 * s.prefix_cache_hits / s.prefix_cache_queries:.0f}%")
+    return ", ".join(parts)
 
 
 def state_words(s: StreamStats) -> str:
@@ -214,7 +212,7 @@ class Dashboard(Vertical, can_focus=False):
             parts.append(f"queue {s.queue_depth}")
         self._show("dash-batch", "  ".join(parts), markup=True)
         kv = kv_words(s)
-        self._show("dash-kv", f"{kv}  terminals {s.terminals if s.terminals is not None else 1}")
+        self._show("dash-kv", f"terminals {s.terminals if s.terminals is not None else 1}  {kv}")
         occ = list(self.occupancy)
         tps = list(self.tok_s)
         self._show("dash-occ-label", f"occupancy, last {WINDOW_S} s (peak {self.peak_batch})")
