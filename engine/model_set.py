@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -90,12 +90,19 @@ class ModelSet:
     """The models this process holds: name -> started Engine, the first one the default.
 
     `get(name)` returns the model's Engine, loading it on first use (blocking: seconds; call
-    it off an event loop) within `memory` bytes (None: no budget). Thread-safe."""
+    it off an event loop) within `memory` bytes (None: no budget). With a budget and no
+    --kv-memory / --kv-sessions, each engine's KV budget is 2 x max-concurrent contexts
+    (the default share of free memory would make its size depend on the load order).
+    Thread-safe."""
 
     def __init__(self, config: EngineConfig | None = None, backend: str = "auto", memory: int | None = None,
                  *, start: Callable[[Path], Engine] | None = None,
                  on_load: Callable[[str, Engine], None] | None = None):
         self.config = config or EngineConfig()
+        if memory is not None and self.config.kv_memory is None and self.config.kv_sessions is None:
+            # under --models-memory each engine's KV must be a known size (what
+            # estimate_bytes counts), not a share of whatever memory is free at its start
+            self.config = replace(self.config, kv_sessions=2 * self.config.max_concurrent)
         self.backend = backend
         self.memory = memory
         self._start = start or self._start_engine
