@@ -136,14 +136,15 @@ class StepGraphs:
             if spare_slot is None:
                 return None
             width, seq_pad, t = 0, np.full(pad, spare_slot, np.int32), None
-        else:
-            S, nb = tables.shape
+        else:  # row i reads its own copy of its sequence's table row (the same blocks)
+            nb = tables.shape[1]
             width = bucket_for(nb) or nb
-            if spare_block is None or S + pad > b:
+            if spare_block is None:
                 return None
             t = np.full((b, width), spare_block, np.int32)  # padded rows and columns: the spare block
-            t[:S, :nb] = tables
-            seq_pad = np.arange(S, S + pad, dtype=np.int32)
+            t[:R, :nb] = np.asarray(tables, np.int32)[np.asarray(slots, np.int64)]
+            slots = np.arange(R, dtype=np.int32)
+            seq_pad = np.arange(R, b, dtype=np.int32)
         xp = self.xp
         per_kv = self._by_kv.setdefault(kv, {})
         key = (id(owner), b, width)

@@ -113,6 +113,14 @@ def test_graph_steps_through_block_tables_equal_the_eager_steps(qwen):
             assert np.array_equal(kv_g.v[layer][:8], kv_e.v[layer][:8])
     assert cap.captures == 4  # (4 rows, width 1), (1, 1), (4, 4), (2, 4)
     assert not np.array_equal(kv_g.k[0][8], spare_before)
+    # rows naming sequences of a taller table (the start-up invariance check's batches):
+    # still through the graph of their row count
+    batch = Batch(np.array([9], np.int32), np.array([2], np.int32), np.array([len(PROMPTS[2]) + 4], np.int32),
+                  np.arange(1), tables)
+    assert np.array_equal(graphed.forward(kv_g, batch), eager.forward(kv_e, batch))
+    assert cap.captures == 5  # (1 row, width 4)
+    for layer in range(graphed.args.n_layer):
+        assert np.array_equal(kv_g.k[layer][:8], kv_e.k[layer][:8])
 
 
 class _Refuses:
