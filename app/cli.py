@@ -90,6 +90,12 @@ def _max_tokens_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="tokens per reply at most (run: 256, bench chat: 128)")
 
 
+def _clients_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", metavar="N[,N...]",
+                   help="concurrent clients (bench chat: a list of cells, default 1,2,4; bench prefix: one "
+                        "number, default 16)")
+
+
 def _json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", default=False, help="print JSON instead of text")
 
@@ -190,14 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--ntg", type=int, default=128)
     sweep.add_argument("--npl", default="1,2,4,8,16,32")
     chat = bsub.add_parser("chat", help="multi-turn chat workload against a server",
-                           parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}), json_out])
+                           parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}),
+                                    _parent(_clients_option, defaults={"clients": "1,2,4"}), json_out])
     chat.add_argument("--url", help="OpenAI-compatible base URL (default: start our own server per cell)")
-    chat.add_argument("--clients", default="1,2,4")
     chat.add_argument("--turns", type=int, default=6)
     prefix = bsub.add_parser("prefix", help="N clients sharing one long system prompt: KV memory and TTFT "
                              "with prefix sharing on and off",
-                             parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 32}), json_out])
-    prefix.add_argument("--clients", type=int, default=16)
+                             parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 32}),
+                                      _parent(_clients_option, defaults={"clients": "16"}), json_out])
     prefix.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
     return parser
 

@@ -57,8 +57,10 @@ def engine_bytes(engine: Engine) -> int:
     kv = getattr(engine, "kv", None)
     kv_bytes = getattr(kv, "nbytes", None)
     if not isinstance(kv_bytes, int):  # a stand-in engine without a PagedKV: blocks x bytes per block
-        stats = engine.stats()
-        kv_bytes = int(stats.kv_bytes_per_block or 0) * int(stats.kv_total or 0) if kv is not None else 0
+        kv_bytes = 0
+        if kv is not None:
+            stats = engine.stats()
+            kv_bytes = int(stats.kv_bytes_per_block or 0) * int(stats.kv_total or 0)
     return int(getattr(getattr(engine.lm, "model", None), "weight_bytes", 0)) + kv_bytes
 
 

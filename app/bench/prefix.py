@@ -76,6 +76,10 @@ def run_mode(lm, args: argparse.Namespace, sharing: bool) -> dict:
 def run_prefix(args: argparse.Namespace) -> int:
     from ..engine_factory import load_model_from_args
 
+    try:
+        args.clients = int(args.clients)  # (--clients is shared with bench chat's list)
+    except ValueError:
+        raise ValueError(f"bench prefix: --clients takes one number, got {args.clients!r}") from None
     if not 2 <= args.clients <= 64 or args.system_tokens < 16 or args.max_tokens < 1:
         raise ValueError("bench prefix: --clients must be 2..64, --system-tokens >= 16, --max-tokens >= 1")
     lm = load_model_from_args(args)
