@@ -26,8 +26,8 @@ _ENGINE = EngineConfig()  # the engine flags' defaults; EngineConfig.validate() 
 SHARED_DEFAULTS = {
     "model": None, "models": None, "models_memory": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
     **{name: getattr(_ENGINE, name) for name in
-       ("ctx_size", "max_concurrent", "kv_sessions", "max_queue", "prefill_chunk", "straggler_ms",
-        "kv_snapshot_memory")},
+       ("ctx_size", "max_concurrent", "kv_sessions", "kv_memory", "kv_dtype", "max_queue", "prefill_chunk",
+        "straggler_ms", "kv_snapshot_memory")},
     "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
@@ -56,7 +56,12 @@ def _context_options(p: argparse.ArgumentParser) -> None:
 
 def _batching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent", type=int, metavar="N", help=f"generations at once (default {_D['max_concurrent']})")
-    p.add_argument("--kv-sessions", type=int, metavar="N", help="KV cache slots (default 2 x max-concurrent)")
+    p.add_argument("--kv-sessions", type=int, metavar="N",
+                   help="KV memory for N whole contexts (an alternative to --kv-memory)")
+    p.add_argument("--kv-memory", type=byte_size, metavar="SIZE",
+                   help="KV cache budget, e.g. 2GiB (default: a quarter of free memory, shown at start-up)")
+    p.add_argument("--kv-dtype", choices=EngineConfig.KV_DTYPES,
+                   help=f"KV cache precision (default {_D['kv_dtype']})")
     p.add_argument("--max-queue", type=int, metavar="N", help=f"waiting requests before refusing (default {_D['max_queue']})")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
     p.add_argument("--models-memory", type=byte_size, metavar="SIZE",
@@ -83,6 +88,12 @@ def _listen_options(p: argparse.ArgumentParser) -> None:
 
 def _max_tokens_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="tokens per reply at most (run: 256, bench chat: 128)")
+
+
+def _clients_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", metavar="N[,N...]",
+                   help="concurrent clients (bench chat: a list of cells, default 1,2,4; bench prefix: one "
+                        "number, default 16)")
 
 
 def _json_option(p: argparse.ArgumentParser) -> None:
@@ -185,10 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--ntg", type=int, default=128)
     sweep.add_argument("--npl", default="1,2,4,8,16,32")
     chat = bsub.add_parser("chat", help="multi-turn chat workload against a server",
-                           parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}), json_out])
+                           parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}),
+                                    _parent(_clients_option, defaults={"clients": "1,2,4"}), json_out])
     chat.add_argument("--url", help="OpenAI-compatible base URL (default: start our own server per cell)")
-    chat.add_argument("--clients", default="1,2,4")
     chat.add_argument("--turns", type=int, default=6)
+    prefix = bsub.add_parser("prefix", help="N clients sharing one long system prompt: KV memory and TTFT "
+                             "with prefix sharing on and off",
+                             parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 32}),
+                                      _parent(_clients_option, defaults={"clients": "16"}), json_out])
+    prefix.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
     return parser
 
 

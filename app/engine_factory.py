@@ -26,6 +26,12 @@ def kv_snapshot_dir(args: argparse.Namespace) -> str | None:
     return str(default_root()) if getattr(args, "kv_snapshots", "off") == "on" else None
 
 
+def load_model_from_args(args: argparse.Namespace):
+    """The model --model names (or the default) on --backend, for --ctx-size positions."""
+    return load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
+                      max_positions=engine_config(args).ctx_size)
+
+
 def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     """Load the model named by --model (or the default) on --backend and start the engine.
 

@@ -11,17 +11,8 @@ from typing import Any
 import numpy as np
 
 from .base import Array, Backend
+from .paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
 from .self_check import CheckPlan, check_batch_invariance
-
-
-class ArrayKV:
-    """K and V per layer, each [slots, n_kv, ctx, head_dim] float32, on `xp`'s device."""
-
-    def __init__(self, xp: Any, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int):
-        shape = (n_slots, n_kv, ctx, head_dim)
-        self.k = [xp.zeros(shape, xp.float32) for _ in range(n_layer)]
-        self.v = [xp.zeros(shape, xp.float32) for _ in range(n_layer)]
-        self.bytes_per_slot = 2 * n_layer * n_kv * ctx * head_dim * 4
 
 
 class ArrayBackend(Backend):
@@ -64,30 +55,34 @@ class ArrayBackend(Backend):
         inner = f(0.7978845608028654) * (gate + f(0.044715) * gate * gate * gate)  # sqrt(2/pi)
         return f(0.5) * gate * (f(1.0) + xp.tanh(inner)) * up
 
-    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> ArrayKV:
-        return ArrayKV(self.xp, n_slots, n_layer, n_kv, ctx, head_dim)
+    def new_paged_kv(self, n_blocks, n_layer, n_kv, head_dim, dtype="f16") -> PagedKV:
+        xp = self.xp
+        dt = xp.float16 if kv_dtype_bytes(dtype) == 2 else xp.float32
+        shape = (n_blocks, n_kv, BLOCK_TOKENS, head_dim)
+        return PagedKV([xp.zeros(shape, dt) for _ in range(n_layer)],
+                       [xp.zeros(shape, dt) for _ in range(n_layer)], n_blocks, n_kv, head_dim, dtype)
 
-    def write_kv(self, kv: ArrayKV, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
-        kv.k[layer][slots, :, positions, :] = k
-        kv.v[layer][slots, :, positions, :] = v
+    def write_kv(self, kv: PagedKV, layer: int, k: Array, v: Array, seqs: Array, positions: Array,
+                 tables: Array | None = None) -> None:
+        t = kv.slot_table if tables is None else tables
+        blocks, offs = t[seqs, positions // BLOCK_TOKENS], positions % BLOCK_TOKENS
+        kv.k[layer][blocks, :, offs, :] = k  # rounded to the store's dtype (nearest even)
+        kv.v[layer][blocks, :, offs, :] = v
 
-    def copy_slot(self, kv: ArrayKV, src: int, dst: int, n_tokens: int) -> None:
-        for layer in range(len(kv.k)):
-            kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
-            kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
-
-    def kv_export(self, kv: ArrayKV, where: int, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        host = self.to_numpy
-        return [(np.array(host(kv.k[i][where, :, :n_tokens]), copy=True),
-                 np.array(host(kv.v[i][where, :, :n_tokens]), copy=True)) for i in range(len(kv.k))]
-
-    def kv_import(self, kv: ArrayKV, where: int, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        if len(arrays) != len(kv.k):
-            raise ValueError(f"KV arrays for {len(arrays)} layers, the cache has {len(kv.k)}")
-        for i, (k, v) in enumerate(arrays):
-            n = k.shape[1]
-            kv.k[i][where, :, :n] = self.xp.asarray(k, dtype=kv.k[i].dtype)
-            kv.v[i][where, :, :n] = self.xp.asarray(v, dtype=kv.v[i].dtype)
+    def contiguous_kv(self, kv: PagedKV, layer: int, tables: Array | None) -> tuple[Array, Array]:
+        """K and V of every sequence of `tables` gathered in position order as float32
+        [S, n_kv, max_blocks * B, hd] (exact conversion), for kernels that take a
+        contiguous cache; entries past a sequence's blocks (-1 in a table) are garbage
+        that no row reads."""
+        xp = self.xp
+        t = kv.slot_table if tables is None else tables
+        S, nb = t.shape
+        out = []
+        for store in (kv.k[layer], kv.v[layer]):
+            g = store[t]  # (S, nb, n_kv, B, hd)
+            g = g.transpose(0, 2, 1, 3, 4).reshape(S, kv.n_kv, nb * BLOCK_TOKENS, kv.head_dim)
+            out.append(xp.ascontiguousarray(g.astype(xp.float32)))
+        return out[0], out[1]
 
     def self_check(self) -> str | None:
         return check_batch_invariance(self, self.check_plan)

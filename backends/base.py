@@ -8,12 +8,14 @@ the call or where the row sits. `self_check()` verifies that on the running devi
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
 from .gguf_tensor import GGUFTensor
+from .paged_kv import BLOCK_TOKENS, PagedKV
 
 Array = Any  # the backend's array type
 
@@ -42,6 +44,21 @@ class Backend(ABC):
         device): a type the backend keeps quantized from `t.blocks` (no float32 copy), any
         other from `t.dequantize()`."""
 
+    def free_memory(self) -> int | None:
+        """Bytes the KV store could still take on this device (the default KV budget is a
+        share of it): the host's available RAM (None where unknown)."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
     def nbytes(self, w: Any) -> int:
         """Resident bytes of a prepared weight."""
         return int(getattr(w, "nbytes", 0))
@@ -61,12 +78,14 @@ class Backend(ABC):
 
     # -- the forward pass's operations -------------------------------------------------
     def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Array, slots: np.ndarray,
-                        positions: np.ndarray) -> Array:
-        """Run `body(kv, x, slots, positions)` (the layers and head of a decode step, every
-        row's logits wanted; slots and positions host int32 [R]) -> logits on the device. A
-        backend may replay a captured graph of `body` instead (CuPy; `owner` keys it, with
-        `kv`); the result must be the same bit for bit."""
-        return body(kv, x, self.asarray(slots), self.asarray(positions))
+                        positions: np.ndarray, tables: np.ndarray | None = None) -> Array:
+        """Run `body(kv, x, slots, positions, tables)` (the layers and head of a decode step,
+        every row's logits wanted; slots and positions host int32 [R], `tables` the
+        sequences' host int32 block tables [S, max_blocks] or None for a slotted store) ->
+        logits on the device. A backend may replay a captured graph of `body` instead
+        (CuPy; `owner` keys it, with `kv`); the result must be the same bit for bit."""
+        return body(kv, x, self.asarray(slots), self.asarray(positions),
+                    None if tables is None else self.asarray(tables))
 
     def embed(self, table: GGUFTensor, ids: np.ndarray) -> Array:
         """Rows of the embedding `table` [V, D] (as stored) for host token ids [R] -> float32
@@ -105,38 +124,89 @@ class Backend(ABC):
         """gelu(gate) * up, elementwise, GELU in its tanh approximation (gemma's FFN)."""
         raise NotImplementedError(f"the GELU feed-forward (gemma) is not yet supported on {self.name}")
 
-    @abstractmethod
-    def new_kv(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int) -> Any:
-        """Allocate the KV store: per layer, K and V of shape [slots, n_kv, ctx, head_dim]."""
+    def new_kv(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int,
+               dtype: str = "f16") -> PagedKV:
+        """A paged store cut into `n_slots` whole-context slots (slot s owns a fixed run of
+        blocks, `kv.slot_table`): what a caller without its own block tables uses."""
+        per = -(-ctx // BLOCK_TOKENS)
+        kv = self.new_paged_kv(n_slots * per, n_layer, n_kv, head_dim, dtype)
+        kv.slot_blocks = per
+        kv.slot_table = self.asarray(np.arange(n_slots * per, dtype=np.int32).reshape(n_slots, per))
+        return kv
 
     @abstractmethod
-    def write_kv(self, kv: Any, layer: int, k: Array, v: Array, slots: Array, positions: Array) -> None:
-        """Store k, v [R, n_kv, hd] of layer `layer` at each row's (slot, position)."""
+    def new_paged_kv(self, n_blocks: int, n_layer: int, n_kv: int, head_dim: int,
+                     dtype: str = "f16") -> PagedKV:
+        """Allocate the KV store: per layer, K and V [n_blocks, n_kv, BLOCK_TOKENS, head_dim]
+        in float16 ('f16') or float32 ('f32'), zeroed."""
 
     @abstractmethod
-    def attend(self, kv: Any, layer: int, q: Array, k: Array, v: Array,
-               slots: Array, positions: Array, scale: float, window: int = 0) -> Array:
+    def write_kv(self, kv: PagedKV, layer: int, k: Array, v: Array, seqs: Array, positions: Array,
+                 tables: Array | None = None) -> None:
+        """Store k, v [R, n_kv, hd] (float32, rounded once to the KV dtype) of layer `layer`
+        at each row's position in its sequence's blocks: block tables[seq, pos // B],
+        offset pos % B (tables None: `kv.slot_table`, seqs are slots)."""
+
+    @abstractmethod
+    def attend(self, kv: PagedKV, layer: int, q: Array, k: Array, v: Array,
+               seqs: Array, positions: Array, scale: float, window: int = 0,
+               tables: Array | None = None) -> Array:
         """`write_kv` k and v, then causal attention of q [R, n_head, hd] over keys
-        0..position of the row's slot -> [R, n_head, hd]; with a sliding `window` > 0
-        over keys max(0, position - window + 1)..position only."""
+        0..position of the row's sequence, read through its block table in position order
+        and converted to float32 -> [R, n_head, hd]; with a sliding `window` > 0 over keys
+        max(0, position - window + 1)..position only."""
 
     def unsupported(self, args: Any) -> str | None:
         """Why this backend cannot run a model with these `ModelArgs`, or None."""
         return None
 
-    @abstractmethod
-    def copy_slot(self, kv: Any, src: int, dst: int, n_tokens: int) -> None:
-        """Copy the first n_tokens cached positions of slot src into slot dst."""
+    def copy_blocks(self, kv: PagedKV, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""
+        if not src:
+            return
+        s, d = self.asarray(np.asarray(src, np.int32)), self.asarray(np.asarray(dst, np.int32))
+        for layer in range(len(kv.k)):
+            kv.k[layer][d] = kv.k[layer][s]
+            kv.v[layer][d] = kv.v[layer][s]
 
-    @abstractmethod
-    def kv_export(self, kv: Any, where: Any, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The cached K and V of positions 0..n_tokens-1 of `where` (a slot index in today's
-        slot layout; a block list in a paged one), per layer, as host copies [n_kv,
-        n_tokens, head_dim] in the KV dtype: bytes that `kv_import` puts back bit for bit."""
+    def kv_export(self, kv: PagedKV, blocks: list[int], n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The KV of positions 0..n_tokens-1 held in `blocks` (in order), per layer (K, V)
+        as host arrays [n_kv, n_tokens, head_dim] in the KV dtype (for snapshots)."""
+        nb = -(-n_tokens // BLOCK_TOKENS)
+        if nb > len(blocks):
+            raise ValueError(f"kv_export: {n_tokens} tokens need {nb} blocks, got {len(blocks)}")
+        idx = self.asarray(np.asarray(blocks[:nb], np.int32))
+        out = []
+        for layer in range(len(kv.k)):
+            pair = []
+            for store in (kv.k[layer], kv.v[layer]):
+                a = self.to_numpy(store[idx])  # (nb, n_kv, B, hd)
+                a = a.transpose(1, 0, 2, 3).reshape(a.shape[1], nb * BLOCK_TOKENS, a.shape[3])
+                pair.append(np.ascontiguousarray(a[:, :n_tokens]))
+            out.append((pair[0], pair[1]))
+        return out
 
-    @abstractmethod
-    def kv_import(self, kv: Any, where: Any, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Write `kv_export`'s per-layer (K, V) arrays into positions 0..n-1 of `where`."""
+    def kv_import(self, kv: PagedKV, blocks: list[int], arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write `kv_export`'s arrays back into `blocks` (the positions past n_tokens in the
+        last block keep what they held)."""
+        if len(arrays) != len(kv.k):
+            raise ValueError(f"kv_import: {len(arrays)} layers, the store has {len(kv.k)}")
+        for layer, pair in enumerate(arrays):
+            for store, a in zip((kv.k[layer], kv.v[layer]), pair):
+                n_kv, n, hd = a.shape
+                if (n_kv, hd) != (kv.n_kv, kv.head_dim):
+                    raise ValueError(f"kv_import: shape {a.shape} does not fit [{kv.n_kv}, n, {kv.head_dim}]")
+                nb = -(-n // BLOCK_TOKENS)
+                if nb > len(blocks):
+                    raise ValueError(f"kv_import: {n} tokens need {nb} blocks, got {len(blocks)}")
+                full, tail = divmod(n, BLOCK_TOKENS)
+                host = np.ascontiguousarray(a).astype(self.to_numpy(store[:1]).dtype, copy=False)
+                if full:
+                    part = host[:, : full * BLOCK_TOKENS].reshape(n_kv, full, BLOCK_TOKENS, hd)
+                    store[self.asarray(np.asarray(blocks[:full], np.int32))] = self.asarray(
+                        np.ascontiguousarray(part.transpose(1, 0, 2, 3)))
+                if tail:
+                    store[blocks[full], :, :tail] = self.asarray(np.ascontiguousarray(host[:, full * BLOCK_TOKENS:]))
 
     def rope_tables(self, rope_dim: int, base: float, max_pos: int,
                     freq_factors: np.ndarray | None = None, mscale: float = 1.0) -> tuple[Array, Array]:

@@ -16,8 +16,9 @@ Weights live on the GPU:
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
-copied over (`Backend.embed`). Activations, the KV cache (`ArrayKV`, float32 [slots, n_kv,
-ctx, head_dim] per layer) and all arithmetic are float32.
+copied over (`Backend.embed`). The KV cache is paged (`PagedKV`: float16 by default, each
+value rounded once when written; `attend` gathers a step's sequences in position order as
+float32 for the attention kernel); activations and all arithmetic are float32.
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
@@ -35,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from .errors import BackendUnavailable, one_line
-from .array_backend import ArrayBackend, ArrayKV
+from .array_backend import ArrayBackend
+from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
@@ -210,6 +212,11 @@ class CupyBackend(ArrayBackend):
                           None if h.scales is None else xp.asarray(h.scales),
                           None if h.mins is None else xp.asarray(h.mins), h.group)
 
+    def free_memory(self) -> int | None:
+        if self.xp is np:  # the emulation on the CPU
+            return super().free_memory()
+        return int(self.xp.cuda.Device().mem_info[0])
+
     def nbytes(self, w: Any) -> int:
         return int(w.nbytes)
 
@@ -240,23 +247,35 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty_like(gate)
         return self.kernels.silu_mul(gate, up, out)
 
-    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> ArrayKV:
-        """The KV store with one spare slot past `n_slots`: the rows that pad a decode step up
-        to its graph's bucket write and read there (cupy_step_graphs)."""
-        kv = ArrayKV(self.xp, n_slots + 1, n_layer, n_kv, ctx, head_dim)
+    def new_paged_kv(self, n_blocks, n_layer, n_kv, head_dim, dtype="f16") -> PagedKV:
+        """The paged store with one spare block past `n_blocks` (`kv.spare_block`; the block
+        pool never hands it out): the rows that pad a decode step up to its graph's bucket
+        write and read there only (cupy_step_graphs). Allocated once, so a captured graph's
+        pointers into it stay valid."""
+        kv = super().new_paged_kv(n_blocks + 1, n_layer, n_kv, head_dim, dtype)
+        kv.n_blocks = n_blocks
+        kv.spare_block = n_blocks
+        return kv
+
+    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim, dtype="f16") -> PagedKV:
+        """Whole-context slots plus a spare slot past `n_slots` (`kv.spare_slot`), whose
+        table row lists only the spare block: padded rows of a graph step use it."""
+        kv = super().new_kv(n_slots, n_layer, n_kv, ctx, head_dim, dtype)
+        spare = np.full((1, kv.slot_blocks), kv.spare_block, np.int32)
+        kv.slot_table = self.asarray(np.concatenate([self.to_numpy(kv.slot_table), spare]))
         kv.spare_slot = n_slots
         return kv
 
     def run_decode_step(self, kv: Any, owner: Any, body: Any, x: Any, slots: np.ndarray,
-                        positions: np.ndarray) -> Any:
+                        positions: np.ndarray, tables: np.ndarray | None = None) -> Any:
         """The decode step through its bucket's CUDA graph (cupy_step_graphs); eagerly when
         graphs are off, failed to capture, or the batch is past the largest bucket."""
-        spare = getattr(kv, "spare_slot", None)
-        if self.graphs is not None and spare is not None:
-            out = self.graphs.run(kv, owner, body, self._f32(x), slots, positions, spare)
+        if self.graphs is not None and getattr(kv, "spare_block", None) is not None:
+            out = self.graphs.run(kv, owner, body, self._f32(x), slots, positions, tables)
             if out is not None:
                 return out
-        return body(kv, x, self.asarray(slots), self.asarray(positions))
+        return body(kv, x, self.asarray(slots), self.asarray(positions),
+                    None if tables is None else self.asarray(tables))
 
     def sample_rows(self, logits: Any, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
                     top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -268,12 +287,6 @@ class CupyBackend(ArrayBackend):
         out = xp.empty((logits.shape[0], 2), xp.int32)
         self.kernels.sample_rows(logits, xp.empty_like(logits), xp.asarray(f), xp.asarray(k), xp.asarray(ss), out)
         return self.to_numpy(out)
-
-    def write_kv(self, kv: ArrayKV, layer: int, k: Any, v: Any, slots: Any, positions: Any) -> None:
-        xp = self.xp
-        self.kernels.kv_write(self._f32(k), self._f32(v), kv.k[layer], kv.v[layer],
-                              xp.ascontiguousarray(slots, dtype=xp.int32),
-                              xp.ascontiguousarray(positions, dtype=xp.int32))
 
     def rope(self, x: Any, positions: Any, style: str, tables: tuple[Any, Any]) -> Any:
         """One `rope` kernel launch (the same per-element arithmetic as ArrayBackend.rope)."""
@@ -293,17 +306,18 @@ class CupyBackend(ArrayBackend):
             return f"the {args.ffn_act} feed-forward not yet supported on {self.name}"
         return None
 
-    def attend(self, kv: ArrayKV, layer: int, q: Any, k: Any, v: Any,
-               slots: Any, positions: Any, scale: float, window: int = 0) -> Any:
+    def attend(self, kv: PagedKV, layer: int, q: Any, k: Any, v: Any,
+               seqs: Any, positions: Any, scale: float, window: int = 0, tables: Any = None) -> Any:
         xp = self.xp
         q = self._f32(q)
-        slots = xp.ascontiguousarray(slots, dtype=xp.int32)
+        seqs = xp.ascontiguousarray(seqs, dtype=xp.int32)
         positions = xp.ascontiguousarray(positions, dtype=xp.int32)
         if q.shape[-1] > MAX_HEAD_DIM:
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
-        self.write_kv(kv, layer, k, v, slots, positions)
+        self.write_kv(kv, layer, self._f32(k), self._f32(v), seqs, positions, tables)
+        kc, vc = self.contiguous_kv(kv, layer, tables)  # (S, n_kv, max_blocks * B, hd) float32
         out = xp.empty_like(q)
-        return self.kernels.attention(q, kv.k[layer], kv.v[layer], slots, positions, scale, out, window)
+        return self.kernels.attention(q, kc, vc, seqs, positions, scale, out, window)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -379,16 +393,15 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
              backend.rope(backend.asarray(x), backend.asarray(pos), style, tabs), emu.rope(x, pos, style, etabs))
     for S, G, C, D, H, R, W in ((4, 2, 80, 40, 6, 7, 0), (3, 1, 300, 128, 2, 5, 0), (2, 2, 700, 64, 8, 9, 0),
                                 (3, 2, 300, 64, 4, 6, 100)):
-        kvs = []
-        for be in (backend, emu):
-            kv = be.new_kv(S, 1, G, C, D)
-            kvs.append(kv)
-        init_k = rng.standard_normal((S, G, C, D), dtype=np.float32)
-        init_v = rng.standard_normal((S, G, C, D), dtype=np.float32)
-        kvs[0].k[0][:S] = backend.asarray(init_k)  # [:S]: past it, the spare slot (zeros)
-        kvs[0].v[0][:S] = backend.asarray(init_v)
-        kvs[1].k[0][:S] = init_k
-        kvs[1].v[0][:S] = init_v
+        kvs = [be.new_kv(S, 1, G, C, D) for be in (backend, emu)]
+        init_k = rng.standard_normal(kvs[1].k[0].shape, dtype=np.float32).astype(kvs[1].k[0].dtype)
+        init_v = rng.standard_normal(kvs[1].v[0].shape, dtype=np.float32).astype(kvs[1].v[0].dtype)
+        kvs[0].k[0][...] = backend.asarray(init_k)
+        kvs[0].v[0][...] = backend.asarray(init_v)
+        kvs[1].k[0][...] = init_k
+        kvs[1].v[0][...] = init_v
+        order = rng.permutation(kvs[1].n_blocks).astype(np.int32).reshape(S, -1)  # shuffled tables
+        kvs[0].slot_table, kvs[1].slot_table = backend.asarray(order), order
         pairs = rng.choice(S * C, R, replace=False)  # distinct (slot, position) per row
         slots, poss = (pairs // C).astype(np.int32), (pairs % C).astype(np.int32)
         poss[0] = C - 1  # the longest key range
@@ -400,8 +413,8 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
                              backend.asarray(slots), backend.asarray(poss), D ** -0.5, W)
         want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W)
         same(name, got, want)
-        same(name + " K cache", kvs[0].k[0], kvs[1].k[0])
-        same(name + " V cache", kvs[0].v[0], kvs[1].v[0])
+        same(name + " K cache", kvs[0].k[0].astype(np.float32), kvs[1].k[0].astype(np.float32))
+        same(name + " V cache", kvs[0].v[0].astype(np.float32), kvs[1].v[0].astype(np.float32))
     R, V = 6, 3000
     logits = rng.standard_normal((R, V), dtype=np.float32) * 3
     logits[1, [5, 900]] = 20.0  # a tie

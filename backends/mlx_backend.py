@@ -44,6 +44,7 @@ import numpy as np
 import mlx.core as mx
 
 from .base import Array, Backend
+from .paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
 from .gguf_blocks import unpack
 from .gguf_tensor import GGUFTensor
 from .self_check import AttentionCase, CheckPlan, check_batch_invariance
@@ -70,19 +71,6 @@ class MLXWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in (self.w, self.scales, self.biases) if a is not None)
-
-
-class MLXKV:
-    """K and V per layer, each [slots, n_kv, ctx, head_dim] float32 MLX arrays (updated
-    by scatter; MLX reuses the buffer, so a write costs only the written rows)."""
-
-    def __init__(self, n_slots: int, n_layer: int, n_kv: int, ctx: int, head_dim: int):
-        shape = (n_slots, n_kv, ctx, head_dim)
-        self.k = [mx.zeros(shape, dtype=mx.float32) for _ in range(n_layer)]
-        self.v = [mx.zeros(shape, dtype=mx.float32) for _ in range(n_layer)]
-        mx.eval(self.k, self.v)
-        self.ctx = ctx
-        self.bytes_per_slot = 2 * n_layer * n_kv * ctx * head_dim * 4
 
 
 def affine_from_gguf(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, ...]:
@@ -126,7 +114,7 @@ class MLXBackend(Backend):
             float_dtype = "float16" if self.on_gpu else "float32"
         self.float_dtype = getattr(mx, float_dtype)
         self._plan: Any = None
-        self._dirty: list[MLXKV] = []
+        self._dirty: list[PagedKV] = []
 
     def describe(self) -> str:
         dev = "cpu"
@@ -220,28 +208,41 @@ class MLXBackend(Backend):
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi)
         return 0.5 * gate * (1.0 + mx.tanh(inner)) * up
 
-    def new_kv(self, n_slots, n_layer, n_kv, ctx, head_dim) -> MLXKV:
-        return MLXKV(n_slots, n_layer, n_kv, ctx, head_dim)
+    def new_paged_kv(self, n_blocks, n_layer, n_kv, head_dim, dtype="f16") -> PagedKV:
+        """Blocks as MLX arrays (updated by scatter; MLX reuses the buffer, so a write
+        costs only the written rows)."""
+        dt = mx.float16 if kv_dtype_bytes(dtype) == 2 else mx.float32
+        shape = (n_blocks, n_kv, BLOCK_TOKENS, head_dim)
+        kv = PagedKV([mx.zeros(shape, dtype=dt) for _ in range(n_layer)],
+                     [mx.zeros(shape, dtype=dt) for _ in range(n_layer)], n_blocks, n_kv, head_dim, dtype)
+        mx.eval(kv.k, kv.v)
+        return kv
 
-    def write_kv(self, kv: MLXKV, layer, k, v, slots, positions) -> None:
+    def write_kv(self, kv: PagedKV, layer, k, v, seqs, positions, tables=None) -> None:
+        t = kv.slot_table if tables is None else tables
+        blocks = t[seqs, positions // BLOCK_TOKENS][:, None]
+        offs = (positions % BLOCK_TOKENS)[:, None]
         heads = mx.arange(k.shape[1])[None, :]
-        kv.k[layer][slots[:, None], heads, positions[:, None]] = k
-        kv.v[layer][slots[:, None], heads, positions[:, None]] = v
+        dt = kv.k[layer].dtype
+        kv.k[layer][blocks, heads, offs] = k.astype(dt)  # rounded once to the KV dtype
+        kv.v[layer][blocks, heads, offs] = v.astype(dt)
         if not self._dirty or self._dirty[-1] is not kv:
             self._dirty.append(kv)
 
-    def attend(self, kv: MLXKV, layer, q, k, v, slots, positions, scale, window=0):
+    def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
         R, n_head, hd = q.shape
         n_kv = k.shape[1]
         rep = n_head // n_kv
-        self.write_kv(kv, layer, k, v, slots, positions)
+        self.write_kv(kv, layer, k, v, seqs, positions, tables)
+        t = kv.slot_table if tables is None else tables
         kc, vc = kv.k[layer], kv.v[layer]
-        groups = self._groups(slots, positions, kv.ctx)
+        groups = self._groups(seqs, positions, t.shape[1] * BLOCK_TOKENS)
         outs = []
-        for length, rows, rows_np, slots_g, pos_g in groups:
+        for length, rows, rows_np, seqs_g, pos_g in groups:
             qg = q if rows is None else q[rows]
-            keys = kc[:, :, :length][slots_g]  # (Rg, n_kv, L, hd)
-            vals = vc[:, :, :length][slots_g]
+            tab = t[seqs_g][:, : length // BLOCK_TOKENS]  # (Rg, nb): the rows' blocks in order
+            keys = _in_order(kc[tab])  # (Rg, n_kv, L, hd) float32
+            vals = _in_order(vc[tab])
             qg = qg.reshape(-1, n_kv, rep, 1, hd)
             s = mx.matmul(qg, keys[:, :, None].swapaxes(-1, -2)) * scale  # (Rg, n_kv, rep, 1, L)
             mask = mx.arange(length)[None, :] <= pos_g[:, None]  # (Rg, L)
@@ -281,24 +282,16 @@ class MLXBackend(Backend):
     def self_check(self) -> str | None:
         return check_batch_invariance(self, self.check_plan)
 
-    def copy_slot(self, kv: MLXKV, src: int, dst: int, n_tokens: int) -> None:
-        for layer in range(len(kv.k)):
-            kv.k[layer][dst, :, :n_tokens] = kv.k[layer][src, :, :n_tokens]
-            kv.v[layer][dst, :, :n_tokens] = kv.v[layer][src, :, :n_tokens]
+    def copy_blocks(self, kv: PagedKV, src: list[int], dst: list[int]) -> None:
+        super().copy_blocks(kv, src, dst)
         mx.eval(kv.k, kv.v)
 
-    def kv_export(self, kv: MLXKV, where: int, n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def kv_export(self, kv: PagedKV, blocks: list[int], n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
         mx.eval(kv.k, kv.v)  # pending writes first
-        return [(np.array(kv.k[i][where, :, :n_tokens], copy=True), np.array(kv.v[i][where, :, :n_tokens], copy=True))
-                for i in range(len(kv.k))]
+        return super().kv_export(kv, blocks, n_tokens)
 
-    def kv_import(self, kv: MLXKV, where: int, arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        if len(arrays) != len(kv.k):
-            raise ValueError(f"KV arrays for {len(arrays)} layers, the cache has {len(kv.k)}")
-        for i, (k, v) in enumerate(arrays):
-            n = k.shape[1]
-            kv.k[i][where, :, :n] = mx.array(k, dtype=kv.k[i].dtype)
-            kv.v[i][where, :, :n] = mx.array(v, dtype=kv.v[i].dtype)
+    def kv_import(self, kv: PagedKV, blocks: list[int], arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        super().kv_import(kv, blocks, arrays)
         mx.eval(kv.k, kv.v)
 
 
@@ -307,6 +300,13 @@ def _available(module: str) -> bool:
         return bool(getattr(mx, module).is_available())
     except Exception:
         return False
+
+
+def _in_order(g: Array) -> Array:
+    """Gathered blocks (Rg, nb, n_kv, B, hd) -> keys in position order (Rg, n_kv, nb*B, hd),
+    converted exactly to float32."""
+    Rg, nb, n_kv, B, hd = g.shape
+    return g.transpose(0, 2, 1, 3, 4).reshape(Rg, n_kv, nb * B, hd).astype(mx.float32)
 
 
 def _float_out(y: Array) -> Array:

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .array_backend import ArrayBackend, ArrayKV
+from .array_backend import ArrayBackend
 from .cpu_threads import ThreadGovernor
 from .gguf_blocks import kept_in_blocks
 from .gguf_tensor import GGUFTensor
+from .paged_kv import PagedKV
 
 
 @dataclass
@@ -134,11 +135,12 @@ class NumpyBackend(ArrayBackend):
             return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
         return super().linear_many(x, ws)
 
-    def attend(self, kv: ArrayKV, layer, q, k, v, slots, positions, scale, window=0):
-        self.write_kv(kv, layer, k, v, slots, positions)
+    def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
+        self.write_kv(kv, layer, k, v, seqs, positions, tables)
         out = np.empty_like(q)
-        self.kernels.attention(q, kv.k[layer], kv.v[layer], slots.astype(np.int32),
-                               positions.astype(np.int32), np.float32(scale), out, window)
+        self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], kv.slot_table if tables is None else tables,
+                                     seqs.astype(np.int32), positions.astype(np.int32), np.float32(scale),
+                                     out, window)
         return out
 
 
@@ -159,15 +161,15 @@ class StackedGemvBackend(ArrayBackend):
         # A stacked GEMV: one BLAS gemv per row, identical to the row computed alone.
         return np.matmul(w, np.ascontiguousarray(x)[:, :, None])[:, :, 0]
 
-    def attend(self, kv: ArrayKV, layer, q, k, v, slots, positions, scale, window=0):
-        self.write_kv(kv, layer, k, v, slots, positions)
-        kc, vc = kv.k[layer], kv.v[layer]
+    def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
+        self.write_kv(kv, layer, k, v, seqs, positions, tables)
+        kc, vc = self.contiguous_kv(kv, layer, tables)
         out = np.empty_like(q)
         n_rep = q.shape[1] // kc.shape[1]
         for r in range(q.shape[0]):
             first = max(0, positions[r] - window + 1) if window else 0
-            keys = np.repeat(kc[slots[r], :, first: positions[r] + 1], n_rep, axis=0)  # (H, L, hd)
-            vals = np.repeat(vc[slots[r], :, first: positions[r] + 1], n_rep, axis=0)
+            keys = np.repeat(kc[seqs[r], :, first: positions[r] + 1], n_rep, axis=0)  # (H, L, hd)
+            vals = np.repeat(vc[seqs[r], :, first: positions[r] + 1], n_rep, axis=0)
             s = np.matmul(keys, q[r][:, :, None])[:, :, 0] * np.float32(scale)  # (H, L)
             p = np.exp(s - s.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)

@@ -62,6 +62,7 @@ __all__ = [
     "quantize_q8",
     "dequantize_q8",
     "attention",
+    "paged_attention",
 ]
 
 LANES = 16  # width of the explicit vectors; part of the numerical contract
@@ -174,6 +175,47 @@ def vload_i8(typingctx, arr, i):
         return builder.sitofp(q, _VEC)
 
     return f32vec(arr, i), codegen
+
+
+_HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
+
+
+@intrinsic
+def vload_kv(typingctx, arr, i):
+    """Load ``arr.flat[i : i + 16]`` as float32 from KV storage: float32, or IEEE half
+    floats held as uint16 bits (C-contiguous), each converted exactly (fpext)."""
+    if not isinstance(i, types.Integer):
+        return None
+    if _is_c_array(arr, types.float32):
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            return builder.load(builder.bitcast(p, _VEC.as_pointer()), align=4, typ=_VEC)
+        return f32vec(arr, i), codegen
+    if _is_c_array(arr, types.uint16):
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            h = builder.load(builder.bitcast(p, _HALF_VEC.as_pointer()), align=2, typ=_HALF_VEC)
+            return builder.fpext(h, _VEC)
+        return f32vec(arr, i), codegen
+    return None
+
+
+@intrinsic
+def load_kv(typingctx, arr, i):
+    """``arr.flat[i]`` as a float32 scalar from float32 or half (uint16 bits) storage."""
+    if not isinstance(i, types.Integer):
+        return None
+    if _is_c_array(arr, types.float32):
+        def codegen(context, builder, sig, args):
+            return builder.load(_element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]))
+        return types.float32(arr, i), codegen
+    if _is_c_array(arr, types.uint16):
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            h = builder.load(builder.bitcast(p, ir.HalfType().as_pointer()), align=2)
+            return builder.fpext(h, ir.FloatType())
+        return types.float32(arr, i), codegen
+    return None
 
 
 @intrinsic
@@ -730,14 +772,10 @@ def _weighted_v(e, vc, vo, P, acc):
 
 
 @njit(inline="always", **_JIT)
-def _attend_group(q, kc, vc, r, g, slot, first, P, scale, out):
-    """All query heads of kv head g for row r over the P keys from position `first`;
-    K/V rows are read once per group."""
-    _, H, D = q.shape
-    G = kc.shape[1]
-    grp = H // G
-    h0 = g * grp
-    kvo = ((slot * G + g) * kc.shape[2] + first) * D  # flat offset of kc[slot, g, first, 0]
+def _attend_heads(q, kc, vc, kvo, r, h0, grp, P, scale, out):
+    """Query heads h0..h0+grp-1 of row r over the P keys k[t] = kc.flat[kvo + t*D:] (and
+    V likewise); the keys are read once per group."""
+    H, D = q.shape[1], q.shape[2]
     e = np.empty((grp, P), np.float32)  # scores, then exp(score - max)
     for j in range(grp):
         _scores(q, (r * H + h0 + j) * D, kc, kvo, P, scale, e[j])
@@ -755,6 +793,15 @@ def _attend_group(q, kc, vc, r, g, slot, first, P, scale, out):
             out[r, h0 + j, d] = acc[j, d] * inv
 
 
+@njit(inline="always", **_JIT)
+def _attend_group(q, kc, vc, r, g, slot, first, P, scale, out):
+    """All query heads of kv head g for row r over the P keys from position `first`."""
+    G = kc.shape[1]
+    grp = q.shape[1] // G
+    kvo = ((slot * G + g) * kc.shape[2] + first) * q.shape[2]  # flat offset of kc[slot, g, first, 0]
+    _attend_heads(q, kc, vc, kvo, r, g * grp, grp, P, scale, out)
+
+
 @njit(parallel=True, **_JIT)
 def _attention(q, k_cache, v_cache, row_slot, row_pos, scale, window, out):
     R = q.shape[0]
@@ -763,6 +810,121 @@ def _attention(q, k_cache, v_cache, row_slot, row_pos, scale, window, out):
         r, g = task // G, task % G
         first = max(0, row_pos[r] - window + 1) if window > 0 else 0
         _attend_group(q, k_cache, v_cache, r, g, row_slot[r], first, row_pos[r] + 1 - first, scale, out)
+
+
+@njit(inline="always", **_JIT)
+def _gather(blocks, table, first, P, g, buf):
+    """buf[t, :] = the key (or value) of kv head g at position first + t, read through the
+    block table as float32: buf holds positions in order whatever blocks they lie in."""
+    G, B, D = blocks.shape[1], blocks.shape[2], blocks.shape[3]
+    dv = D - D % LANES
+    for t in range(P):
+        p = first + t
+        o = ((table[p // B] * G + g) * B + p % B) * D
+        for d in range(0, dv, LANES):
+            vstore(buf, t * D + d, vload_kv(blocks, o + d))
+        for d in range(dv, D):
+            buf[t, d] = load_kv(blocks, o + d)
+
+
+@njit(parallel=True, **_JIT)
+def _gather_shared(k_blocks, v_blocks, tables, seq_of, n_pos, kbuf, vbuf):
+    """kbuf[u, g, :n_pos[u]] = keys of sequence seq_of[u], kv head g, in position order
+    (float32); vbuf likewise: once per call for a sequence with several rows."""
+    G = k_blocks.shape[1]
+    for task in prange(len(seq_of) * G):
+        u, g = task // G, task % G
+        _gather(k_blocks, tables[seq_of[u]], 0, n_pos[u], g, kbuf[u, g])
+        _gather(v_blocks, tables[seq_of[u]], 0, n_pos[u], g, vbuf[u, g])
+
+
+@njit(parallel=True, **_JIT)
+def _paged_attention(q, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, buf_of,
+                     kbuf, vbuf, out):
+    R, H, D = q.shape
+    G = k_blocks.shape[1]
+    grp = H // G
+    for task in prange(R * G):
+        r, g = task // G, task % G
+        first = max(0, row_pos[r] - window + 1) if window > 0 else 0
+        P = row_pos[r] + 1 - first
+        u = buf_of[row_seq[r]]
+        if u >= 0:  # the sequence's keys were gathered once for all its rows
+            _attend_heads(q, kbuf[u, g], vbuf[u, g], first * D, r, g * grp, grp, P, scale, out)
+        else:  # a sequence with one row: gather just its window, in this task
+            kb = np.empty((P, D), np.float32)
+            vb = np.empty((P, D), np.float32)
+            _gather(k_blocks, tables[row_seq[r]], first, P, g, kb)
+            _gather(v_blocks, tables[row_seq[r]], first, P, g, vb)
+            _attend_heads(q, kb, vb, 0, r, g * grp, grp, P, scale, out)
+
+
+def paged_attention(
+    q: np.ndarray,
+    k_blocks: np.ndarray,
+    v_blocks: np.ndarray,
+    tables: np.ndarray,
+    row_seq: np.ndarray,
+    row_pos: np.ndarray,
+    scale: float,
+    out: np.ndarray,
+    window: int = 0,
+) -> np.ndarray:
+    """`attention` over a paged KV cache: the same bits as `attention` on a contiguous
+    cache holding the same (float32-converted) keys, whatever blocks they lie in.
+
+    k_blocks, v_blocks [n_blocks, n_kv, B, hd]: float32, or float16 (read exactly as
+    float32); tables int32 [S, max_blocks]: position p of sequence s lies in block
+    tables[s, p // B] at offset p % B; row_seq, row_pos int32 [R]. Each (row, kv head)
+    reads its keys and values in position order from float32 buffers, then runs
+    the contiguous kernel's arithmetic on them; a sequence with several rows in the call (a
+    prefill chunk) is gathered once for all of them, up to its last row's position."""
+    if k_blocks.dtype == np.float16:
+        k_blocks, v_blocks = k_blocks.view(np.uint16), v_blocks.view(np.uint16)
+    for name, a, dtype, ndim in (
+        ("q", q, np.float32, 3),
+        ("k_blocks", k_blocks, k_blocks.dtype, 4),
+        ("v_blocks", v_blocks, k_blocks.dtype, 4),
+        ("tables", tables, np.int32, 2),
+        ("row_seq", row_seq, np.int32, 1),
+        ("row_pos", row_pos, np.int32, 1),
+        ("out", out, np.float32, 3),
+    ):
+        _require(name, a, dtype, ndim)
+    if k_blocks.dtype not in (np.float32, np.uint16):
+        raise ValueError(f"paged_attention: KV dtype must be float32 or float16, got {k_blocks.dtype}")
+    R, H, D = q.shape
+    NB, G, B, D2 = k_blocks.shape
+    if D2 != D or v_blocks.shape != k_blocks.shape or out.shape != q.shape or H % G:
+        raise ValueError(f"paged_attention: shapes q{q.shape} kv{k_blocks.shape} out{out.shape}")
+    if row_seq.shape != (R,) or row_pos.shape != (R,):
+        raise ValueError("paged_attention: row_seq and row_pos must be [R]")
+    if R:
+        if row_seq.min() < 0 or row_seq.max() >= tables.shape[0] or row_pos.min() < 0 \
+                or row_pos.max() >= tables.shape[1] * B:
+            raise ValueError("paged_attention: row_seq / row_pos out of range")
+        read = tables[row_seq][np.arange(tables.shape[1]) <= (row_pos // B)[:, None]]
+        if read.min() < 0 or read.max() >= NB:  # every block a row reads must exist
+            raise ValueError("paged_attention: a block table entry is out of range")
+    if window < 0:
+        raise ValueError(f"paged_attention: window must be >= 0, got {window}")
+    # a sequence with several rows (a prefill chunk) is gathered once, not once per row
+    counts = np.bincount(row_seq, minlength=tables.shape[0]) if R else np.zeros(tables.shape[0], np.int64)
+    multi = np.nonzero(counts > 1)[0].astype(np.int32)
+    buf_of = np.full(tables.shape[0], -1, np.int32)
+    buf_of[multi] = np.arange(len(multi), dtype=np.int32)
+    n_pos = np.zeros(len(multi), np.int32)
+    if len(multi):
+        mine = buf_of[row_seq] >= 0
+        np.maximum.at(n_pos, buf_of[row_seq[mine]], row_pos[mine] + 1)
+    width = int(n_pos.max()) if len(multi) else 0
+    kbuf = np.empty((len(multi), G, width, D), np.float32)
+    vbuf = np.empty((len(multi), G, width, D), np.float32)
+    if len(multi):
+        _gather_shared(k_blocks, v_blocks, tables, multi, n_pos, kbuf, vbuf)
+    _paged_attention(q, k_blocks, v_blocks, tables, row_seq, row_pos, np.float32(scale),
+                     np.int64(window), buf_of, kbuf, vbuf, out)
+    return out
 
 
 def attention(

@@ -1,4 +1,4 @@
-"""The engine: one compute thread owns the model and every KV slot.
+"""The engine: one compute thread owns the model and the KV block pool.
 
 Requests come in from any thread (or asyncio task) through `submit`; each step the
 scheduler picks the rows, the model computes them in one forward pass, and every
@@ -19,17 +19,19 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from numbers import Integral
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-from .config import EngineConfig
+from ..backends.paged_kv import BLOCK_TOKENS, bytes_per_block
+from .config import EngineConfig, format_size
 from .events import Event, FinishEvent, PrefillEvent, TokenEvent
 from .invariance import check_model_invariance
+from .kv_blocks import BlockPool, blocks_for
 from .kv_persistence import KVPersistence
-from .kv_slots import SlotPool
 from .kv_snapshot import KVShape
 from .loader import LoadedModel
 from .metrics import EngineMetrics, retry_after_estimate
@@ -40,7 +42,11 @@ from .scheduler import QueueFull, Scheduler, StepPlan
 from .stats import EngineStats, IdleConversation, StreamState, StreamStats
 from .tokenizer import StreamDecoder
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "EngineStopped"]
+#: The snapshot file's dtype name of each --kv-dtype (snapshots hold the cache's own bits).
+SNAPSHOT_DTYPES = {"f16": "float16", "f32": "float32"}
+
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "KVBudgetTooSmall",
+           "EngineStopped"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,11 @@ _STREAM_STATE = {RequestState.WAITING: StreamState.QUEUED, RequestState.PREFILLI
 
 class PromptTooLong(ValueError):
     """The prompt does not fit the per-conversation context (never truncated silently)."""
+
+
+class KVBudgetTooSmall(PromptTooLong):
+    """The prompt plus max_tokens needs more KV blocks than the whole budget holds: it could
+    never run, so it is refused at once rather than left waiting."""
 
 
 class EngineStopped(RuntimeError):
@@ -126,7 +137,8 @@ class Generation:
 
 
 class Engine:
-    """Batched, batch-invariant generation over resident KV slots."""
+    """Batched, batch-invariant generation over one pool of paged KV blocks, with shared
+    prefixes cached."""
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None):
         self.lm = lm
@@ -136,14 +148,18 @@ class Engine:
         if self.ctx < cfg.MIN_CTX:  # the config is valid, so the model's own context is this short
             raise ValueError(f"the model's context ({args.context_length} tokens) is shorter than "
                              f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
-        n_slots = cfg.kv_sessions or 2 * cfg.max_concurrent
+        per_block = bytes_per_block(args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
+        self.kv_budget_note = self._kv_budget(cfg, per_block)
+        n_blocks = max(1, self.kv_budget // per_block)
         be = lm.model.backend
-        self.kv = be.new_kv(n_slots, args.n_layer, args.n_kv_head, self.ctx, args.head_dim)
-        self.pool = SlotPool(n_slots)
+        self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
+        self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
-        self.metrics.kv_total = n_slots
+        self.metrics.kv_total = n_blocks
+        self.metrics.kv_bytes_per_block = per_block
         self.snapshots = self._open_snapshots()
+        self.pool.track_evictions = self.snapshots is not None
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
         self.batching = True
@@ -156,24 +172,41 @@ class Engine:
         self._stop = False
         self._published = 0.0  # when the stats state was last rebuilt
         self._members_changed = False  # a request came or went since then
+        self._conversations: OrderedDict[str, list[tuple[int, tuple]]] = OrderedDict()  # see _remember
+
+    def _kv_budget(self, cfg: EngineConfig, per_block: int) -> str:
+        """Set `kv_budget` (bytes) from --kv-memory, else --kv-sessions whole contexts, else
+        a share of the device's free memory; returns how it was chosen (start-up line)."""
+        if cfg.kv_memory is not None:
+            self.kv_budget = cfg.kv_memory
+            return "--kv-memory"
+        if cfg.kv_sessions is not None:
+            self.kv_budget = cfg.kv_sessions * blocks_for(self.ctx) * per_block
+            return f"--kv-sessions {cfg.kv_sessions} contexts"
+        free = self.lm.model.backend.free_memory()
+        if free is None:  # unknown: room for 2 x max-concurrent whole contexts
+            self.kv_budget = 2 * cfg.max_concurrent * blocks_for(self.ctx) * per_block
+            return "default: free memory unknown, 2 x max-concurrent contexts"
+        self.kv_budget = max(int(free * cfg.KV_MEMORY_SHARE), blocks_for(self.ctx) * per_block)
+        return f"default: {cfg.KV_MEMORY_SHARE:.0%} of {format_size(free)} free; set --kv-memory"
 
     # -- public API ------------------------------------------------------------------
     def startup_lines(self) -> list[str]:
         """Human-readable start-up report: backend, KV memory, concurrency mode."""
         be, m = self.lm.model.backend, self.lm.model
-        per_slot = self.kv.bytes_per_slot
-        n = len(self.pool.slots)
+        kv = self.kv
         lines = [
             f"model: {self.lm.name} ({m.args.architecture}, {m.args.n_layer} layers, "
             f"loaded in {m.load_seconds:.1f} s, {m.weight_bytes / 2**20:.0f} MiB of weights)",
             f"backend: {be.describe()}",
-            f"context: {self.ctx} tokens per conversation; KV {per_slot / 2**20:.0f} MiB per slot, "
-            f"{n} slots = {per_slot * n / 2**20:.0f} MiB",
+            f"context: {self.ctx} tokens per conversation",
+            f"KV cache: {format_size(kv.nbytes)} ({self.kv_budget_note}), {kv.dtype}, "
+            f"{kv.n_blocks} blocks of {BLOCK_TOKENS} tokens = {kv.n_blocks * BLOCK_TOKENS} tokens "
+            f"({kv.n_blocks * BLOCK_TOKENS / self.ctx:.1f} full contexts), shared prefixes cached",
         ]
         k = self.cfg.max_concurrent
         if self.batching:
-            lines.append(f"concurrency: {k} generations at once, each on its own KV slot, "
-                         "decode batched, answers identical to solo")
+            lines.append(f"concurrency: {k} generations at once, decode batched, answers identical to solo")
         else:
             lines.append(f"concurrency: {k} generations at once, decode NOT batched (one sequence "
                          f"per step) because the invariance self-check failed: {self.invariance_problem}")
@@ -246,6 +279,12 @@ class Engine:
         if len(prompt_ids) >= self.ctx:
             raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens but the context holds {self.ctx}; "
                                 "shorten the conversation or raise --ctx-size")
+        need = blocks_for(min(len(prompt_ids) + params.max_tokens, self.ctx))
+        if need > self.pool.n_blocks:
+            raise KVBudgetTooSmall(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{format_size(need * self.kv.bytes_per_block)} of KV but the budget is "
+                f"{format_size(self.kv.nbytes)}; lower max_tokens or raise --kv-memory")
         rid = f"req-{next(self._ids)}"
         gen = Generation(self, rid)
         tok = self.lm.tokenizer
@@ -307,10 +346,12 @@ class Engine:
                     self._reap_cancelled()
                     plan = self.scheduler.schedule()
                     self._publish_state(force=self._members_changed or not plan.requests)
-                if self.snapshots is not None:  # evicted KV is still in its slot: save it now
+                if self.snapshots is not None:  # evicted KV is still in its blocks: save it now
                     self._save_evicted()
-                for c in plan.kv_copies:  # before the forward pass, in order
-                    be.copy_slot(self.kv, c.src, c.dst, c.n_tokens)
+                if plan.kv_copies:  # before the forward pass
+                    be.copy_blocks(self.kv, [c.src for c in plan.kv_copies], [c.dst for c in plan.kv_copies])
+                    with self._lock:
+                        self.scheduler.copies_done()
                 if self.snapshots is not None and plan.admitted:
                     self._restore_admitted(plan)
                 copied = True
@@ -325,7 +366,7 @@ class Engine:
             except Exception as e:  # shared work failed: fail the requests it touched
                 log.exception("engine step failed")
                 with self._lock:
-                    # a failed copy leaves a slot whose KV its request relies on: fail them all
+                    # a failed copy leaves a block whose KV its request relies on: fail them all
                     ok = plan is not None and plan.requests and copied
                     victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
@@ -341,7 +382,7 @@ class Engine:
         if not cfg.kv_snapshot_dir:
             return None
         args = self.lm.model.args
-        shape = KVShape("float32", args.n_layer, args.n_kv_head, args.head_dim)
+        shape = KVShape(SNAPSHOT_DTYPES[self.kv.dtype], args.n_layer, args.n_kv_head, args.head_dim)
         try:
             return KVPersistence.open(Path(cfg.kv_snapshot_dir), self.lm.path, shape, cfg.kv_snapshot_memory,
                                       self.lm.model.backend, self.kv, cfg.kv_snapshot_min_tokens,
@@ -351,53 +392,69 @@ class Engine:
             return None
 
     def _save_evicted(self) -> None:
-        for where, tokens in self.pool.take_evicted():
-            self.snapshots.save(where, tokens)
+        """Snapshot the sequences whose cached blocks this step's plan evicted (their KV is
+        exported now, before the copies and the forward pass reuse the blocks)."""
+        for blocks, tokens in self.pool.take_evicted():
+            self.snapshots.save(blocks, tokens)
 
     def _restore_admitted(self, plan: StepPlan) -> None:
         """Restore the prefixes of requests admitted this step from snapshots where they
-        beat the resident cache, then shorten their rows in the plan to what is left."""
+        beat the cached prefix, into their own (not shared) blocks, then shorten their rows
+        in the plan to what is left. The restored full blocks enter the prefix cache at the
+        next step (`Scheduler._commit`)."""
         changed = False
         for r in plan.admitted:
+            if r.state != RequestState.PREFILLING or not r.blocks:
+                continue  # preempted again while this step was planned
+            start = r.n_hashed * BLOCK_TOKENS  # shared blocks: cached already, never written
             try:
-                n = self.snapshots.restore(r.slot, r.prompt_ids, r.reused)
-            except Exception:  # noqa: BLE001 - positions past `reused` are prefilled again anyway
+                n = self.snapshots.restore(r.blocks, r.prompt_ids, r.computed, start)
+            except Exception:  # noqa: BLE001 - positions past `computed` are prefilled again anyway
                 log.exception("KV snapshot restore failed; the prompt is prefilled")
                 continue
-            if n > r.reused:
-                self.pool.slots[r.slot].tokens = list(r.prompt_ids[:n])
-                r.reused = r.computed = n
+            if n > r.computed:
+                r.computed = n
+                if r.preemptions == 0:
+                    r.reused = n
                 changed = True
         if changed:
             plan.n_tokens = [min(n, r.n_known - r.computed) for r, n in zip(plan.requests, plan.n_tokens)]
 
     def _save_on_stop(self) -> None:
-        """Graceful stop: snapshot every idle conversation's KV, then wait for the writes."""
+        """Graceful stop: snapshot every cached sequence's KV (the longest first; one whose
+        tokens another saved one starts with is skipped), then wait for the writes."""
         try:
             self._save_evicted()
-            for s in self.pool.slots:
-                if s.tokens and not s.busy:
-                    self.snapshots.save(s.index, s.tokens)
+            chains = [c for c in map(self.pool.chain, self.pool.leaves()) if c is not None]
+            saved: list[list[int]] = []
+            for blocks, tokens in sorted(chains, key=lambda c: -len(c[1])):
+                if any(t[:len(tokens)] == tokens for t in saved):
+                    continue
+                saved.append(tokens)
+                self.snapshots.save(blocks, tokens)
         except Exception:  # noqa: BLE001 - a failed export must not hang the stop
             log.exception("KV snapshots at stop failed")
         self.snapshots.close(timeout=50)
 
     def _step(self, plan: StepPlan) -> None:
-        tokens, slots, positions, logit_rows, sampled = [], [], [], [], []
+        tokens, seqs, positions, logit_rows, sampled = [], [], [], [], []
         now = time.perf_counter()
-        for r, n in zip(plan.requests, plan.n_tokens):
+        width = max(len(r.blocks) for r in plan.requests)
+        tables = np.zeros((len(plan.requests), width), np.int32)  # padding: never read
+        for i, (r, n) in enumerate(zip(plan.requests, plan.n_tokens)):
             if r.t_start == 0.0:
                 r.t_start = now
                 self.metrics.record_admit(len(r.prompt_ids), r.reused)
             tokens.extend(r.known_slice(r.computed, n))
             positions.extend(range(r.computed, r.computed + n))
-            slots.extend([r.slot] * n)
+            seqs.extend([i] * n)
+            tables[i, :len(r.blocks)] = r.blocks
             r.computed += n
             if r.computed == r.n_known:  # caught up: this row's logits give the next token
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(r)
-        batch = Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
-                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64))
+        batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
+                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64), tables)
         model, logits, picks = self.lm.model, None, None
         if sampled and model.samples_on_device:  # only token ids cross to the host
             picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
@@ -439,8 +496,9 @@ class Engine:
     def _accept(self, r: Request, tok: int, now: float) -> None:
         if r.state == RequestState.PREFILLING:
             r.state = RequestState.DECODING
-            r.t_first = now
-            r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
+            if not r.t_first:  # (not again after a preemption's recompute)
+                r.t_first = now
+                r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
         if tok in r.stop_ids:
             self._flush(r)
             self._finish(r, "stop")
@@ -467,7 +525,11 @@ class Engine:
     def _finish(self, r: Request, reason: str, error: str | None = None, keep_cache: bool = True) -> None:
         if r.state == RequestState.FINISHED:
             return
-        self.scheduler.finish(r, keep_cache=keep_cache)
+        if keep_cache and r in self.scheduler.running:
+            self.scheduler.finish(r, keep_cache=True)
+            self._remember(r)
+        else:
+            self.scheduler.finish(r, keep_cache=keep_cache)
         self._by_id.pop(r.id, None)
         r.t_end = time.perf_counter()
         ttft = (r.t_first - r.t_submit) if r.t_first else None
@@ -506,10 +568,44 @@ class Engine:
                 ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
                 prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
             ))
-        idle = tuple(IdleConversation(s.conversation, s.index, len(s.tokens))
-                     for s in self.pool.slots if s.tokens and not s.busy)
-        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), self.pool.in_use,
-                               self.pool.resident, len(self.pool.slots), self.pool.evictions)
+        running = {r.conversation for r in self.scheduler.running}
+        idle = tuple(IdleConversation(conv, block, n) for conv, block, n in self._idle_conversations()
+                     if conv not in running)
+        p = self.pool
+        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), p.in_use, p.resident,
+                               p.n_blocks, p.evictions, kv_shared=p.shared, kv_peak_in_use=p.peak_in_use,
+                               prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
+                               preemptions=self.scheduler.preemptions)
+
+    def _remember(self, r: Request) -> None:
+        """Note the cached blocks a finished turn leaves (its leading registered ones, with
+        the key each is cached under), for the dashboard's idle conversations."""
+        held = []
+        for b in r.blocks[:r.n_hashed]:
+            key = self.pool.key[b]
+            if key is None:  # a duplicate of a block cached earlier: the chain goes on elsewhere
+                break
+            held.append((b, key))
+        if held:
+            self._conversations.pop(r.conversation, None)
+            self._conversations[r.conversation] = held
+            while len(self._conversations) > 64:
+                self._conversations.popitem(last=False)
+
+    def _idle_conversations(self) -> list[tuple[str, int, int]]:
+        """(conversation, first block, cached tokens) of remembered conversations whose
+        first blocks are still cached, most recent first; forgets the evicted ones. A block
+        still holds them while the pool keeps the same key object for it (no hashing)."""
+        out, keys = [], self.pool.key
+        for conv, held in reversed(list(self._conversations.items())):
+            n = 0
+            while n < len(held) and keys[held[n][0]] is held[n][1]:
+                n += 1
+            if n == 0:
+                del self._conversations[conv]
+            else:
+                out.append((conv, held[0][0], n * BLOCK_TOKENS))
+        return out
 
 
 def _validated_ids(prompt_ids, vocab_size: int) -> list[int]:

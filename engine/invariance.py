@@ -15,13 +15,13 @@ from .model import Batch, Model
 
 
 def check_model_invariance(model: Model, kv: Any) -> str | None:
-    """None when rows are batch-invariant; else a one-line description. Uses slots 0..2
-    of `kv`, whose contents it leaves undefined (callers run it before serving)."""
+    """None when rows are batch-invariant; else a one-line description. Uses KV blocks
+    0..2 of the paged store `kv` (in a shuffled block table), whose contents it leaves
+    undefined (callers run it before serving)."""
     problem = model.backend.self_check()
     if problem:
         return problem
-    n_slots = kv.k[0].shape[0] if hasattr(kv, "k") else 3
-    if n_slots < 3:
+    if kv.n_blocks < 3:
         return None  # a single-sequence engine cannot batch anyway
     rng = np.random.default_rng(0)
     vocab = model.args.vocab_size
@@ -41,13 +41,16 @@ def check_model_invariance(model: Model, kv: Any) -> str | None:
     return None
 
 
+_TABLES = np.array([[2], [0], [1]], np.int32)  # sequence i's one block: not block i
+
+
 def _rows(parts: list[tuple[int, np.ndarray, int]]) -> Batch:
-    """(slot, tokens, first position) per sequence -> one Batch with each one's last row."""
-    tokens, slots, positions, last = [], [], [], []
-    for slot, toks, start in parts:
+    """(sequence, tokens, first position) per sequence -> one Batch with each one's last row."""
+    tokens, seqs, positions, last = [], [], [], []
+    for seq, toks, start in parts:
         tokens.extend(toks.tolist())
-        slots.extend([slot] * len(toks))
+        seqs.extend([seq] * len(toks))
         positions.extend(range(start, start + len(toks)))
         last.append(len(tokens) - 1)
-    return Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
-                 np.asarray(positions, np.int32), np.asarray(last, np.int64))
+    return Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
+                 np.asarray(positions, np.int32), np.asarray(last, np.int64), _TABLES)

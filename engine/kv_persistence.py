@@ -2,17 +2,19 @@
 
 The engine calls a `KVPersistence` at three points (engine.py, "snapshots"):
 
-- `save(where, tokens)`: an idle conversation's KV is evicted (or the engine stops):
-  its KV is exported on the compute thread (a memory copy, between steps) and written by
-  a writer thread, so the step loop never waits for the disk;
-- `restore(where, prompt, resident)`: a request was admitted; when a snapshot (on disk or
-  still waiting to be written) shares more of its prompt than the resident cache gave it,
-  its KV is imported instead of re-prefilled; returns the tokens now cached;
+- `save(blocks, tokens)`: cached KV blocks of a sequence are evicted by the block pool
+  (or the engine stops): the KV of its tokens is exported from its blocks on the compute
+  thread (a memory copy, between steps, before the blocks are reused) and written by a
+  writer thread, so the step loop never waits for the disk;
+- `restore(blocks, prompt, resident, start)`: a request was admitted into `blocks`; when a
+  snapshot (on disk or still waiting to be written) shares more of its prompt than the
+  prefix cache gave it, its KV is imported into the request's own blocks (positions from
+  `start`, past the shared ones) instead of re-prefilled; returns the tokens now cached;
 - `close()`: the engine stops; waits until every queued snapshot is on disk.
 
 KV at position i depends only on tokens 0..i and is stored bit for bit, so a restored
-prefix gives the same answer as a recomputed one. `where` is a slot index today; a paged
-KV passes its block list (the backends' `kv_export`/`kv_import` take either).
+prefix gives the same answer as a recomputed one. A snapshot holds the cache's own dtype
+(float16 by default), so no value is rounded again on the way back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..backends.paged_kv import BLOCK_TOKENS
 from .gguf_header import read_gguf_header
 from .kv_snapshot import KVShape, model_identity
 from .kv_snapshot_store import SnapshotStore, common_prefix
@@ -68,8 +71,8 @@ class KVPersistence:
         return cls(SnapshotStore(root, model_id, shape, max_bytes), backend, kv, min_tokens, count)
 
     # -- the engine's calls (compute thread) ------------------------------------------------
-    def save(self, where: Any, tokens: list[int]) -> bool:
-        """Queue a snapshot of the KV of `tokens` cached at `where`; False when it is too
+    def save(self, where: list[int], tokens: list[int]) -> bool:
+        """Queue a snapshot of the KV of `tokens` cached in blocks `where`; False when it is too
         short, already on disk or queued, or the writer is too far behind."""
         if len(tokens) < self.min_tokens:
             return False
@@ -89,10 +92,12 @@ class KVPersistence:
         self._q.put(path)
         return True
 
-    def restore(self, where: Any, prompt: list[int], resident: int) -> int:
-        """Import the snapshot sharing the longest prefix with `prompt` into `where` when
-        it beats the `resident` tokens by `min_gain`; returns the prompt tokens cached there
-        now (`resident` when nothing was restored). At least one prompt token is left to
+    def restore(self, where: list[int], prompt: list[int], resident: int, start: int = 0) -> int:
+        """Import the snapshot sharing the longest prefix with `prompt` into blocks `where`
+        (the sequence's block table) when it beats the `resident` tokens by `min_gain`;
+        returns the prompt tokens cached there now (`resident` when nothing was restored).
+        Positions before `start` (a multiple of BLOCK_TOKENS, <= resident: blocks shared
+        with other sequences) are not written. At least one prompt token is left to
         compute, so the step yields logits."""
         limit = len(prompt) - 1
         if limit - resident < self.min_gain:
@@ -117,7 +122,10 @@ class KVPersistence:
             if common_prefix(toks, ids) != best[1]:  # the index was stale: take no chances
                 return resident
         n = min(best[1], limit)
-        self.be.kv_import(self.kv, where, [(k[:, :n], v[:, :n]) for k, v in arrays])
+        if start % BLOCK_TOKENS or start > resident:
+            raise ValueError(f"restore: start {start} is not a block boundary within the resident tokens")
+        self.be.kv_import(self.kv, list(where)[start // BLOCK_TOKENS:],
+                          [(k[:, start:n], v[:, start:n]) for k, v in arrays])
         self.count(0, 1)
         return n
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 
+from ..backends.paged_kv import BLOCK_TOKENS
 from .stats import EngineStats, IdleConversation, StreamStats, TTFTHistogram
 
 #: Upper bounds (seconds) of the cumulative time-to-first-token histogram (Prometheus `le`).
@@ -52,11 +53,13 @@ class EngineMetrics:
         self._request_s: deque[float] = deque(maxlen=RECENT_REQUESTS)  # slot time of recent completions
         self.window_s = window_s
         self.streams: tuple[StreamStats, ...] = ()  # running and queued requests
-        self.idle_conversations: tuple[IdleConversation, ...] = ()  # resident in a KV slot between turns
+        self.idle_conversations: tuple[IdleConversation, ...] = ()  # KV cached between turns
         self.queue_depth = 0
         self.kv_in_use = 0
         self.kv_resident = 0
         self.kv_total = 0
+        self.kv_bytes_per_block = 0
+        self.kv = {}  # the other KV counters of set_state (EngineStats field -> value)
         self.evictions = 0
         self.kv_snapshots_written = 0  # KV snapshot files written (kv_persistence.py)
         self.kv_snapshots_restored = 0  # admitted requests whose prefix came from a snapshot
@@ -79,11 +82,14 @@ class EngineMetrics:
 
     def set_state(self, streams: tuple[StreamStats, ...], idle: tuple[IdleConversation, ...], queue_depth: int,
                   kv_in_use: int,
-                  kv_resident: int, kv_total: int, evictions: int) -> None:
+                  kv_resident: int, kv_total: int, evictions: int, **kv: int) -> None:
+        """`kv`: more KV counters by their EngineStats names (kv_shared, preemptions,
+        prefix_cache_queries, prefix_cache_hits, kv_peak_in_use, ...)."""
         with self._lock:
             self.streams, self.idle_conversations, self.queue_depth = streams, idle, queue_depth
             self.kv_in_use, self.kv_resident, self.kv_total = kv_in_use, kv_resident, kv_total
             self.evictions = evictions
+            self.kv = kv
 
     def record_finish(self, reason: str, ttft: float | None, slot_s: float | None = None) -> None:
         """One generation ended; `slot_s`: its time from admission to the end (None when it
@@ -128,7 +134,10 @@ class EngineMetrics:
                 kv_in_use=self.kv_in_use,
                 kv_resident=self.kv_resident,
                 kv_total=self.kv_total,
+                kv_bytes_per_block=self.kv_bytes_per_block or None,
+                kv_block_tokens=BLOCK_TOKENS if self.kv_total else None,
                 evictions=self.evictions,
+                **self.kv,
                 streams=self.streams,  # immutable: rebuilt, never changed, by set_state
                 idle=self.idle_conversations,
                 requests_total=self.requests_total,

@@ -52,13 +52,18 @@ class Layer:
 
 @dataclass
 class Batch:
-    """Rows to compute in one step: token, slot and position per row, plus the rows whose
-    logits are wanted (the last row of each sequence in the step)."""
+    """Rows to compute in one step: token, sequence and position per row, plus the rows
+    whose logits are wanted (the last row of each sequence in the step).
+
+    `block_tables` [S, max_blocks] int32 lists each sequence's KV blocks (row r's position
+    p lies in block block_tables[slots[r], p // BLOCK_TOKENS]); None: `slots` are the
+    fixed whole-context slots of a store made by `Backend.new_kv`."""
 
     tokens: np.ndarray  # (R,) int32
-    slots: np.ndarray  # (R,) int32
+    slots: np.ndarray  # (R,) int32: the row's sequence (an index into block_tables)
     positions: np.ndarray  # (R,) int32
     logit_rows: np.ndarray  # (L,) int64
+    block_tables: np.ndarray | None = None  # (S, max_blocks) int32
 
 
 @dataclass
@@ -195,17 +200,20 @@ class Model:
             x = x * np.float32(a.embed_scale)
         rows = np.asarray(batch.logit_rows, dtype=np.int64)
         if len(rows) == R and np.array_equal(rows, np.arange(R)):
-            return be.run_decode_step(kv, self, self._all_rows, x, batch.slots, batch.positions)
+            return be.run_decode_step(kv, self, self._all_rows, x, batch.slots, batch.positions, batch.block_tables)
+        tables = None if batch.block_tables is None else be.asarray(batch.block_tables)
         return self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),
-                                    be.asarray(rows))
+                                    be.asarray(rows), tables)
 
-    def _all_rows(self, kv: Any, x: Any, slots: Any, positions: Any) -> Any:
-        return self.layers_and_head(kv, x, slots, positions, None)
+    def _all_rows(self, kv: Any, x: Any, slots: Any, positions: Any, tables: Any = None) -> Any:
+        return self.layers_and_head(kv, x, slots, positions, None, tables)
 
-    def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any) -> Any:
-        """The device part of a step: every layer over x [R, D] (rows at `slots`,
-        `positions`, on the backend), then the output norm and head for `rows` (None: all
-        rows) -> logits on the backend. Launches the same kernels for the same shapes
+    def layers_and_head(self, kv: Any, x: Any, slots: Any, positions: Any, rows: Any,
+                        tables: Any = None) -> Any:
+        """The device part of a step: every layer over x [R, D] (rows of sequences `slots`
+        at `positions`, on the backend; `tables`: the sequences' KV block tables, None for
+        a slotted store), then the output norm and head for `rows` (None: all rows) ->
+        logits on the backend. Launches the same kernels for the same shapes
         whatever the values, so a backend may capture it as a graph."""
         a, be = self.args, self.backend
         R = x.shape[0]
@@ -221,7 +229,7 @@ class Model:
                        v.reshape(R, a.n_kv_head, a.head_dim))
             q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
             k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
-            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i))  # (R, n_head, hd)
+            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i), tables)  # (R, n_head, hd)
             x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
                           a.rms_eps)
             h = be.rms_norm(x, L.ffn_norm, a.rms_eps)

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from ..backends.paged_kv import bytes_per_block
 from .config import EngineConfig
 from .default_model import resolve_model_path
 from .engine import Engine
 from .gguf_header import read_gguf_header
+from .kv_blocks import blocks_for
 from .loader import load_model
 from .model_args import ModelArgs
 from .model_catalog import find_model
@@ -50,11 +52,15 @@ class _Held:
 
 
 def engine_bytes(engine: Engine) -> int:
-    """Resident bytes of a started Engine: its weights and its KV cache."""
+    """Resident bytes of a started Engine: its weights and its paged KV cache (the KV
+    budget's blocks, `PagedKV.nbytes`)."""
     kv = getattr(engine, "kv", None)
     kv_bytes = getattr(kv, "nbytes", None)
-    if not isinstance(kv_bytes, int):
-        kv_bytes = int(getattr(kv, "bytes_per_slot", 0)) * (int(engine.stats().kv_total or 0) if kv else 0)
+    if not isinstance(kv_bytes, int):  # a stand-in engine without a PagedKV: blocks x bytes per block
+        kv_bytes = 0
+        if kv is not None:
+            stats = engine.stats()
+            kv_bytes = int(stats.kv_bytes_per_block or 0) * int(stats.kv_total or 0)
     return int(getattr(getattr(engine.lm, "model", None), "weight_bytes", 0)) + kv_bytes
 
 
@@ -67,9 +73,11 @@ def estimate_bytes(path: Path, cfg: EngineConfig) -> int:
         a = ModelArgs.from_metadata(header.metadata)
     except Exception:  # the loader will say what is wrong; the weights are estimate enough
         return weights
+    if cfg.kv_memory is not None:
+        return weights + cfg.kv_memory
     ctx = min(cfg.ctx_size, a.context_length)
-    slots = cfg.kv_sessions or 2 * cfg.max_concurrent
-    return weights + slots * 2 * a.n_layer * a.n_kv_head * ctx * a.head_dim * 4
+    contexts = cfg.kv_sessions or 2 * cfg.max_concurrent  # (the default budget is known only at start)
+    return weights + contexts * blocks_for(ctx) * bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, cfg.kv_dtype)
 
 
 def _mib(n: int) -> str:
@@ -84,12 +92,19 @@ class ModelSet:
     """The models this process holds: name -> started Engine, the first one the default.
 
     `get(name)` returns the model's Engine, loading it on first use (blocking: seconds; call
-    it off an event loop) within `memory` bytes (None: no budget). Thread-safe."""
+    it off an event loop) within `memory` bytes (None: no budget). With a budget and no
+    --kv-memory / --kv-sessions, each engine's KV budget is 2 x max-concurrent contexts
+    (the default share of free memory would make its size depend on the load order).
+    Thread-safe."""
 
     def __init__(self, config: EngineConfig | None = None, backend: str = "auto", memory: int | None = None,
                  *, start: Callable[[Path], Engine] | None = None,
                  on_load: Callable[[str, Engine], None] | None = None):
         self.config = config or EngineConfig()
+        if memory is not None and self.config.kv_memory is None and self.config.kv_sessions is None:
+            # under --models-memory each engine's KV must be a known size (what
+            # estimate_bytes counts), not a share of whatever memory is free at its start
+            self.config = replace(self.config, kv_sessions=2 * self.config.max_concurrent)
         self.backend = backend
         self.memory = memory
         self._start = start or self._start_engine

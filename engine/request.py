@@ -12,7 +12,8 @@ from .tokenizer import StreamDecoder
 
 
 class RequestState(enum.IntEnum):
-    """Ordered: a request only moves forward."""
+    """Ordered: a request only moves forward, except that preemption (KV memory ran out)
+    sends a running one back to WAITING."""
 
     WAITING = 0
     PREFILLING = 1
@@ -24,7 +25,7 @@ class RequestState(enum.IntEnum):
 class Request:
     """One turn of one conversation: prompt tokens in, generated tokens out.
 
-    `computed` counts prompt+output tokens whose KV is in the slot; scheduling is just
+    `computed` counts prompt+output tokens whose KV is in its blocks; scheduling is just
     letting `computed` catch up with `known` (no separate prefill and decode modes)."""
 
     id: str
@@ -37,8 +38,11 @@ class Request:
     stop_ids: frozenset[int]
     stop_strings: tuple[str, ...] = ()
     state: RequestState = RequestState.WAITING
-    slot: int = -1
-    reused: int = 0
+    blocks: list[int] = field(default_factory=list)  # KV block table: position p in blocks[p // 16]
+    n_hashed: int = 0  # leading blocks registered in the prefix cache
+    last_hash: int = 0  # chain hash through them
+    preemptions: int = 0
+    reused: int = 0  # prompt tokens found computed at (first) admission
     computed: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""

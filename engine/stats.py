@@ -53,7 +53,8 @@ class StreamStats:
 
 @dataclass(frozen=True)
 class IdleConversation:
-    """A conversation resident in a KV slot between turns (its next turn reuses the slot)."""
+    """A conversation whose KV stays cached between turns (its next turn reuses it):
+    `slot` is its first KV block, `cached_tokens` the leading tokens still cached."""
 
     conversation: str
     slot: int
@@ -99,10 +100,19 @@ class EngineStats:
     step_hist: tuple[int, ...] = ()  # step_hist[n]: steps that computed n sequences
     tok_s: float = 0.0  # tokens generated over the last second
     queue_depth: int | None = None
-    kv_in_use: int | None = None  # slots held by a running generation
-    kv_resident: int | None = None  # slots holding tokens (in use, or a cached conversation)
-    kv_total: int | None = None
-    evictions: int = 0
+    kv_in_use: int | None = None  # KV blocks held by running generations
+    kv_resident: int | None = None  # KV blocks holding tokens (in use, or cached for reuse)
+    kv_total: int | None = None  # KV blocks in the budget (--kv-memory)
+    kv_bytes_per_block: int | None = None
+    kv_block_tokens: int | None = None
+    kv_shared: int = 0  # blocks held by more than one generation (a shared prefix)
+    kv_peak_in_use: int = 0  # most KV blocks ever held by running generations at once
+    evictions: int = 0  # cached blocks reused for other tokens
+    preemptions: int = 0  # generations sent back to the queue when KV memory ran out
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found computed (not prefilled again)
+    kv_snapshots_written: int = 0  # conversations' KV written to disk
+    kv_snapshots_restored: int = 0  # ... and read back instead of prefilled
     streams: tuple[StreamStats, ...] = ()  # running, then queued
     idle: tuple[IdleConversation, ...] = ()
     requests_total: int = 0  # admitted to a KV slot

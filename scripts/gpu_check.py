@@ -142,13 +142,13 @@ def _batch(tokens, slots, positions, last):
                  np.asarray(positions, np.int32), np.asarray(last, np.int64))
 
 
-def _kv(model, n_slots: int, ctx: int = 64):
+def _kv(model, n_slots: int, ctx: int = 64, dtype: str = "f16"):
     a = model.args
-    return model.backend.new_kv(n_slots, a.n_layer, a.n_kv_head, ctx, a.head_dim)
+    return model.backend.new_kv(n_slots, a.n_layer, a.n_kv_head, ctx, a.head_dim, dtype)
 
 
 def _forward_all(model, tokens, chunk: int, ctx: int = 64) -> np.ndarray:
-    kv = _kv(model, 1, ctx)
+    kv = _kv(model, 1, ctx, "f32")  # compared with float64: the KV must not round to 16 bits
     out = []
     for s in range(0, len(tokens), chunk):
         t = tokens[s:s + chunk]
@@ -158,7 +158,7 @@ def _forward_all(model, tokens, chunk: int, ctx: int = 64) -> np.ndarray:
 
 
 def _greedy(model, prompt, steps: int, ctx: int = 64):
-    kv = _kv(model, 1, ctx)
+    kv = _kv(model, 1, ctx, "f32")
     toks, logits = list(prompt), []
     n = len(prompt)
     lg = model.forward(kv, _batch(prompt, [0] * n, range(n), [n - 1]))[0]

@@ -8,10 +8,11 @@ import numpy as np
 from panechat.engine.model import Batch, Model
 
 
-def forward_chunks(model: Model, tokens: list[int], chunk: int, ctx: int = 64) -> np.ndarray:
-    """Logits for every token of one sequence, prefilled `chunk` tokens per pass."""
+def forward_chunks(model: Model, tokens: list[int], chunk: int, ctx: int = 64, kv_dtype: str = "f32") -> np.ndarray:
+    """Logits for every token of one sequence, prefilled `chunk` tokens per pass (float32 KV
+    by default: these runs are compared with float64 references)."""
     a = model.args
-    kv = model.backend.new_kv(1, a.n_layer, a.n_kv_head, ctx, a.head_dim)
+    kv = model.backend.new_kv(1, a.n_layer, a.n_kv_head, ctx, a.head_dim, kv_dtype)
     out = []
     for s in range(0, len(tokens), chunk):
         t = np.asarray(tokens[s:s + chunk], np.int32)
@@ -21,11 +22,13 @@ def forward_chunks(model: Model, tokens: list[int], chunk: int, ctx: int = 64) -
     return np.concatenate(out)
 
 
-def teacher_forced_logits(model: Model, prompt_ids: list[int], tokens: list[int]) -> np.ndarray:
-    """Logits predicting each of `tokens`, from one pass over prompt + tokens."""
+def teacher_forced_logits(model: Model, prompt_ids: list[int], tokens: list[int],
+                          kv_dtype: str = "f16") -> np.ndarray:
+    """Logits predicting each of `tokens`, from one pass over prompt + tokens (float16 KV,
+    the engine's default and llama.cpp's)."""
     ids = list(prompt_ids) + list(tokens)
     n, p = len(ids), len(prompt_ids)
-    kv = model.backend.new_kv(1, model.args.n_layer, model.args.n_kv_head, n, model.args.head_dim)
+    kv = model.backend.new_kv(1, model.args.n_layer, model.args.n_kv_head, n, model.args.head_dim, kv_dtype)
     return model.forward(kv, Batch(np.asarray(ids, np.int32), np.zeros(n, np.int32),
                                    np.arange(n, dtype=np.int32), np.arange(p - 1, n - 1)))
 

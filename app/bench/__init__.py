@@ -10,6 +10,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from .sweep import run_sweep
 
         return run_sweep(args)
+    if args.bench_command == "prefix":
+        from .prefix import run_prefix
+
+        return run_prefix(args)
     from .chat import run_chat
 
     return run_chat(args)

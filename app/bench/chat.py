@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import sys
 import time
 
@@ -137,7 +138,7 @@ def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
 
     ns = argparse.Namespace(**vars(args))
     ns.max_concurrent = min(EngineConfig.MAX_CONCURRENT, max(getattr(args, "max_concurrent", 4) or 4, clients))
-    ns.kv_sessions = max(getattr(args, "kv_sessions", None) or 0, 2 * ns.max_concurrent)
+    # the KV budget: --kv-memory / --kv-sessions as given, else the engine's default
     ns.max_queue = max(getattr(args, "max_queue", 8) or 8, clients)
     ns.kv_snapshots = "off"  # a benchmark measures the engine, not the disk, and leaves no files behind
     engine = build_engine(ns, quiet=True)
@@ -150,6 +151,10 @@ def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
         cell["server"] = (f"panechat (max-concurrent {ns.max_concurrent}, "
                           f"{'batched' if engine.batching else 'NOT batched'})")
         cell["backend"] = engine.lm.model.backend.describe()
+        s = engine.stats()
+        cell["kv_budget_bytes"] = engine.kv.nbytes
+        cell["peak_kv_bytes"] = s.kv_peak_in_use * (s.kv_bytes_per_block or 0)
+        cell["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
         return cell
     finally:
         engine.stop()
@@ -203,4 +208,9 @@ def format_table(cells: list[dict]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
     lines = [head, "  ".join(h.rjust(w) for h, w in zip(cols, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    for c in cells:
+        if "peak_rss_mib" in c:
+            lines.append(f"{c['clients']} client(s): peak KV {c['peak_kv_bytes'] / 2**20:.1f} MiB of a "
+                         f"{c['kv_budget_bytes'] / 2**20:.0f} MiB budget; peak RSS of the process so far "
+                         f"{c['peak_rss_mib']:.0f} MiB")
     return "\n".join(lines)

@@ -71,33 +71,50 @@ def engine_families(stats: "dict[str, EngineStats]"):
     def counter(name: str, doc: str, value):
         return family(CounterMetricFamily, name, doc, value)
 
+    def kv_usage(s) -> float:
+        return (s.kv_in_use or 0) / s.kv_total if s.kv_total else 0.0
+
     yield gauge("panechat_requests_running", "Generations admitted (prefilling or decoding)",
                 lambda s: sum(1 for x in s.streams if x.state != StreamState.QUEUED))
     yield gauge("panechat_requests_waiting", "Generations waiting in the queue", lambda s: s.queue_depth or 0)
     yield gauge("panechat_max_concurrent", "Generations computed at once (--max-concurrent)",
                 lambda s: s.batch_max or 0)
-    yield gauge("panechat_kv_slots_in_use", "KV slots held by a running generation", lambda s: s.kv_in_use or 0)
-    yield gauge("panechat_kv_slots_resident", "KV slots holding a cached conversation prefix",
+    yield gauge("panechat_kv_cache_usage_perc", "Fraction of the KV blocks held by running generations "
+                "(1 = full)", kv_usage)
+    yield gauge("panechat_kv_blocks_in_use", "KV blocks held by running generations", lambda s: s.kv_in_use or 0)
+    yield gauge("panechat_kv_blocks_resident", "KV blocks holding KV: in use, or cached for reuse",
                 lambda s: s.kv_resident or 0)
-    yield gauge("panechat_kv_slots_total", "KV slots (--kv-sessions)", lambda s: s.kv_total or 0)
+    yield gauge("panechat_kv_blocks_total", "KV blocks in the budget (--kv-memory)", lambda s: s.kv_total or 0)
+    yield gauge("panechat_kv_blocks_shared", "KV blocks held by more than one generation", lambda s: s.kv_shared)
+    yield gauge("panechat_kv_block_tokens", "Tokens per KV block", lambda s: s.kv_block_tokens or 0)
+    yield gauge("panechat_kv_bytes_in_use", "Bytes of the KV blocks held by running generations",
+                lambda s: (s.kv_in_use or 0) * (s.kv_bytes_per_block or 0))
+    yield gauge("panechat_kv_bytes_total", "Bytes of the KV budget",
+                lambda s: (s.kv_total or 0) * (s.kv_bytes_per_block or 0))
+    yield counter("panechat_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                  lambda s: s.prefix_cache_queries)
+    yield counter("panechat_prefix_cache_hits", "Prompt tokens found computed in the prefix cache",
+                  lambda s: s.prefix_cache_hits)
+    yield counter("panechat_kv_preemptions", "Generations sent back to the queue when KV blocks ran out",
+                  lambda s: s.preemptions)
     yield gauge("panechat_batch_size", "Sequences in the latest forward step", lambda s: s.batch_now or 0)
     yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", lambda s: s.tok_s)
     yield gauge("panechat_context_tokens", "Context per conversation (tokens)", lambda s: s.ctx or 0)
     yield counter("panechat_prompt_tokens", "Prompt tokens of admitted requests", lambda s: s.prompt_tokens)
     yield counter("panechat_generated_tokens", "Tokens generated", lambda s: s.generated_tokens)
     yield counter("panechat_reused_prefix_tokens",
-                  "Prompt tokens whose KV was reused from a resident slot (not recomputed)",
+                  "Prompt tokens whose KV was reused from the prefix cache or a snapshot (not recomputed)",
                   lambda s: s.reused_tokens)
     yield counter("panechat_steps", "Forward steps run", lambda s: s.steps)
-    yield counter("panechat_kv_evictions", "Idle KV slots evicted to make room", lambda s: s.evictions)
-    yield counter("panechat_kv_snapshots_written", "KV snapshots written to disk (evicted or idle at stop)",
+    yield counter("panechat_kv_evictions", "Cached idle KV blocks evicted to make room", lambda s: s.evictions)
+    yield counter("panechat_kv_snapshots_written", "KV snapshots written to disk (evicted or cached at stop)",
                   lambda s: s.kv_snapshots_written)
     yield counter("panechat_kv_snapshots_restored",
                   "Requests whose prompt prefix KV was read from a snapshot instead of prefilled",
                   lambda s: s.kv_snapshots_restored)
     yield counter("panechat_requests_refused", "Requests refused because the queue was full (HTTP 429)",
                   lambda s: s.refused)
-    yield counter("panechat_requests_admitted", "Requests admitted to a KV slot", lambda s: s.requests_total)
+    yield counter("panechat_requests_admitted", "Requests admitted (given KV blocks)", lambda s: s.requests_total)
     fin = CounterMetricFamily("panechat_requests_finished", "Finished generations by finish reason",
                               labels=["model", "reason"])
     for model, s in stats.items():

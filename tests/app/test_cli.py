@@ -191,6 +191,8 @@ SHARED = [  # (option, value, namespace key, parsed value, the subcommands that 
     ("--ctx-size", "128", "ctx_size", 128, ["run", "serve"]),
     ("--max-concurrent", "3", "max_concurrent", 3, ["serve"]),
     ("--kv-sessions", "9", "kv_sessions", 9, ["serve"]),
+    ("--kv-memory", "2GiB", "kv_memory", 2 << 30, ["serve"]),
+    ("--kv-dtype", "f32", "kv_dtype", "f32", ["serve"]),
     ("--max-queue", "0", "max_queue", 0, ["serve"]),
     ("--prefill-chunk", "64", "prefill_chunk", 64, ["serve"]),
     ("--straggler-ms", "0.5", "straggler_ms", 0.5, ["serve"]),

@@ -316,7 +316,7 @@ def test_kernel_variant_choice():
 def test_attention_row_chunks_do_not_change_bits(monkeypatch):
     be = CupyBackend.emulated_on_cpu()
     rng = np.random.default_rng(2)
-    S, G, C, D, H, R = 3, 2, 40, 16, 4, 9
+    S, G, C, D, H, R = 3, 2, 48, 16, 4, 9  # C: whole KV blocks (the gathered length)
     kv = be.new_kv(S, 1, G, C, D)
     q = rng.standard_normal((R, H, D), dtype=np.float32)
     k = rng.standard_normal((R, G, D), dtype=np.float32)

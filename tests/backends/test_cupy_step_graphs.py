@@ -1,6 +1,6 @@
 """Decode steps through per-bucket graphs (backends/cupy_step_graphs.py), on the emulated
-CuPy backend: the padding to the bucket, the static buffers, the spare KV slot and the
-eager fallback. The CUDA graph itself needs a device (scripts/gpu_check.py replays it
+CuPy backend: the padding to the bucket, the static buffers (block tables too), the spare
+KV block (and the spare slot made of it) and the eager fallback. The CUDA graph itself needs a device (scripts/gpu_check.py replays it
 against the eager step bit for bit)."""
 
 from __future__ import annotations
@@ -55,21 +55,72 @@ def test_padded_graph_step_equals_the_eager_step_bit_for_bit(qwen):
     eager_be.graphs = None
     eager = Model.load(qwen, eager_be, max_positions=32)
     kv_g, kv_e = _prefilled(graphed, 3), _prefilled(eager, 3)
-    assert kv_g.spare_slot == 3 and kv_g.k[0].shape[0] == 4
-    spare_before = kv_g.k[0][3].copy()
+    real = kv_g.n_blocks  # 3 slots of 2 blocks (32 positions)
+    assert kv_g.spare_slot == 3 and real == 6 and kv_g.spare_block == 6 and kv_g.k[0].shape[0] == 7
+    spare_before = kv_g.k[0][6].copy()
     cap = graphed.backend.graphs.capturer
     assert isinstance(cap, ReplayByRerun) and cap.captures == 0
     for rows in ([2, 0, 1], [1]):  # bucket 4 (one padded row), then bucket 1
         got, want = _decode(graphed, kv_g, rows), _decode(eager, kv_e, rows)
         assert np.array_equal(got, want), rows
-        for layer in range(graphed.args.n_layer):  # the real slots hold the same keys and values
-            assert np.array_equal(kv_g.k[layer][:3], kv_e.k[layer][:3])
-            assert np.array_equal(kv_g.v[layer][:3], kv_e.v[layer][:3])
+        for layer in range(graphed.args.n_layer):  # the real blocks hold the same keys and values
+            assert np.array_equal(kv_g.k[layer][:real], kv_e.k[layer][:real])
+            assert np.array_equal(kv_g.v[layer][:real], kv_e.v[layer][:real])
     assert cap.captures == 2
-    assert not np.array_equal(kv_g.k[0][3], spare_before)  # the padded row wrote the spare slot only
+    assert not np.array_equal(kv_g.k[0][6], spare_before)  # the padded row wrote the spare block only
     _decode(graphed, kv_g, [0, 2])  # bucket 2: captured once; [2, 1] again: replayed, no new capture
     _decode(graphed, kv_g, [2, 1])
     assert cap.captures == 3
+
+
+def _paged(model: Model, tables: np.ndarray):
+    """A paged store of 8 blocks with PROMPTS prefilled through the block `tables`."""
+    a = model.args
+    kv = model.backend.new_paged_kv(8, a.n_layer, a.n_kv_head, a.head_dim)
+    toks, seqs, pos, last = [], [], [], []
+    for i, p in enumerate(PROMPTS):
+        toks += p
+        seqs += [i] * len(p)
+        pos += range(len(p))
+        last.append(len(toks) - 1)
+    model.forward(kv, Batch(np.array(toks, np.int32), np.array(seqs, np.int32), np.array(pos, np.int32),
+                            np.array(last), tables))
+    return kv
+
+
+def test_graph_steps_through_block_tables_equal_the_eager_steps(qwen):
+    """The engine's path: sequences in shuffled blocks, tables of varying width (padded to a
+    power of two in the graph with the spare block); padded rows write the spare block only."""
+    graphed = Model.load(qwen, CupyBackend.emulated_on_cpu(), max_positions=64)
+    eager_be = CupyBackend.emulated_on_cpu()
+    eager_be.graphs = None
+    eager = Model.load(qwen, eager_be, max_positions=64)
+    tables = np.array([[5, 2, 7], [0, 6, 1], [3, 4, 4]], np.int32)  # (the last row's 3rd column: unused)
+    kv_g, kv_e = _paged(graphed, tables[:, :1]), _paged(eager, tables[:, :1])
+    assert kv_g.spare_block == 8 and kv_g.k[0].shape[0] == 9
+    spare_before = kv_g.k[0][8].copy()
+    cap = graphed.backend.graphs.capturer
+    for step, rows in enumerate(([2, 0, 1], [1], [0, 2, 1], [2, 1])):
+        width = 1 if step < 2 else 3  # a wider table: a graph of its own width
+        t = tables[rows, :width]
+        toks = np.array([7 + r + step for r in rows], np.int32)
+        pos = np.array([len(PROMPTS[r]) + step for r in rows], np.int32)
+        batch = Batch(toks, np.arange(len(rows), dtype=np.int32), pos, np.arange(len(rows)), t)
+        got, want = graphed.forward(kv_g, batch), eager.forward(kv_e, batch)
+        assert np.array_equal(got, want), rows
+        for layer in range(graphed.args.n_layer):
+            assert np.array_equal(kv_g.k[layer][:8], kv_e.k[layer][:8])
+            assert np.array_equal(kv_g.v[layer][:8], kv_e.v[layer][:8])
+    assert cap.captures == 4  # (4 rows, width 1), (1, 1), (4, 4), (2, 4)
+    assert not np.array_equal(kv_g.k[0][8], spare_before)
+    # rows naming sequences of a taller table (the start-up invariance check's batches):
+    # still through the graph of their row count
+    batch = Batch(np.array([9], np.int32), np.array([2], np.int32), np.array([len(PROMPTS[2]) + 4], np.int32),
+                  np.arange(1), tables)
+    assert np.array_equal(graphed.forward(kv_g, batch), eager.forward(kv_e, batch))
+    assert cap.captures == 5  # (1 row, width 4)
+    for layer in range(graphed.args.n_layer):
+        assert np.array_equal(kv_g.k[layer][:8], kv_e.k[layer][:8])
 
 
 class _Refuses:

@@ -142,14 +142,15 @@ def test_self_check_passes_and_can_fail(monkeypatch):
     assert problem and "differs" in problem
 
 
-def test_copy_slot(tiny):
+def test_copy_blocks(tiny):
     path, _ = tiny("llama", "Q4_0", False)
     model = Model.load(GGUFFile.open(path), MLXBackend(), max_positions=64)
     a = model.args
     kv = model.backend.new_kv(2, a.n_layer, a.n_kv_head, 64, a.head_dim)
     toks = list(range(40, 50))
     model.forward(kv, _batch([(0, toks, 0)]))
-    model.backend.copy_slot(kv, 0, 1, len(toks))
+    per = kv.slot_blocks  # slot 1's blocks take a copy of slot 0's
+    model.backend.copy_blocks(kv, list(range(per)), list(range(per, 2 * per)))
     x = model.forward(kv, _batch([(0, [7], len(toks))]))[0]
     y = model.forward(kv, _batch([(1, [7], len(toks))]))[0]
     assert np.array_equal(x, y)

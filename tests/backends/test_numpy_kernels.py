@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from panechat.backends import numpy_kernels as nk
+from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.paged_kv import BLOCK_TOKENS
 
 BATCHES = (2, 3, 4, 5, 8, 17, 32)
 
@@ -344,3 +346,81 @@ def test_cpu_backend_picks_the_kernel_policy(monkeypatch):
     monkeypatch.setenv("PANECHAT_NUMPY_KERNELS", "gemv")
     assert type(cpu_backend()) is StackedGemvBackend
     assert "stacked GEMV" in cpu_backend().describe()
+
+
+# --------------------------------------------------------------------------- paged attention
+
+
+def _paged(rng, kc, vc, dtype):
+    """The contiguous cache kc, vc [S, G, C, D] laid out in shuffled blocks of 16 (plus
+    spare blocks of noise): (k_blocks, v_blocks, tables)."""
+    S, G, C, D = kc.shape
+    nb = -(-C // BLOCK_TOKENS)
+    n_blocks = S * nb + 7
+    tables = rng.permutation(n_blocks)[: S * nb].reshape(S, nb).astype(np.int32)
+    kb = rng.standard_normal((n_blocks, G, BLOCK_TOKENS, D), dtype=np.float32).astype(dtype)
+    vb = rng.standard_normal((n_blocks, G, BLOCK_TOKENS, D), dtype=np.float32).astype(dtype)
+    for s in range(S):
+        for p in range(C):
+            kb[tables[s, p // BLOCK_TOKENS], :, p % BLOCK_TOKENS] = kc[s, :, p]
+            vb[tables[s, p // BLOCK_TOKENS], :, p % BLOCK_TOKENS] = vc[s, :, p]
+    return kb, vb, tables
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("D,window", [(64, 0), (40, 0), (64, 37)])
+def test_paged_attention_equals_contiguous_rows_1_to_33(rng, dtype, D, window):
+    """Same bits as the contiguous kernel over the same (float32-converted) keys, for any
+    row count and shuffled block tables: where blocks lie never enters the arithmetic."""
+    kc, vc = _cache(rng, S=3, C=150, D=D)
+    kc, vc = kc.astype(dtype).astype(np.float32), vc.astype(dtype).astype(np.float32)
+    kb, vb, tables = _paged(rng, kc, vc, dtype)
+    for R in range(1, 34):
+        q = rng.standard_normal((R, 6, D), dtype=np.float32)
+        seqs = rng.integers(0, 3, R).astype(np.int32)
+        poss = rng.integers(0, 150, R).astype(np.int32)
+        poss[0] = 149
+        want = nk.attention(q, kc, vc, seqs, poss, 0.125, np.empty_like(q), window)
+        got = nk.paged_attention(q, kb, vb, tables, seqs, poss, 0.125, np.empty_like(q), window)
+        assert np.array_equal(got, want), R
+
+
+def test_paged_attention_rejects_bad_tables(rng):
+    kc, vc = _cache(rng, S=2, C=40)
+    kb, vb, tables = _paged(rng, kc, vc, np.float16)
+    q = rng.standard_normal((1, 6, 64), dtype=np.float32)
+    bad = tables.copy()
+    bad[1, 1] = kb.shape[0]
+    with pytest.raises(ValueError, match="block table"):
+        nk.paged_attention(q, kb, vb, bad, np.array([1], np.int32), np.array([20], np.int32), 0.1,
+                           np.empty_like(q))
+    # an entry past the row's position is never read, so it may be anything
+    bad[1, 2] = -1
+    nk.paged_attention(q, kb, vb, bad[:1], np.array([0], np.int32), np.array([20], np.int32), 0.1,
+                       np.empty_like(q))
+    with pytest.raises(ValueError, match="out of range"):
+        nk.paged_attention(q, kb, vb, tables, np.array([0], np.int32), np.array([48], np.int32), 0.1,
+                           np.empty_like(q))
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_kv_export_import_round_trip(rng, dtype):
+    """kv_export gives per layer K, V [n_kv, n, hd] in the KV dtype from any blocks;
+    kv_import puts them into other blocks bit for bit (the snapshot interface)."""
+    be = NumpyBackend()
+    kv = be.new_paged_kv(12, 2, 3, 32, dtype)
+    for layer in range(2):
+        kv.k[layer][...] = rng.standard_normal(kv.k[layer].shape, dtype=np.float32)
+        kv.v[layer][...] = rng.standard_normal(kv.v[layer].shape, dtype=np.float32)
+    src, n = [7, 2, 9], 37
+    out = be.kv_export(kv, src, n)
+    assert len(out) == 2 and out[0][0].shape == (3, n, 32)
+    assert out[0][0].dtype == (np.float16 if dtype == "f16" else np.float32)
+    assert np.array_equal(out[1][1][:, 17], kv.v[1][2, :, 1])  # position 17: block 2, offset 1
+    dst = [0, 11, 4]
+    be.kv_import(kv, dst, out)
+    back = be.kv_export(kv, dst, n)
+    for (k0, v0), (k1, v1) in zip(out, back):
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1)
+    with pytest.raises(ValueError):
+        be.kv_export(kv, [1, 2], n)

@@ -14,6 +14,8 @@ from panechat.engine.config import EngineConfig
     ({"max_concurrent": 0}, "--max-concurrent must be between 1 and 64"),
     ({"max_concurrent": 65}, "--max-concurrent must be between 1 and 64"),
     ({"max_concurrent": 4, "kv_sessions": 3}, "--kv-sessions must be at least --max-concurrent"),
+    ({"kv_memory": 0}, "--kv-memory must be a positive size, like 2GiB"),
+    ({"kv_dtype": "bf16"}, "--kv-dtype must be one of f16, f32"),
     ({"max_queue": -1}, "--max-queue must be between 0 and 4096"),
     ({"max_queue": 4097}, "--max-queue must be between 0 and 4096"),
     ({"ctx_size": 63}, "--ctx-size must be at least 64"),

@@ -202,9 +202,10 @@ def test_a_row_with_non_finite_logits_fails_alone(engines, alone, monkeypatch, b
     def poisoned(kv, batch):  # the model, not the engine: the bad request's logits go bad
         logits = real(kv, batch)
         if kv is e.kv:
-            bad_slots = {r.slot for r in e.scheduler.running if r.params is bad_params}
+            # a request's last block is its own (a block being written is never shared)
+            bad_blocks = {r.blocks[-1] for r in e.scheduler.running if r.params is bad_params and r.blocks}
             for i, s in enumerate(batch.slots[batch.logit_rows]):
-                if s in bad_slots:
+                if bad_blocks & set(batch.block_tables[s].tolist()):
                     seen["rows"] += 1
                     if seen["rows"] >= 3:
                         logits[i, 7] = poison

@@ -11,12 +11,14 @@ import shutil
 
 import pytest
 
-from panechat.engine.engine import Engine, EngineConfig
+from panechat.backends.paged_kv import bytes_per_block
+from panechat.engine.engine import SNAPSHOT_DTYPES, Engine, EngineConfig
 from panechat.engine.gguf_header import read_gguf_header
 from panechat.engine.kv_snapshot import KVShape, model_identity, read_snapshot, write_snapshot
 from panechat.engine.sampling import SamplingParams
 
 LONG_Q = "Summarize: " + " ".join(f"item {i} is a {['cat', 'dog', 'fish'][i % 3]}." for i in range(60))
+OTHER_Q = "List: " + " ".join(f"color {i} is {['red', 'green', 'blue'][i % 3]}." for i in range(20))
 PARAMS = SamplingParams(max_tokens=12)
 FIRST = [{"role": "user", "content": LONG_Q}]
 
@@ -60,13 +62,22 @@ def _files(d):
     return sorted(d.glob("*/*.kvsnap"))
 
 
+def _shape(lm):
+    a = lm.model.args
+    return KVShape(SNAPSHOT_DTYPES[EngineConfig().kv_dtype], a.n_layer, a.n_kv_head, a.head_dim)
+
+
 def test_an_evicted_conversation_is_restored_not_reprefilled(loaded_model, reference, tmp_path):
     first, second, want = reference
-    e = _engine(loaded_model, tmp_path)
+    a = loaded_model.model.args
+    block = bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, EngineConfig().kv_dtype)
+    # 36 blocks: "a" (33 blocks) and "b" (11) do not fit together, so "b" evicts a's tail
+    # (the least recently used cached blocks); a's next turn still needs only 35
+    e = _engine(loaded_model, tmp_path, kv_memory=36 * block)
     try:
         assert e.submit(FIRST, params=PARAMS, conversation="a").result().token_ids == first.token_ids
-        e.submit([{"role": "user", "content": "Name a fruit."}], params=PARAMS, conversation="b").result()
-        assert e.stats().evictions == 1  # one slot: "a" was evicted for "b"
+        e.submit([{"role": "user", "content": OTHER_Q}], params=PARAMS, conversation="b").result()
+        assert e.stats().evictions >= 5  # "a"'s tail was evicted for "b": more than min_gain tokens
         got = e.submit(second, params=PARAMS, conversation="a").result()
         s = e.stats()
         assert got.token_ids == want.token_ids
@@ -122,8 +133,7 @@ def test_a_bad_snapshot_is_ignored_with_one_line_and_the_reply_is_right(
     d = tmp_path / "kv"
     shutil.copytree(stopped_dir, d)
     (snap,) = _files(d)
-    args = loaded_model.model.args
-    shape = KVShape("float32", args.n_layer, args.n_kv_head, args.head_dim)
+    shape = _shape(loaded_model)  # the cache's dtype (float16 by default)
     damage(snap, model_identity(loaded_model.path, read_gguf_header(loaded_model.path).data_start), shape)
     caplog.set_level(logging.INFO, logger="panechat.engine")
     e = _engine(loaded_model, d)

@@ -57,8 +57,9 @@ def test_model_list_flags():
 
 
 def _tiny_set(memory):
-    models = ModelSet(EngineConfig(max_concurrent=1, ctx_size=64, verify_invariance=False), backend="numpy",
-                      memory=memory)
+    # a fixed KV budget (2 contexts), so a model's bytes do not depend on the free memory
+    models = ModelSet(EngineConfig(max_concurrent=1, ctx_size=64, kv_sessions=2, verify_invariance=False),
+                      backend="numpy", memory=memory)
     models.handout_busy_s = 0.0  # idle as soon as no stream runs (the tests hold no request)
     return models
 

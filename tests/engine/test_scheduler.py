@@ -1,11 +1,11 @@
-"""Scheduler and KV-slot bookkeeping without a model: small request builders, fake steps."""
+"""Scheduler and KV block bookkeeping without a model: small request builders, fake steps."""
 
 import pytest
 
-from panechat.engine.kv_slots import SlotPool
+from panechat.engine.kv_blocks import BlockPool
 from panechat.engine.request import Request, RequestState
 from panechat.engine.sampling import SamplingParams
-from panechat.engine.scheduler import KVCopy, QueueFull, Scheduler
+from panechat.engine.scheduler import BlockCopy, QueueFull, Scheduler
 
 
 def req(rid, prompt, conversation=None, max_tokens=4):
@@ -15,7 +15,9 @@ def req(rid, prompt, conversation=None, max_tokens=4):
 
 
 def fake_step(sched, plan, next_token=7):
-    """What the engine does after a forward pass: advance computed, sample when caught up."""
+    """What the engine does with a plan: the copies, then after the forward pass advance
+    computed and sample when caught up."""
+    sched.copies_done()
     for r, n in zip(plan.requests, plan.n_tokens):
         r.computed += n
         if r.computed == r.n_known:
@@ -25,8 +27,21 @@ def fake_step(sched, plan, next_token=7):
                 sched.finish(r)
 
 
+def run_all(s, limit=1000):
+    """Schedule and fake-step until nothing runs or waits."""
+    for _ in range(limit):
+        if not s.running and not s.waiting:
+            return
+        fake_step(s, s.schedule())
+    raise AssertionError("did not finish")
+
+
+def all_free(pool):
+    return pool.in_use == 0 and not any(pool.ref) and pool.shared == 0
+
+
 def test_decode_rows_and_prefill_chunks_share_a_step():
-    s = Scheduler(SlotPool(4), max_concurrent=4, max_queue=4, prefill_chunk=8)
+    s = Scheduler(BlockPool(16), max_concurrent=4, max_queue=4, prefill_chunk=8)
     a = req("a", range(3))
     s.add(a)
     fake_step(s, s.schedule())  # a prefilled, now decoding
@@ -40,7 +55,7 @@ def test_decode_rows_and_prefill_chunks_share_a_step():
 
 
 def test_admission_respects_max_concurrent_and_queue():
-    s = Scheduler(SlotPool(4), max_concurrent=2, max_queue=1, prefill_chunk=64)
+    s = Scheduler(BlockPool(16), max_concurrent=2, max_queue=1, prefill_chunk=64)
     for i in range(3):  # 2 can run + 1 may wait
         s.add(req(f"r{i}", [i, i + 1]))
     with pytest.raises(QueueFull):
@@ -49,49 +64,73 @@ def test_admission_respects_max_concurrent_and_queue():
     assert {r.id for r in plan.requests} == {"r0", "r1"} and len(s.waiting) == 1
 
 
-def test_finished_request_frees_its_slot_for_the_waiting_one():
-    pool = SlotPool(1)
+def test_admission_waits_for_blocks_and_a_finished_request_frees_them():
+    pool = BlockPool(2)
     s = Scheduler(pool, max_concurrent=2, max_queue=2, prefill_chunk=64)
-    a, b = req("a", [1, 2, 3], max_tokens=1), req("b", [4, 5])
+    a, b = req("a", range(20), max_tokens=1), req("b", range(100, 110))
     s.add(a)
     s.add(b)
     plan = s.schedule()
-    assert plan.requests == [a]  # one slot only: b waits although concurrency allows 2
+    assert plan.requests == [a] and len(a.blocks) == 2  # b waits although concurrency allows 2
     fake_step(s, plan)
     assert a.state == RequestState.FINISHED and pool.in_use == 0
     assert s.schedule().requests == [b]
+    run_all(s)
+    assert all_free(pool)
 
 
-def test_a_shared_prefix_is_a_copy_in_the_plan_of_the_step_that_admits():
-    pool = SlotPool(2)
+def test_full_blocks_of_a_finished_request_are_shared_by_the_next():
+    pool = BlockPool(16)
     s = Scheduler(pool, max_concurrent=2, max_queue=2, prefill_chunk=64)
-    a = req("a", [1, 2, 3, 4, 5], max_tokens=1)
+    a = req("a", range(40), max_tokens=1)
     s.add(a)
-    plan = s.schedule()
-    assert plan.kv_copies == []  # nothing cached yet
-    fake_step(s, plan)  # a finished: slot 0 keeps [1, 2, 3, 4, 5]
-    b = req("b", [1, 2, 3, 8])
+    fake_step(s, s.schedule())
+    b = req("b", list(range(32)) + [900, 901])
     s.add(b)
     plan = s.schedule()
-    assert plan.kv_copies == [KVCopy(src=a.slot, dst=b.slot, n_tokens=3)] and b.slot != a.slot
-    assert [(r.id, n) for r, n in zip(plan.requests, plan.n_tokens)] == [("b", 1)]  # only what was not copied
-    fake_step(s, plan)
+    assert b.blocks[:2] == a.blocks[:2] and b.computed == b.reused == 32 and plan.kv_copies == []
+    assert [(r.id, n) for r, n in zip(plan.requests, plan.n_tokens)] == [("b", 2)]
+    c = req("c", list(range(32)) + [700])
+    s.add(c)
+    s.schedule()
+    assert c.blocks[:2] == a.blocks[:2] and pool.shared == 2  # held by b and c
+    run_all(s)
+    assert all_free(pool) and pool.hits == 64
+
+
+def test_a_partly_matching_cached_block_is_copied_on_write():
+    pool = BlockPool(16)
+    s = Scheduler(pool, max_concurrent=2, max_queue=2, prefill_chunk=64)
+    a = req("a", range(48), max_tokens=1)
+    s.add(a)
+    fake_step(s, s.schedule())  # three full blocks cached
+    b = req("b", list(range(40)) + [999] * 10)
+    s.add(b)
+    plan = s.schedule()
+    assert b.blocks[:2] == a.blocks[:2] and b.blocks[2] != a.blocks[2]
+    assert plan.kv_copies == [BlockCopy(a.blocks[2], b.blocks[2])] and b.computed == 40
     assert s.schedule().kv_copies == []  # a copy is planned once
+    same = req("same", range(48))  # identical prompt: all but the last token, via a copy
+    s.add(same)
+    plan = s.schedule()
+    assert same.computed == 47 and plan.kv_copies == [BlockCopy(a.blocks[2], same.blocks[2])]
+    run_all(s)
+    assert all_free(pool)
 
 
 def test_max_seqs_per_step_limits_the_rows_but_not_admission_or_copies():
-    pool = SlotPool(3)
+    pool = BlockPool(8)
     s = Scheduler(pool, max_concurrent=3, max_queue=3, prefill_chunk=64, max_seqs_per_step=1)
-    first = req("first", [1, 2, 3, 4], max_tokens=1)
+    first = req("first", range(20), max_tokens=1)
     s.add(first)
-    fake_step(s, s.schedule())  # leaves [1, 2, 3, 4] cached in its slot
-    a, b = req("a", [5, 6]), req("b", [1, 2, 3, 9])
+    fake_step(s, s.schedule())  # leaves block 0 ([0..15]) cached
+    a, b = req("a", [50, 51]), req("b", list(range(10)) + [77])
     s.add(a)
     s.add(b)
     plan = s.schedule()
     assert plan.requests == [a] and plan.n_tokens == [2]
-    assert b.state == RequestState.PREFILLING and pool.in_use == 2  # admitted, waits for its turn
-    assert plan.kv_copies == [KVCopy(first.slot, b.slot, 3)]  # its copy is due now all the same
+    assert b.state == RequestState.PREFILLING  # admitted, waits for its turn
+    assert plan.kv_copies == [BlockCopy(first.blocks[0], b.blocks[0])]  # its copy is due now all the same
     fake_step(s, plan)
     plan = s.schedule()
     assert plan.requests == [a] and plan.kv_copies == []  # one sequence per step, in running order
@@ -99,37 +138,80 @@ def test_max_seqs_per_step_limits_the_rows_but_not_admission_or_copies():
     assert [r.id for r in s.schedule().requests] == ["a", "b"]
 
 
-def test_slot_keeps_history_and_next_turn_continues_in_it():
-    pool = SlotPool(2)
-    g = pool.acquire("c1", [1, 2, 3, 4])
-    assert g.reuse == 0
-    pool.release(g.slot, [1, 2, 3, 4, 9])
-    g2 = pool.acquire("c1", [1, 2, 3, 4, 9, 10, 11])
-    assert (g2.slot.index, g2.reuse, g2.copy_from) == (g.slot.index, 5, None)
+def test_idle_cached_blocks_are_evicted_least_recently_used_first():
+    pool = BlockPool(6)
+    s = Scheduler(pool, max_concurrent=1, max_queue=4, prefill_chunk=64)
+    a, b, a2 = req("a", range(32), max_tokens=1), req("b", range(100, 132), max_tokens=1), req("a2", range(32), max_tokens=1)
+    for r in (a, b, a2):  # a used last (a2 is the same prompt: it shares a's blocks)
+        s.add(r)
+        run_all(s)
+    assert a2.reused == 31 and len(pool.idle) == 4 and len(pool.free) == 2 and pool.evictions == 0
+    s.add(req("c", range(200, 233), max_tokens=1))  # 3 blocks: 2 free + 1 evicted
+    run_all(s)
+    assert pool.evictions == 1  # b's tail block: least recently used, a sequence's tail before its head
+    assert pool.key[a.blocks[0]] is not None and pool.key[a.blocks[1]] is not None  # a's blocks kept
+    d = req("d", list(range(100, 132)) + [6])
+    s.add(d)
+    run_all(s)
+    assert d.reused == 16 and all_free(pool)
 
 
-def test_shared_prefix_is_copied_not_stolen():
-    pool = SlotPool(2)
-    g = pool.acquire("c1", [1, 2, 3, 4, 5])
-    pool.release(g.slot, [1, 2, 3, 4, 5])
-    g2 = pool.acquire("c2", [1, 2, 3, 8])  # shares 3 tokens with c1's history
-    assert g2.slot is not g.slot and g2.reuse == 3 and g2.copy_from == g.slot.index
-    assert g.slot.tokens == [1, 2, 3, 4, 5]  # c1's history intact
+def test_an_ended_sequences_partly_filled_block_is_a_copy_source_for_its_next_turn():
+    pool = BlockPool(8)
+    s = Scheduler(pool, max_concurrent=1, max_queue=2, prefill_chunk=64)
+    t1 = req("t1", range(30), max_tokens=5)  # computes 34 positions: 2 full blocks + 2 tokens
+    s.add(t1)
+    run_all(s)
+    t2 = req("t2", t1.known[:34] + [50, 51, 52])
+    s.add(t2)
+    plan = s.schedule()
+    assert t2.computed == 34 and plan.kv_copies == [BlockCopy(t1.blocks[2], t2.blocks[2])]
+    run_all(s)
+    assert all_free(pool)
 
 
-def test_lru_idle_slot_is_evicted_and_at_least_one_token_is_left_to_compute():
-    pool = SlotPool(2)
-    slot_of = {}
-    for conv, toks in (("a", [1, 2]), ("b", [3, 4]), ("a", [1, 2, 7])):  # a used last
-        g = pool.acquire(conv, toks)
-        slot_of[conv] = g.slot.index
-        pool.release(g.slot, toks)
-    assert slot_of["a"] != slot_of["b"]
-    g = pool.acquire("c", [5, 6])
-    assert g.slot.index == slot_of["b"], "the least recently used slot (b's) is the one evicted"
-    assert g.slot.conversation == "c" and pool.evictions == 1
-    assert pool.slots[slot_of["a"]].tokens == [1, 2, 7]  # the recent conversation is intact
-    pool.release(g.slot, [5, 6])
-    same = pool.acquire("c", [5, 6])  # identical prompt: reuse all but the last token
-    assert same.reuse == 1
-    assert pool.acquire("x", [1]) is not None and pool.acquire("y", [1]) is None  # all busy
+def test_a_decode_that_runs_out_of_blocks_preempts_the_youngest_and_recomputes_it():
+    pool = BlockPool(3)
+    s = Scheduler(pool, max_concurrent=2, max_queue=2, prefill_chunk=64)
+    a, b = req("a", range(15), max_tokens=20), req("b", range(50, 64), max_tokens=20)
+    s.add(a)
+    s.add(b)
+    seen_waiting = False
+    for _ in range(200):
+        if not s.running and not s.waiting:
+            break
+        plan = s.schedule()
+        seen_waiting |= b.state == RequestState.WAITING
+        assert a in plan.requests or a.state == RequestState.FINISHED  # the oldest always progresses
+        fake_step(s, plan)
+    assert seen_waiting and s.preemptions >= 1 and b.preemptions >= 1
+    assert len(a.output_ids) == len(b.output_ids) == 20
+    assert all_free(pool)
+
+
+def test_cancelled_and_failed_requests_return_their_blocks():
+    pool = BlockPool(8)
+    s = Scheduler(pool, max_concurrent=3, max_queue=3, prefill_chunk=64)
+    a, b, c = req("a", range(40)), req("b", range(40)), req("c", range(5))
+    for r in (a, b, c):
+        s.add(r)
+    fake_step(s, s.schedule())
+    s.finish(a)  # cancelled: its full blocks stay cached
+    s.finish(b, keep_cache=False)  # failed: its KV is dropped
+    s.finish(c)
+    assert all_free(pool)
+
+
+def test_a_copy_source_that_does_not_fit_beside_the_prompt_is_recomputed_instead():
+    """The copy-on-write source is held until the copy is done; when the budget cannot hold
+    it beside the new prompt's blocks, admission skips the copy rather than wait forever."""
+    pool = BlockPool(3)
+    s = Scheduler(pool, max_concurrent=1, max_queue=2, prefill_chunk=64)
+    s.add(req("a", range(40), max_tokens=1))
+    run_all(s)  # blocks 0..1 of a cached
+    b = req("b", list(range(20)) + [500] * 27, max_tokens=1)  # 47 tokens: all 3 blocks
+    s.add(b)
+    plan = s.schedule()
+    assert plan.requests == [b] and plan.kv_copies == [] and b.computed == 16
+    run_all(s)
+    assert all_free(pool)

@@ -27,8 +27,14 @@ def test_metrics_follow_the_engine(http, live):
 
     assert after["panechat_ready"] == 1.0
     assert after["panechat_requests_running"] == 0 and after["panechat_requests_waiting"] == 0
-    assert after["panechat_kv_slots_in_use"] == 0 and after["panechat_kv_slots_total"] == 8
-    assert after["panechat_kv_slots_resident"] >= 1
+    assert after["panechat_kv_blocks_in_use"] == 0 and after["panechat_kv_cache_usage_perc"] == 0
+    assert after["panechat_kv_blocks_total"] == live.engine.pool.n_blocks
+    assert after["panechat_kv_bytes_total"] == live.engine.kv.nbytes
+    assert after["panechat_kv_blocks_resident"] >= 1
+    assert after["panechat_prefix_cache_hits_total"] - before["panechat_prefix_cache_hits_total"] >= 16
+    assert after["panechat_prefix_cache_queries_total"] - before["panechat_prefix_cache_queries_total"] == (
+        r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"])
+    assert after["panechat_kv_snapshots_written_total"] == 0
     gen = r1["usage"]["completion_tokens"] + r2["usage"]["completion_tokens"]
     assert after["panechat_generated_tokens_total"] - before["panechat_generated_tokens_total"] == gen
     prompt = r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"]

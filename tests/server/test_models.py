@@ -102,7 +102,7 @@ def test_models_health_and_metrics_show_each_model(srv):
     assert list(health["models"]) == [SMOL, TINY] and health["model"] == SMOL + ".gguf"
     text = httpx.get(srv.url + "/metrics").text
     labelled = {s.labels.get("model") for fam in text_string_to_metric_families(text) for s in fam.samples
-                if s.name == "panechat_kv_slots_total"}
+                if s.name == "panechat_kv_blocks_total"}
     assert labelled == {SMOL, TINY}
 
 

@@ -145,7 +145,7 @@ async def test_dashboard_words_the_typed_stats_it_is_given():
         dash.show_stats(stats)
         await pilot.pause()
         assert _text(dash, "dash-batch") == "batch 2/4  queue 1"
-        assert _text(dash, "dash-kv") == "KV slots 3/8 (1 cached)  terminals 2"
+        assert _text(dash, "dash-kv") == "terminals 2  KV 3/8 38%, 1 cached"
         table = dash.query_one(DataTable)
         rows = [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
         assert rows == [["1 Sea haiku", "prefill 42%", "0", "0.0"], ["other bbbbbb", "decoding", "12", "15.2"],

@@ -1,4 +1,4 @@
-"""The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV slots, streams.
+"""The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV blocks, streams.
 
 It pulls `backend.stats()` (an `EngineStats`: the engine's snapshot, the server's pushed
 stats, or what an OpenAI API lets us measure) a few times a second and shows it with
@@ -43,6 +43,27 @@ def sparkline(values: list[float], width: int, vmax: float) -> str:
             level = 1
         cols.append(BARS[level])
     return "".join(cols)
+
+
+def kv_words(s: EngineStats) -> str:
+    """'KV 12/800 2%, 20 cached, 4 shared, hits 76%': KV blocks held by running generations
+    of the budget, then (when there are any) idle blocks kept cached, blocks shared between
+    generations, the prefix cache's hit rate in tokens and the KV snapshots written to and
+    restored from disk. Bytes are in /metrics."""
+    if not s.kv_total:
+        return "KV -"
+    used = s.kv_in_use or 0
+    parts = [f"KV {used}/{s.kv_total} {100 * used / s.kv_total:.0f}%"]
+    cached = (s.kv_resident or 0) - used  # idle conversations' blocks kept warm
+    if cached > 0:
+        parts.append(f"{cached} cached")
+    if s.kv_shared:
+        parts.append(f"{s.kv_shared} shared")
+    if s.prefix_cache_queries:
+        parts.append(f"hits {100 * s.prefix_cache_hits / s.prefix_cache_queries:.0f}%")
+    if s.kv_snapshots_written or s.kv_snapshots_restored:
+        parts.append(f"snapshots {s.kv_snapshots_written} saved {s.kv_snapshots_restored} restored")
+    return ", ".join(parts)
 
 
 def state_words(s: StreamStats) -> str:
@@ -216,11 +237,8 @@ class Dashboard(Vertical, can_focus=False):
             parts.append(f"queue {s.queue_depth}")
         self._show("dash-batch", "  ".join(parts), markup=True)
         self._show("dash-models", "\n".join(self.model_lines()))
-        kv = f"KV slots {s.kv_in_use}/{s.kv_total}" if s.kv_total else "KV slots -"
-        cached = (s.kv_resident or 0) - (s.kv_in_use or 0)  # idle conversations kept warm
-        if s.kv_total and cached > 0:
-            kv += f" ({cached} cached)"
-        self._show("dash-kv", f"{kv}  terminals {s.terminals if s.terminals is not None else 1}")
+        kv = kv_words(s)
+        self._show("dash-kv", f"terminals {s.terminals if s.terminals is not None else 1}  {kv}")
         occ = list(self.occupancy)
         tps = list(self.tok_s)
         self._show("dash-occ-label", f"occupancy, last {WINDOW_S} s (peak {self.peak_batch})")
