@@ -3,7 +3,8 @@
 Every client resends its whole history each turn to `POST /v1/chat/completions` (greedy,
 fixed distinct prompts per client), exactly as an OpenAI-SDK chat app does, so it runs
 against any OpenAI-compatible server. Without --url, each cell starts its own panechat
-server on a free loopback port with a fresh engine (max-concurrent >= clients).
+server on a free loopback port with a fresh engine: --max-concurrent as given, else (left at
+its default) max-concurrent = the client count, and a queue that holds every client.
 
 Reports total generated tok/s (all clients, wall clock), p50/p99 turn latency, prompt
 tokens and the prompt tokens the server reports as reused from its cache
@@ -137,7 +138,9 @@ def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
     from ..server.serve import start_in_background
 
     ns = argparse.Namespace(**vars(args))
-    ns.max_concurrent = min(EngineConfig.MAX_CONCURRENT, max(getattr(args, "max_concurrent", 4) or 4, clients))
+    given = getattr(args, "max_concurrent", None)
+    if given is None or given == EngineConfig().max_concurrent:  # left at its default: one slot per client
+        ns.max_concurrent = min(EngineConfig.MAX_CONCURRENT, max(given or 4, clients))
     # the KV budget: --kv-memory / --kv-sessions as given, else the engine's default
     ns.max_queue = max(getattr(args, "max_queue", 8) or 8, clients)
     ns.kv_snapshots = "off"  # a benchmark measures the engine, not the disk, and leaves no files behind
