@@ -135,6 +135,14 @@ class NumpyBackend(ArrayBackend):
             return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
         return super().linear_many(x, ws)
 
+    def rope(self, x, positions, style, tables):
+        cos, sin = tables
+        if (x.dtype == np.float32 and x.ndim == 3 and x.flags.c_contiguous and cos.dtype == np.float32
+                and sin.dtype == np.float32 and cos.flags.c_contiguous and sin.flags.c_contiguous
+                and 2 * cos.shape[1] <= x.shape[2] and style in ("neox", "normal")):
+            return self.kernels.rope(x, np.asarray(positions, dtype=np.int64), style == "neox", cos, sin)
+        return super().rope(x, positions, style, tables)
+
     def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
         self.write_kv(kv, layer, k, v, seqs, positions, tables)
         out = np.empty_like(q)

@@ -968,3 +968,30 @@ def attention(
         raise ValueError(f"attention: window must be >= 0, got {window}")
     _attention(q, k_cache, v_cache, row_slot, row_pos, np.float32(scale), np.int64(window), out)
     return out
+
+
+@njit(**_JIT)
+def _rope(x, pos, cos, sin, neox, out):
+    R, H, D = x.shape
+    half = cos.shape[1]
+    for r in range(R):
+        p = pos[r]
+        for h in range(H):
+            for i in range(half):
+                c, s = cos[p, i], sin[p, i]
+                ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                a, b = x[r, h, ia], x[r, h, ib]
+                out[r, h, ia] = a * c - b * s
+                out[r, h, ib] = b * c + a * s
+            for j in range(2 * half, D):
+                out[r, h, j] = x[r, h, j]
+
+
+def rope(x: np.ndarray, positions: np.ndarray, neox: bool, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary embedding of x f32[R, H, hd] at `positions` [R] with float32 tables
+    [max_pos, rope_dim/2]: `ArrayBackend.rope`'s numpy expressions element for element
+    (a*cos - b*sin and b*cos + a*sin, each product and sum rounded to float32, no FMA:
+    no fast-math), in one call instead of a dozen numpy temporaries."""
+    out = np.empty_like(x)
+    _rope(x, positions, cos, sin, neox, out)
+    return out

@@ -32,6 +32,7 @@ all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and g
 from __future__ import annotations
 
 import numpy as np
+import numba
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
@@ -359,9 +360,48 @@ def _linear_q5_1(x, ws, outs, count):
     block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
 
 
+# The same drivers compiled without `parallel`: prange runs as a plain loop, so each
+# element is computed exactly as above (the split over columns never changes an
+# element's arithmetic). When the kernels run on one thread (the governor's choice while
+# other processes hold the cores, or NUMBA_NUM_THREADS=1) these skip the parallel
+# launch, which at decode sizes costs more than it saves: measured 15-20% per product
+# for SmolLM2-135M's B=1 products. Separate functions, not re-jitted `py_func`s: numba's
+# cache keys a kernel on its name and line, not on the parallel flag.
+@njit(**_JIT)
+def _serial_q8_0(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q8_0)
+
+
+@njit(**_JIT)
+def _serial_q4_0(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_0)
+
+
+@njit(**_JIT)
+def _serial_q4_1(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_1)
+
+
+@njit(**_JIT)
+def _serial_q5_0(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_0)
+
+
+@njit(**_JIT)
+def _serial_q5_1(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
+
+
+def _pick(kernels: dict, serial: dict, qtype: str):
+    """The parallel kernel for `qtype`, or its serial twin when numba runs one thread."""
+    return serial[qtype] if numba.get_num_threads() == 1 else kernels[qtype]
+
+
 BLOCK32_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}  # bytes per 32 weights
 _BLOCK32_KERNELS = {"Q8_0": _linear_q8_0, "Q4_0": _linear_q4_0, "Q4_1": _linear_q4_1,
                     "Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1}
+_BLOCK32_SERIAL = {"Q8_0": _serial_q8_0, "Q4_0": _serial_q4_0, "Q4_1": _serial_q4_1,
+                   "Q5_0": _serial_q5_0, "Q5_1": _serial_q5_1}
 
 
 def _check_block32(x, blocks, qtype, out):
@@ -380,7 +420,7 @@ def linear_block32(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarra
     the f16 scales are widened in the kernel. Bit-identical to
     ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
     _check_block32(x, blocks, qtype, out)
-    _BLOCK32_KERNELS[qtype](x, (blocks, blocks, blocks), (out, out, out), 1)
+    _pick(_BLOCK32_KERNELS, _BLOCK32_SERIAL, qtype)(x, (blocks, blocks, blocks), (out, out, out), 1)
     return out
 
 
@@ -397,7 +437,7 @@ def linear_block32_many(x: np.ndarray, blocks: list[np.ndarray], qtype: str) -> 
     outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b in blocks]
     for b, o in zip(blocks, outs):
         _check_block32(x, b, qtype, o)
-    _BLOCK32_KERNELS[qtype](x, _three(blocks), _three(outs), len(blocks))
+    _pick(_BLOCK32_KERNELS, _BLOCK32_SERIAL, qtype)(x, _three(blocks), _three(outs), len(blocks))
     return outs
 
 
@@ -486,7 +526,23 @@ def _linear_q6_k(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
 
 
+@njit(**_JIT)
+def _serial_q4_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q4_k)
+
+
+@njit(**_JIT)
+def _serial_q5_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q5_k)
+
+
+@njit(**_JIT)
+def _serial_q6_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
+
+
 _KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k}
+_SERIAL = {"Q4_K": _serial_q4_k, "Q5_K": _serial_q5_k, "Q6_K": _serial_q6_k}  # one thread: see _pick
 
 
 def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -525,7 +581,7 @@ def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, 
     (C-contiguous; a memory-map view is fine), with `d`, `dmin` from `superblock_scales`.
     Bit-identical to ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
     _check_kquant(x, blocks, qtype, d, dmin, out)
-    _KERNELS[qtype](x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
+    _pick(_KERNELS, _SERIAL, qtype)(x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
     return out
 
 
@@ -536,6 +592,6 @@ def linear_kquant_many(x: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray
     outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b, _, _ in weights]
     for (b, d, dm), o in zip(weights, outs):
         _check_kquant(x, b, qtype, d, dm, o)
-    _KERNELS[qtype](x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
+    _pick(_KERNELS, _SERIAL, qtype)(x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
                     _three([w[2] for w in weights]), _three(outs), len(weights))
     return outs

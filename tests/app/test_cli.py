@@ -65,7 +65,7 @@ def test_run_reports_the_time_to_the_first_token_on_stderr(model_path):
                      r"\(first token; weights prepared in (\d+\.\d\d) s\)", lines[0])
     assert m, lines[0]
     ready, weights = float(m.group(1)), float(m.group(2))
-    assert 0 < weights < ready < 120
+    assert 0 <= weights < ready < 120  # weights are views of the mapped file: preparing them can round to 0.00 s
     quiet = cli("run", "-n", "2", "--quiet", "hi")
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip()
 

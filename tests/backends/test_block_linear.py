@@ -61,6 +61,33 @@ def test_linear_many_rows_invariant(rng):
         assert all(np.array_equal(got[j], alone[j][pick]) for j in range(2)), B
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_one_thread_serial_kernels_equal_the_parallel_ones(rng, qtype):
+    """On one numba thread the products run the serial twins of the parallel kernels
+    (quant_kernels._pick); every product, fused or not, has the same bits as on two
+    threads (the parallel kernels), at the register path and the panel path."""
+    import numba
+
+    from panechat.backends import quant_kernels as qk
+
+    be, kept, _ = _weights(rng, qtype, [(70, 512), (20, 512), (33, 512)])
+    before = numba.get_num_threads()
+    try:
+        for M in (1, 4, 5, 33):
+            x = rng.standard_normal((M, 512), dtype=np.float32)
+            got = {}
+            for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+                numba.set_num_threads(threads)
+                got[threads] = (be.linear_many(x, tuple(kept)), [be.linear(x, w) for w in kept])
+            one, many = got[1], got[max(got)]
+            for a, b in zip(one[0] + tuple(one[1]), many[0] + tuple(many[1])):
+                assert np.array_equal(a, b), (qtype, M)
+    finally:
+        numba.set_num_threads(before)
+    table = qk._SERIAL if qtype in qk._SERIAL else qk._BLOCK32_SERIAL
+    assert table[qtype].signatures  # the one-thread calls above went through the serial kernel
+
+
 class _Float32Unfused(NumpyBackend):
     """The reference path: every weight dequantized to float32 by gguf, one `linear` call
     per product (the base class's `linear_many`)."""

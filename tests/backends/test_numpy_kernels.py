@@ -424,3 +424,20 @@ def test_kv_export_import_round_trip(rng, dtype):
         assert np.array_equal(k0, k1) and np.array_equal(v0, v1)
     with pytest.raises(ValueError):
         be.kv_export(kv, [1, 2], n)
+
+
+@pytest.mark.parametrize("style", ["neox", "normal"])
+@pytest.mark.parametrize("R,H,hd,rope_dim", [(1, 9, 64, 64), (5, 3, 64, 32), (3, 2, 128, 128), (33, 4, 80, 80)])
+def test_rope_kernel_equals_the_numpy_expressions(style, R, H, hd, rope_dim):
+    """NumpyBackend.rope (one numba call) gives ArrayBackend.rope's numpy bits, partial
+    rotary dimensions (the tail copied) and scaled tables included."""
+    from panechat.backends.array_backend import ArrayBackend
+    from panechat.backends.numpy_backend import NumpyBackend
+
+    be, rng = NumpyBackend(), np.random.default_rng(3)
+    x = (rng.standard_normal((R, H, hd)) * 40).astype(np.float32)
+    tables = be.rope_tables(rope_dim, 10000.0, 8192, mscale=1.25)
+    pos = rng.integers(0, 8192, R).astype(np.int32)
+    got = be.rope(x, pos, style, tables)
+    assert np.array_equal(got, ArrayBackend.rope(be, x, pos, style, tables))
+    assert np.array_equal(be.rope(x[:1], pos[:1], style, tables), got[:1])
