@@ -21,21 +21,6 @@ def _msgs(q):
     return [{"role": "user", "content": q}]
 
 
-@pytest.fixture
-def make_engine(loaded_model):
-    engines = []
-
-    def make(**kw):
-        kw.setdefault("ctx_size", 512)
-        e = Engine(loaded_model, EngineConfig(**kw)).start()
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        e.stop()
-
-
 def _solo(make_engine, params, questions=QUESTIONS):
     e = make_engine(max_concurrent=1)
     return [e.submit(_msgs(q), params=params).result() for q in questions]

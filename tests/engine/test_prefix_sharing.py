@@ -7,7 +7,6 @@ import time
 import pytest
 
 from panechat.backends.paged_kv import BLOCK_TOKENS
-from panechat.engine.engine import Engine, EngineConfig
 from panechat.engine.sampling import SamplingParams
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a team of gardeners. " * 6}
@@ -17,21 +16,6 @@ QUESTIONS = ["Name a fruit.", "Name a flower.", "Name a fruit.", "Why do leaves 
 
 def _msgs(q):
     return [SYSTEM, {"role": "user", "content": q}]
-
-
-@pytest.fixture
-def make_engine(loaded_model):
-    engines = []
-
-    def make(**kw):
-        kw.setdefault("ctx_size", 512)
-        e = Engine(loaded_model, EngineConfig(**kw)).start()
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        e.stop()
 
 
 def _all_blocks_back(e):
