@@ -54,25 +54,21 @@ class ShuttingDown(RuntimeError):
         self.retry_after = max(1, math.ceil(retry_after))
 
 
+#: Exception types and their refusals, in the order `classify` tries them: the subclasses of
+#: ValueError (PromptTooLong, and any others listed) before ValueError itself.
+_REFUSAL_OF: tuple[tuple[type[BaseException], Refusal], ...] = (
+    (PromptTooLong, PROMPT_TOO_LONG), (ShuttingDown, SHUTTING_DOWN), (QueueFull, QUEUE_FULL),
+    (EngineStopped, ENGINE_STOPPED), (UnknownModel, UNKNOWN_MODEL), (ModelDoesNotFit, MODEL_DOES_NOT_FIT),
+    (ModelFileError, MODEL_UNUSABLE), (ValueError, BAD_INPUT),
+)
+
+
 def classify(e: BaseException) -> Refusal | None:
     """The refusal `e` (raised by `Engine.submit` or while preparing its prompt) stands for,
     or None when it is none: a bug, to be reported as an internal error."""
-    if isinstance(e, PromptTooLong):  # before ValueError: it is one
-        return PROMPT_TOO_LONG
-    if isinstance(e, ShuttingDown):
-        return SHUTTING_DOWN
-    if isinstance(e, QueueFull):
-        return QUEUE_FULL
-    if isinstance(e, EngineStopped):
-        return ENGINE_STOPPED
-    if isinstance(e, UnknownModel):
-        return UNKNOWN_MODEL
-    if isinstance(e, ModelDoesNotFit):
-        return MODEL_DOES_NOT_FIT
-    if isinstance(e, ModelFileError):
-        return MODEL_UNUSABLE
-    if isinstance(e, ValueError):
-        return BAD_INPUT
+    for kind, refusal in _REFUSAL_OF:
+        if isinstance(e, kind):
+            return refusal
     return None
 
 
