@@ -80,6 +80,7 @@ class BackendInfo:
     batching: bool | None = None
     chat_template: str = ""  # "gguf", "chatml-fallback" (a base model), "" when the server does not say
     url: str = ""
+    ready_s: float | None = None  # local engine: seconds from the process's start to serving
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
 from ...engine.sampling import SamplingParams
 from ...engine.stats import EngineStats
 from ..engine_errors import QUEUE_FULL, classify
+from ..startup_clock import since_start
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill, Queued
 
 
@@ -103,7 +104,7 @@ class LocalBackend(ChatBackend):
         self.info = BackendInfo(kind="local", model=self.models.default or e.lm.name, backend=be.name,
                                 detail=be.describe(), ctx=e.ctx, max_concurrent=e.cfg.max_concurrent,
                                 batching=e.batching,
-                                chat_template=e.lm.template.kind)
+                                chat_template=e.lm.template.kind, ready_s=since_start())
         return self.info
 
     async def close(self) -> None:

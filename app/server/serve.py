@@ -31,6 +31,7 @@ import uvicorn
 from ...backends.errors import one_line
 from ...engine.default_model import resolve_model_path
 from ..engine_factory import build_models, engine_config
+from ..startup_clock import since_start
 from ..store import data_dir
 from .app import MAX_BODY, create_app
 from .state import ServerState
@@ -237,7 +238,8 @@ def serve(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         engine.on_load = lambda name, e: print("\n".join(e.startup_lines()), file=sys.stderr, flush=True)
         state.attach(engine)
-        print("ready.", file=sys.stderr, flush=True)
+        print(f"ready in {since_start():.2f} s (from the process's start; weights prepared in "
+              f"{max(e.lm.model.load_seconds for e in engine.engines().values()):.2f} s)", file=sys.stderr, flush=True)
 
     loader = threading.Thread(target=load, name="panechat-load", daemon=True)
     loader.start()

@@ -81,7 +81,8 @@ def test_serve_end_to_end(model_path):
     finally:
         if p.poll() is None:
             p.kill()
-    for want in ("model: ", "backend: ", "context: ", "concurrency: ", "OpenAI API: ", "websocket: ", "ready."):
+    for want in ("model: ", "backend: ", "context: ", "concurrency: ", "OpenAI API: ", "websocket: "):
         assert want in err, want
+    assert re.search(r"^ready in \d+\.\d\d s \(from the process's start; weights prepared in \d+\.\d\d s\)$", err, re.M), err
     assert re.search(r'"POST /v1/chat/completions" 200 .*prompt=\d+ reused=\d+ out=\d+', err), err
     assert "Traceback" not in err

@@ -59,7 +59,7 @@ class Serve:
 
     def wait_ready(self, timeout: float = 120) -> None:
         t0 = time.monotonic()
-        while "ready.\n" not in self.lines:
+        while not any(line.startswith("ready in ") for line in self.lines):
             assert self.p.poll() is None, self.err
             assert time.monotonic() - t0 < timeout, self.err
             time.sleep(0.1)

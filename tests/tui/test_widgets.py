@@ -3,6 +3,8 @@ Markdown lists, and a pane on the real engine."""
 
 from __future__ import annotations
 
+import re
+
 from textual.app import App
 from textual.widgets import DataTable, Static
 
@@ -176,6 +178,10 @@ async def test_dashboard_names_the_chatml_fallback_of_a_base_model(tmp_path, tui
             async with app.run_test(size=(60, 30)) as pilot:
                 await pilot.pause()
                 shown[engine.lm.name] = _text(app.query_one(Dashboard), "dash-model")
+                backend_line = _text(app.query_one(Dashboard), "dash-backend")
+                # the local engine's line ends with the start-up time, as `run` and `serve` print it
+                assert re.fullmatch(r"local engine · numpy · ready in \d+\.\d s", backend_line), backend_line
+                assert float(backend_line.rsplit(" ", 2)[1]) == round(backend.info.ready_s, 1) > 0
         # the model line names the model as `panechat models` does (the file name without .gguf)
         assert shown["tiny-base.gguf"] == "tiny-base\ntemplate: chatml (fallback)"
         assert shown[tui_engine.lm.name] == tui_engine.lm.name.removesuffix(".gguf")

@@ -214,7 +214,8 @@ class Dashboard(Vertical, can_focus=False):
         info = self.backend.info
         kind = {"local": "local engine", "remote": "panechat server", "openai": "OpenAI API"}.get(info.kind, info.kind)
         where = f" {info.url}" if info.url else ""
-        self._show("dash-backend", f"{kind}{where}" + (f" · {info.backend}" if info.backend else ""))
+        ready = f" · ready in {info.ready_s:.1f} s" if info.ready_s is not None else ""
+        self._show("dash-backend", f"{kind}{where}" + (f" · {info.backend}" if info.backend else "") + ready)
         self._show("dash-model", (info.model + _TEMPLATE_NOTE.get(info.chat_template, "")) if info.model
                    else self.status_line)
         if self._shown.get("detail") != info.detail:
