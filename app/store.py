@@ -29,6 +29,8 @@ from typing import Callable, TypeVar
 
 import platformdirs
 
+from .sqlite_transaction import transaction
+
 DATA_DIR_ENV = "PANECHAT_DATA_DIR"
 DB_NAME = "panechat.db"
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite keeps these next to the database; they belong to it
@@ -290,15 +292,10 @@ class Store:
         for n, script in enumerate(MIGRATIONS, start=1):
             if n <= self.version:
                 continue
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(self.db):
                 for stmt in filter(str.strip, script.split(";")):
                     self.db.execute(stmt)
                 self.db.execute(f"PRAGMA user_version = {n}")
-                self.db.execute("COMMIT")
-            except Exception:
-                self.db.execute("ROLLBACK")
-                raise
 
     # -- failures --------------------------------------------------------------------------
     def _say(self, line: str) -> None:
@@ -321,15 +318,8 @@ class Store:
         if self.write_error is not None:
             return None
         try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(self.db):
                 result = work(self.db)
-                self.db.execute("COMMIT")
-            except BaseException:
-                if self.db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self.db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as e:
             self._failed(e)
             return None

@@ -22,6 +22,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..sqlite_transaction import transaction
 from ..store import BUSY_TIMEOUT_S, SQLITE_MAGIC, is_damage, move_aside, read_only_uri
 
 __all__ = ["ConversationDB", "StoredConversation", "DB_NAME"]
@@ -121,16 +122,9 @@ class ConversationDB:
         if self.failed is not None:
             return
         try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(self.db):
                 for sql, params in sql_batches:
                     self.db.execute(sql, params)
-                self.db.execute("COMMIT")
-            except BaseException:
-                if self.db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self.db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as e:
             self.failed = str(e)
             self.log.warning("the conversation store %s failed (%s); conversations are kept in memory only "
