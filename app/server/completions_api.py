@@ -7,18 +7,14 @@ server tokenizes a completion prompt). The fields, limits and errors are those o
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ...engine.sampling import SamplingParams
 from .errors import bad_request
-from .openai_api import (SSEResponse, _finish_reason, engine_for, model_field, parse_generation_fields, read_json,
-                         submitted, timings_of, usage_of, whole_reply)
-from .state import ServerState, state_of
+from .openai_api import SSEResponse, _finish_reason, generation_route, parse_generation_fields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's for /v1/completions
 
@@ -43,10 +39,8 @@ def parse_prompt(v) -> str:
     return v
 
 
-def parse_completion_request(body, st: ServerState, engine=None) -> CompletionRequest:
-    """The validated request for `engine` (default: the default model's)."""
-    model = model_field(body) or st.model_id()
-    engine = engine or st.require_engine()
+def parse_completion_request(body, engine, model: str) -> CompletionRequest:
+    """The validated request for `engine`, the engine of `model`."""
     prompt = parse_prompt(body.get("prompt"))
     if body.get("echo"):
         raise bad_request("echo is not supported by this server", param="echo")
@@ -59,23 +53,11 @@ def parse_completion_request(body, st: ServerState, engine=None) -> CompletionRe
 
 
 async def completions(request: Request) -> Response:
-    st = state_of(request)
-    data = await read_json(request, st)
-    engine = await engine_for(st, model_field(data))
-    req = parse_completion_request(data, st, engine)
-    gen = await submitted(lambda: st.submit_text(req.prompt, req.params, req.stop, engine=engine))
-    cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    if req.stream:
-        return CompletionSSE(request, gen, req, cid, created)
-    fin = await whole_reply(request, st, gen)
-    return JSONResponse({
-        "id": cid, "object": "text_completion", "created": created, "model": req.model,
-        "system_fingerprint": "panechat",
-        "choices": [{"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)}],
-        "usage": usage_of(fin),
-        "timings": timings_of(fin),
-    })
+    return await generation_route(
+        request, parse_completion_request,
+        lambda st, req, engine: st.submit_text(req.prompt, req.params, req.stop, engine=engine),
+        CompletionSSE, "cmpl", "text_completion",
+        lambda fin: {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)})
 
 
 class CompletionSSE(SSEResponse):

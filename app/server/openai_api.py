@@ -146,10 +146,8 @@ def parse_generation_fields(body: dict, engine, default_max_tokens: int | None =
     return GenerationFields(params, stop, bool(stream), include_usage)
 
 
-def parse_chat_request(body, st: ServerState, engine=None) -> ChatRequest:
-    """The validated request for `engine` (default: the default model's)."""
-    model = model_field(body) or st.model_id()
-    engine = engine or st.require_engine()
+def parse_chat_request(body, engine, model: str) -> ChatRequest:
+    """The validated request for `engine`, the engine of `model`."""
     messages = parse_messages(body.get("messages"))
     if body.get("tools"):
         raise bad_request("tools are not supported by this server", param="tools")
@@ -245,21 +243,35 @@ async def submitted(submit):
 
 
 async def chat_completions(request: Request) -> Response:
+    return await generation_route(
+        request, parse_chat_request,
+        lambda st, req, engine: st.submit(req.messages, req.params, req.stop, engine=engine),
+        SSEResponse, "chatcmpl", "chat.completion",
+        lambda fin: {"index": 0, "message": {"role": "assistant", "content": fin.text},
+                     "logprobs": None, "finish_reason": _finish_reason(fin)})
+
+
+async def generation_route(request: Request, parse, submit, sse_class, id_prefix: str, object_name: str,
+                           choice) -> Response:
+    """What every generation route does: read the body, resolve the engine of the model it
+    names (loaded on first use), validate it with `parse(body, engine, model)`, submit
+    with `submit(state, req, engine)`, then stream `sse_class` events or return the whole
+    reply, whose choices[0] is `choice(finish_event)`."""
     st = state_of(request)
     data = await read_json(request, st)
-    engine = await engine_for(st, model_field(data))
-    req = parse_chat_request(data, st, engine)
-    gen = await submitted(lambda: st.submit(req.messages, req.params, req.stop, engine=engine))
-    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    model = model_field(data)
+    engine = await engine_for(st, model)
+    req = parse(data, engine, model or st.model_id())
+    gen = await submitted(lambda: submit(st, req, engine))
+    cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
-        return SSEResponse(request, gen, req, cid, created)
+        return sse_class(request, gen, req, cid, created)
     fin = await whole_reply(request, st, gen)
     return JSONResponse({
-        "id": cid, "object": "chat.completion", "created": created, "model": req.model,
+        "id": cid, "object": object_name, "created": created, "model": req.model,
         "system_fingerprint": "panechat",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text},
-                     "logprobs": None, "finish_reason": _finish_reason(fin)}],
+        "choices": [choice(fin)],
         "usage": usage_of(fin),
         "timings": timings_of(fin),
     })
