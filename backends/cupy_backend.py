@@ -4,9 +4,10 @@ Importing this module needs neither cupy nor a GPU; `CupyBackend()` raises
 `BackendUnavailable` with a one-line reason when either is missing. See docs/cupy.md.
 
 Weights live on the GPU:
-  Q8_0, Q4_0, Q4_1  int8 q [N, K] + float32 scale d (and min m for Q4_1) per 32 weights,
-                    from the raw GGUF blocks: w = q*d (Q4_0: q-8), Q4_1 w = q*d + m -- exactly
-                    the floats gguf dequantizes (q*d is exact in float32, + m rounds once).
+  Q4_0, Q4_1        GGUF's blocks: the codes nibble-packed as stored + float16 d (and m)
+                    (cupy_packed.py), dequantized in registers: w = (q-8)*d, Q4_1 w = q*d + m
+                    -- exactly the floats gguf dequantizes (q*d is exact, + m rounds once).
+  Q8_0              int8 q [N, K] + float32 scale d per 32 weights, w = q*d, exact.
   F32               float32, exact.
   F16               float16, exact.
   BF16              as stored (uint16), widened exactly in registers.
@@ -41,6 +42,7 @@ from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
+from .cupy_packed import can_pack, split_blocks
 from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
@@ -52,8 +54,9 @@ F16_MAX = 65504.0
 @dataclass
 class CupyWeight:
     """A prepared [n, k] weight. kind 'f32' / 'f16' / 'bf16' (uint16 bits): w is the matrix;
-    'q8': w is int8 q,
-    scales float32 [n, k/32], mins float32 [n, k/32] or None."""
+    'q8': w is int8 q, scales float32 [n, k/group], mins float32 [n, k/group] or None;
+    'q4' (Q4_0/Q4_1 blocks, cupy_packed): w is uint8 qs [n, k/2] as stored, scales float16
+    [n, k/32], mins float16 [n, k/32] (Q4_1) or None."""
 
     kind: str
     n: int
@@ -72,9 +75,14 @@ class CupyWeight:
         return (self.n, self.k)
 
 
-def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
-    """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc)."""
+def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widen_q4: bool = False) -> CupyWeight:
+    """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc).
+    `widen_q4`: Q4_0/Q4_1 as int8 codes + float32 scales (the q8 kernels; the same floats)
+    instead of their block form."""
     n, k = t.shape
+    if can_pack(t.qtype, t.shape) and not widen_q4:  # Q4_0/Q4_1 in block form, as stored
+        qs, d, m = split_blocks(t.blocks, t.qtype, n, k)
+        return CupyWeight("q4", n, k, qs, d, m)
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
@@ -131,7 +139,7 @@ class CupyBackend(ArrayBackend):
         batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
         linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
                 ("BF16", 70, 96), ("BF16", 33, 44),
-                ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
+                ("Q4_1", 70, 128), ("Q4_0", 33, 96), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
         norm_widths=(300,),
         attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
                    AttentionCase(4, 2, 80, 40, 6, (5, 37), window=21)))
@@ -200,7 +208,8 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
+        return (f"cupy on {self._info}; weights: Q4_0/Q4_1 in their blocks (4-bit codes as stored), "
+                f"Q8_0/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 

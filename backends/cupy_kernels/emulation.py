@@ -93,12 +93,28 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         return np.asarray(w).view(np.float16).astype(np.float32)
     if kind == "bf16":
         return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if kind == "q4":
+        return dequantize_q4(w, scales, mins)
     N, K = w.shape
     q = np.asarray(w).view(np.int8).reshape(N, K // group, group).astype(np.float32)
     out = q * np.asarray(scales, np.float32)[:, :, None]
     if mins is not None:
         out = out + np.asarray(mins, np.float32)[:, :, None]
     return out.reshape(N, K)
+
+
+def dequantize_q4(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """The float32 weights of Q4_0 (m None: (q - 8) * d) or Q4_1 (q * d + m) blocks held as
+    the q4 kernels read them: qs uint8 [N, K/2] (16 bytes per block as stored), d, m
+    float16 [N, K/32] -- the nibbles unpacked as gguf does, gguf's float32 expressions."""
+    d = np.asarray(d).view(np.float16).astype(np.float32)
+    N, nb = d.shape
+    b = np.asarray(qs, np.uint8).reshape(N, nb, 16)
+    q = np.concatenate([b & 0x0F, b >> 4], axis=-1).astype(np.float32)  # [N, nb, 32]
+    if m is None:
+        return ((q - _F32(8)) * d[:, :, None]).reshape(N, nb * 32)
+    mm = np.asarray(m).view(np.float16).astype(np.float32)
+    return (q * d[:, :, None] + mm[:, :, None]).reshape(N, nb * 32)
 
 
 def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -290,6 +306,7 @@ _NP_OF_CTYPE = {
     "float": (np.float32,),
     "unsigned short": (np.float16, np.uint16),
     "signed char": (np.int8,),
+    "unsigned char": (np.uint8,),
     "int": (np.int32,),
     "long long": (np.int64,),
     "unsigned int": (np.uint32,),
@@ -344,6 +361,9 @@ def _emu_linear(name, grid, args):
         x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode = args
         w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
                        m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
+    elif kind == "q4":
+        x, qs, d, m, out, M, N, K, has_m, add, add_mode = args
+        w = dequantize_q4(qs.reshape(int(N), -1), d.reshape(int(N), -1), m.reshape(int(N), -1) if has_m else None)
     else:
         x, w0, out, M, N, K, add, add_mode = args
         w = dequantize(kind, w0)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .constants import COL_TILES, KSPLIT, MAX_HEAD_DIM, NT, ROW_TILES, WARPS, WIDE_N, cdiv
+from .constants import BLOCK_KINDS, COL_TILES, KSPLIT, MAX_HEAD_DIM, NT, ROW_TILES, WARPS, WIDE_N, cdiv
 from .source import KERNEL_NAMES, linear_kernel_name
 
 SCRATCH_FLOATS = 1 << 24  # attention score scratch per launch group (64 MiB); rows are chunked
@@ -69,8 +69,8 @@ class Kernels:
         if K % 8 == 0 and _ptr(x) % 16 == 0:
             tm, nc = row_tile(M), col_tile(N)
             grid = (cdiv(M, tm), cdiv(N, WARPS * nc))
-        elif w.kind == "q8":
-            raise ValueError("linear: q8 weights need K a multiple of their group and a 16-byte aligned x")
+        elif w.kind in BLOCK_KINDS:
+            raise ValueError(f"linear: {w.kind} weights need K a multiple of their group and a 16-byte aligned x")
         else:  # the any-K kernel: same arithmetic, scalar loads, one row per block
             tm, nc = 0, 0
             grid = (M, cdiv(N, WARPS))
@@ -90,6 +90,9 @@ class Kernels:
             group = getattr(w, "group", 32)
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
                     i32(group.bit_length() - 1)) + tail
+        elif w.kind == "q4":
+            mins = w.mins if w.mins is not None else w.scales
+            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None)) + tail
         else:
             args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
         self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .constants import COL_TILES, CUDA_DEFINES, LINEAR_KINDS, ROW_TILES
+from .constants import BLOCK_KINDS, COL_TILES, CUDA_DEFINES, LINEAR_KINDS, ROW_TILES
 
 _COMMON = r"""
 // panechat CuPy backend kernels. The numerical contract is documented in cupy_kernels/__init__.py;
@@ -72,16 +72,22 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 }
 
 // ---- weight formats: octet(n, g, o) = w[n, 8g .. 8g+8) as exact floats ----------------
-// octet() uses vector loads (rows 16-byte aligned: K % 8 == 0); at() is the scalar load.
+// load(n, g) fetches what octet g of row n needs from memory (vector loads, rows 16-byte
+// aligned: K % 8 == 0) and decode(raw, g, o) turns it into the 8 exact floats, so that the
+// linear kernel can issue several octets' loads before their first use (bytes in flight);
+// at() is the scalar load of the any-K kernel.
 
 struct WF32 {
     const float* w;
     int K;
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+    struct Raw { float4 a, b; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
         const float4* p = reinterpret_cast<const float4*>(w + (size_t)n * K + 8 * g);
-        const float4 a = __ldg(p), b = __ldg(p + 1);
-        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+        return Raw{__ldg(p), __ldg(p + 1)};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        o[0] = r.a.x; o[1] = r.a.y; o[2] = r.a.z; o[3] = r.a.w;
+        o[4] = r.b.x; o[5] = r.b.y; o[6] = r.b.z; o[7] = r.b.w;
     }
     __device__ __forceinline__ float at(int n, int k) const { return __ldg(w + (size_t)n * K + k); }
 };
@@ -89,8 +95,11 @@ struct WF32 {
 struct WF16 {
     const unsigned short* w;
     int K;
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    using Raw = uint4;
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        return __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    }
+    __device__ __forceinline__ void decode(const Raw& u, int g, float* o) const {
         o[0] = h2f((unsigned short)(u.x & 0xffffu)); o[1] = h2f((unsigned short)(u.x >> 16));
         o[2] = h2f((unsigned short)(u.y & 0xffffu)); o[3] = h2f((unsigned short)(u.y >> 16));
         o[4] = h2f((unsigned short)(u.z & 0xffffu)); o[5] = h2f((unsigned short)(u.z >> 16));
@@ -103,9 +112,12 @@ struct WF16 {
 struct WBF16 {
     const unsigned short* w;
     int K;
+    using Raw = uint4;
     __device__ __forceinline__ static float b2f(unsigned int b) { return __uint_as_float(b << 16); }
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        return __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    }
+    __device__ __forceinline__ void decode(const Raw& u, int g, float* o) const {
         o[0] = b2f(u.x & 0xffffu); o[1] = b2f(u.x >> 16);
         o[2] = b2f(u.y & 0xffffu); o[3] = b2f(u.y >> 16);
         o[4] = b2f(u.z & 0xffffu); o[5] = b2f(u.z >> 16);
@@ -123,19 +135,21 @@ struct WQ8 {
     int K;
     int has_m;
     int gs;
+    struct Raw { uint2 u; float d, m; };
     __device__ __forceinline__ float deq(int qv, float dd, float mm) const {
         const float w = __fmul_rn((float)qv, dd);
         return has_m ? __fadd_rn(w, mm) : w;
     }
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
-        const uint2 u = __ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g));
+    __device__ __forceinline__ Raw load(int n, int g) const {
         const size_t b = (size_t)n * (K >> gs) + ((8 * g) >> gs);
-        const float dd = __ldg(d + b);
-        const float mm = has_m ? __ldg(m + b) : 0.0f;
+        return Raw{__ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g)), __ldg(d + b),
+                   has_m ? __ldg(m + b) : 0.0f};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            o[j] = deq((int)(signed char)((u.x >> (8 * j)) & 0xffu), dd, mm);
-            o[4 + j] = deq((int)(signed char)((u.y >> (8 * j)) & 0xffu), dd, mm);
+            o[j] = deq((int)(signed char)((r.u.x >> (8 * j)) & 0xffu), r.d, r.m);
+            o[4 + j] = deq((int)(signed char)((r.u.y >> (8 * j)) & 0xffu), r.d, r.m);
         }
     }
     __device__ __forceinline__ float at(int n, int k) const {
@@ -144,17 +158,55 @@ struct WQ8 {
     }
 };
 
+// Q4_0 / Q4_1 in GGUF's block form: qs [N, K/32, 16] bytes exactly as stored (byte j of a
+// block holds weight j in its low nibble and weight j + 16 in its high nibble), d (and m)
+// [N, K/32] float16 as stored, split off the 18/20-byte blocks so that qs rows stay 16-byte
+// aligned. Octet g = part p = g % 4 of block g / 4: weights 8p' .. 8p'+7 of the block are the
+// low (p < 2) or high (p >= 2) nibbles of bytes 8 (p & 1) .. 8 (p & 1) + 7, one 8-byte load.
+// w = (q - 8) * d (Q4_0, exact) or q * d + m (Q4_1, the product exact, + m rounded once):
+// gguf's float32 expressions, as the CPU kernels and the widened q8 form compute them.
+struct WQ4 {
+    const unsigned char* qs;
+    const unsigned short* d;
+    const unsigned short* m;
+    int K;
+    int has_m;
+    struct Raw { uint2 u; unsigned short d, m; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        return Raw{__ldg(reinterpret_cast<const uint2*>(qs + 16 * b + 8 * (g & 1))), __ldg(d + b),
+                   has_m ? __ldg(m + b) : (unsigned short)0};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int sh = (g & 2) ? 4 : 0;  // parts 2, 3: the high nibbles
+        const float dd = h2f(r.d), mm = h2f(r.m);
+        const int off = has_m ? 0 : 8;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int q0 = (int)((r.u.x >> (8 * j + sh)) & 0xfu) - off;
+            const int q1 = (int)((r.u.y >> (8 * j + sh)) & 0xfu) - off;
+            const float w0 = __fmul_rn((float)q0, dd), w1 = __fmul_rn((float)q1, dd);
+            o[j] = has_m ? __fadd_rn(w0, mm) : w0;
+            o[4 + j] = has_m ? __fadd_rn(w1, mm) : w1;
+        }
+    }
+};
+
 // ---- linear: out[M, N] = x[M, K] @ w[N, K]^T ------------------------------------------
 // Block: 8 warps; warp w computes columns n0 .. n0+NC-1 (n0 = (blockIdx.y*8 + w) * NC) for
 // rows m0 .. m0+TM-1 (m0 = blockIdx.x * TM). Lane l owns the octets g = l, l+32, ... and
 // runs one fma chain per output element over them in increasing k.
-// VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads.
+// VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads, PF octets
+// per lane loaded before the first of them is used (PF * 32 octets of each column in
+// flight per warp; the chains still take the octets one by one in increasing k). Columns
+// past N (the last warp of a ragged N) load column N - 1 and never store.
 // add_mode 1: out = sum + add[m, n] (a residual), 2: out = sum + add[n] (a bias), the add
 // rounded once after the reduction: what a separate `y + add` computes, one launch fewer.
 template <int TM, int NC, class W>
 __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W& w,
                                            float* __restrict__ out, int M, int N, int K,
                                            const float* __restrict__ add, int add_mode) {
+    constexpr int PF = NC == 1 ? 8 : 2;
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
     const int m0 = blockIdx.x * TM;
@@ -165,27 +217,32 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
     const int G = K >> 3;
-    for (int g = lane; g < G; g += 32) {
-        float wv[NC][8];
+    for (int g0 = lane; g0 < G; g0 += 32 * PF) {
+        typename W::Raw raw[PF][NC];
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            if (n0 + c < N) {
-                w.octet(n0 + c, g, wv[c]);
-            } else {
+        for (int p = 0; p < PF; ++p)
+            if (g0 + 32 * p < G)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) wv[c][j] = 0.0f;
-            }
-        }
+                for (int c = 0; c < NC; ++c) raw[p][c] = w.load(min(n0 + c, N - 1), g0 + 32 * p);
 #pragma unroll
-        for (int r = 0; r < TM; ++r) {
-            if (m0 + r < M) {
-                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + 8 * g);
-                const float4 a = __ldg(xr), b = __ldg(xr + 1);
-                const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (int p = 0; p < PF; ++p) {
+            const int g = g0 + 32 * p;
+            if (g < G) {
+                float wv[NC][8];
 #pragma unroll
-                for (int c = 0; c < NC; ++c)
+                for (int c = 0; c < NC; ++c) w.decode(raw[p][c], g, wv[c]);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[r][c] = __fmaf_rn(xv[j], wv[c][j], acc[r][c]);
+                for (int r = 0; r < TM; ++r) {
+                    if (m0 + r < M) {
+                        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + 8 * g);
+                        const float4 a = __ldg(xr), b = __ldg(xr + 1);
+                        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                        for (int c = 0; c < NC; ++c)
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) acc[r][c] = __fmaf_rn(xv[j], wv[c][j], acc[r][c]);
+                    }
+                }
             }
         }
     }
@@ -555,6 +612,8 @@ _LINEAR_SIGNATURES = {
     "bf16": ("const unsigned short* __restrict__ w", "WBF16 ww{w, K};"),
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
            "WQ8 ww{q, d, m, K, has_m, gshift};"),
+    "q4": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
+           "const unsigned short* __restrict__ m", "WQ4 ww{qs, d, m, K, has_m};"),
 }
 
 
@@ -566,9 +625,9 @@ def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
 def _linear_wrappers() -> str:
     out = []
     for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
-        extra = ", int has_m, int gshift" if kind == "q8" else ""
+        extra = {"q8": ", int has_m, int gshift", "q4": ", int has_m"}.get(kind, "")
         variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
-        if kind != "q8":  # q8 needs K % 32 == 0: always the vector kernels
+        if kind not in BLOCK_KINDS:  # q8, q4 need K % 32 == 0: always the vector kernels
             variants.append((0, 0))
         for tm, nc in variants:
             call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode);" if tm
@@ -594,7 +653,7 @@ OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 
 KERNEL_NAMES = tuple(
     [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
-    + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k != "q8"]
+    + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k not in BLOCK_KINDS]
     + ["rms_norm", "silu_mul", "gelu_mul", "rope", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
 )
 
