@@ -18,8 +18,8 @@ Weights live on the GPU:
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
 copied over (`Backend.embed`). The KV cache is paged (`PagedKV`: float16 by default, each
-value rounded once when written; `attend` gathers a step's sequences in position order as
-float32 for the attention kernel); activations and all arithmetic are float32.
+value rounded once when written); the attention kernels read its blocks in place through
+the block tables (float16 converted exactly); activations and all arithmetic are float32.
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
@@ -324,9 +324,9 @@ class CupyBackend(ArrayBackend):
         if q.shape[-1] > MAX_HEAD_DIM:
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
         self.write_kv(kv, layer, self._f32(k), self._f32(v), seqs, positions, tables)
-        kc, vc = self.contiguous_kv(kv, layer, tables)  # (S, n_kv, max_blocks * B, hd) float32
-        out = xp.empty_like(q)
-        return self.kernels.attention(q, kc, vc, seqs, positions, scale, out, window)
+        t = xp.ascontiguousarray(kv.slot_table if tables is None else tables, dtype=xp.int32)
+        out = xp.empty_like(q)  # the kernels read the blocks in place through the tables
+        return self.kernels.attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, scale, out, window)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -400,9 +400,10 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         tabs, etabs = backend.rope_tables(rd, 10000.0, 100), emu.rope_tables(rd, 10000.0, 100)
         same(f"rope {style} R={R} H={H} D={D} rope_dim={rd}",
              backend.rope(backend.asarray(x), backend.asarray(pos), style, tabs), emu.rope(x, pos, style, etabs))
-    for S, G, C, D, H, R, W in ((4, 2, 80, 40, 6, 7, 0), (3, 1, 300, 128, 2, 5, 0), (2, 2, 700, 64, 8, 9, 0),
-                                (3, 2, 300, 64, 4, 6, 100)):
-        kvs = [be.new_kv(S, 1, G, C, D) for be in (backend, emu)]
+    for S, G, C, D, H, R, W, dt in ((4, 2, 80, 40, 6, 7, 0, "f16"), (3, 1, 300, 128, 2, 5, 0, "f16"),
+                                    (2, 2, 700, 64, 8, 9, 0, "f16"), (3, 2, 300, 64, 4, 6, 100, "f16"),
+                                    (3, 2, 96, 40, 4, 5, 0, "f32")):
+        kvs = [be.new_kv(S, 1, G, C, D, dt) for be in (backend, emu)]
         init_k = rng.standard_normal(kvs[1].k[0].shape, dtype=np.float32).astype(kvs[1].k[0].dtype)
         init_v = rng.standard_normal(kvs[1].v[0].shape, dtype=np.float32).astype(kvs[1].v[0].dtype)
         kvs[0].k[0][...] = backend.asarray(init_k)
@@ -417,7 +418,7 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         q = rng.standard_normal((R, H, D), dtype=np.float32) * 2
         k = rng.standard_normal((R, G, D), dtype=np.float32)
         v = rng.standard_normal((R, G, D), dtype=np.float32)
-        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R} window={W}"
+        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R} window={W} kv={dt}"
         got = backend.attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
                              backend.asarray(slots), backend.asarray(poss), D ** -0.5, W)
         want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W)

@@ -4,6 +4,8 @@ emulation import them from here."""
 
 from __future__ import annotations
 
+from ..paged_kv import BLOCK_TOKENS
+
 NT = 256  # threads per block of every kernel; part of the rms/attention contract
 WARP = 32  # lanes of a warp (the hardware's; the source's shuffles assume it)
 WARPS = NT // WARP  # warps per block: block_sum's fixed tree adds exactly 8
@@ -18,7 +20,7 @@ BLOCK_KINDS = ("q8", "q4")  # kinds in 32/16-weight groups: K % 32 == 0, vector 
 QBLOCK = 32  # weights per quantisation block (q8 scales)
 
 #: what the CUDA source is compiled with (`-DNAME=value`)
-CUDA_DEFINES = {"NT": NT, "WARPS": WARPS, "KSPLIT": KSPLIT, "MAX_HEAD_DIM": MAX_HEAD_DIM}
+CUDA_DEFINES = {"NT": NT, "WARPS": WARPS, "KSPLIT": KSPLIT, "MAX_HEAD_DIM": MAX_HEAD_DIM, "BT": BLOCK_TOKENS}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..paged_kv import BLOCK_TOKENS
 from .constants import KSPLIT, NT, OCTET, QBLOCK, WARP, WARPS, cdiv
 from .sampling import uniform
 from .source import SOURCE, kernel_signatures
@@ -429,36 +430,49 @@ def _emu_rope(name, grid, args):
                                            pos.reshape(-1)[:R], bool(neox)).reshape(-1)
 
 
+def gather_keys(store: np.ndarray, table: np.ndarray, g: int, t0: int, P: int) -> np.ndarray:
+    """Keys (or values) t0 .. P-1 of kv head g of one sequence (its block table row) from a
+    paged store [NB, G, BT, D], in position order, as float32 (an exact conversion): what
+    the attention kernels read through the table."""
+    nb = -(-P // BLOCK_TOKENS)
+    blocks = store[np.asarray(table[:nb], np.int64), g]  # [nb, BT, D]
+    return blocks.reshape(nb * BLOCK_TOKENS, -1)[t0:P].astype(np.float32)
+
+
 def _emu_scores(name, grid, args):
-    q, kc, slot, pos, sc, H, G, C, D, scale, r0, window = args
-    H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
+    q, kc, tab, nb, seq, pos, sc, H, G, D, scale, r0, window = args
+    H, G, D, r0, nb = int(H), int(G), int(D), int(r0), int(nb)
     if grid[0] % H or grid[1] != KSPLIT:
         raise ValueError(f"{name}: grid {grid}")
     qv = q.reshape(-1, H, D)
-    kcv = kc.reshape(-1, G, C, D)
-    scv = sc.reshape(-1, H, C)
+    kcv = kc.reshape(-1, G, BLOCK_TOKENS, D)
+    tabv = tab.reshape(-1, nb)
+    scv = sc.reshape(-1, H, nb * BLOCK_TOKENS)
     for rr in range(grid[0] // H):
         r = r0 + rr
-        P, s = int(pos[r]) + 1, int(slot[r])
+        P = int(pos[r]) + 1
+        t0 = _window_start(P, int(window))
         for h in range(H):
-            t0 = _window_start(P, int(window))
-            scv[rr, h, t0:P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), t0:P], float(scale))
+            keys = gather_keys(kcv, tabv[int(seq[r])], h // (H // G), t0, P)
+            scv[rr, h, t0:P] = emulate_scores(qv[r, h], keys, float(scale))
 
 
 def _emu_softmax_v(name, grid, args):
-    sc, vc, slot, pos, o, H, G, C, D, r0, window = args
-    H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
+    sc, vc, tab, nb, seq, pos, o, H, G, D, r0, window = args
+    H, G, D, r0, nb = int(H), int(G), int(D), int(r0), int(nb)
     if grid[0] % H:
         raise ValueError(f"{name}: grid {grid}")
-    scv = sc.reshape(-1, H, C)
-    vcv = vc.reshape(-1, G, C, D)
+    scv = sc.reshape(-1, H, nb * BLOCK_TOKENS)
+    vcv = vc.reshape(-1, G, BLOCK_TOKENS, D)
+    tabv = tab.reshape(-1, nb)
     ov = o.reshape(-1, H, D)
     for rr in range(grid[0] // H):
         r = r0 + rr
-        P, s = int(pos[r]) + 1, int(slot[r])
+        P = int(pos[r]) + 1
+        t0 = _window_start(P, int(window))
         for h in range(H):
-            t0 = _window_start(P, int(window))
-            ov[r, h], scv[rr, h, t0:P] = emulate_softmax_v(scv[rr, h, t0:P], vcv[s, h // (H // G), t0:P])
+            vals = gather_keys(vcv, tabv[int(seq[r])], h // (H // G), t0, P)
+            ov[r, h], scv[rr, h, t0:P] = emulate_softmax_v(scv[rr, h, t0:P], vals)
 
 
 def _emu_sample_rows(name, grid, args):
@@ -475,7 +489,9 @@ _EMULATORS = {
     "gelu_mul": _emu_gelu,
     "rope": _emu_rope,
     "kv_write": _emu_kv_write,
-    "attn_scores": _emu_scores,
-    "attn_softmax_v": _emu_softmax_v,
+    "attn_scores_f16": _emu_scores,
+    "attn_scores_f32": _emu_scores,
+    "attn_softmax_v_f16": _emu_softmax_v,
+    "attn_softmax_v_f32": _emu_softmax_v,
     "sample_rows": _emu_sample_rows,
 }

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..paged_kv import BLOCK_TOKENS
 from .constants import BLOCK_KINDS, COL_TILES, KSPLIT, MAX_HEAD_DIM, NT, ROW_TILES, WARPS, WIDE_N, cdiv
 from .source import KERNEL_NAMES, linear_kernel_name
 
@@ -138,25 +139,33 @@ class Kernels:
             self.launch("kv_write", (min(cdiv(n, NT), 4096),),
                         (k, v, kc, vc, slots, pos, i32(R), i32(G), i32(C), i32(D)))
 
-    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any,
+    def attention(self, q: Any, kc: Any, vc: Any, tables: Any, seqs: Any, pos: Any, scale: float, out: Any,
                   window: int = 0) -> Any:
-        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] (with a sliding
-        `window` > 0: the last `window` of them) -> out [R, H, D]."""
+        """Causal GQA of q [R, H, D] over keys 0..pos[r] of sequence seqs[r] (with a sliding
+        `window` > 0: the last `window` of them) -> out [R, H, D], reading one layer's paged
+        store kc, vc [NB, G, BT, D] (float16 or float32) in place through the block tables
+        [S, nb] (int32)."""
         R, H, D = q.shape
-        S, G, C, D2 = kc.shape
-        if D2 != D or H % G or D > MAX_HEAD_DIM or out.shape != q.shape:
-            raise ValueError(f"attention: q{tuple(q.shape)} cache{tuple(kc.shape)} (head_dim <= {MAX_HEAD_DIM})")
+        NB, G, bt, D2 = kc.shape
+        S, nb = tables.shape
+        if D2 != D or bt != BLOCK_TOKENS or H % G or D > MAX_HEAD_DIM or out.shape != q.shape or vc.shape != kc.shape:
+            raise ValueError(f"attention: q{tuple(q.shape)} store{tuple(kc.shape)} (head_dim <= {MAX_HEAD_DIM})")
+        if kc.dtype != vc.dtype or np.dtype(str(kc.dtype)) not in (np.float16, np.float32):
+            raise ValueError(f"attention: a float16 or float32 store, got {kc.dtype}")
         if R == 0:
             return out
+        kind = "f16" if np.dtype(str(kc.dtype)) == np.float16 else "f32"
+        C = nb * BLOCK_TOKENS
         rows = max(1, min(R, SCRATCH_FLOATS // (H * C)))  # rows per launch pair
         sc = self.xp.empty((rows, H, C), self.xp.float32)
         i32 = np.int32
         for r0 in range(0, R, rows):
             n = min(rows, R - r0)
-            self.launch("attn_scores", (n * H, KSPLIT),
-                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0), i32(window)))
-            self.launch("attn_softmax_v", (n * H,),
-                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0), i32(window)))
+            self.launch(f"attn_scores_{kind}", (n * H, KSPLIT),
+                        (q, kc, tables, i32(nb), seqs, pos, sc, i32(H), i32(G), i32(D), np.float32(scale), i32(r0),
+                         i32(window)))
+            self.launch(f"attn_softmax_v_{kind}", (n * H,),
+                        (sc, vc, tables, i32(nb), seqs, pos, out, i32(H), i32(G), i32(D), i32(r0), i32(window)))
         return out
 
     def sample_rows(self, logits: Any, prob: Any, fparams: Any, top_k: Any, seed_step: Any, out: Any) -> Any:
