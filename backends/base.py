@@ -102,6 +102,12 @@ class Backend(ABC):
         each result must equal `linear`'s bit for bit."""
         return tuple(self.linear(x, w) for w in ws)
 
+    def norm_linear_many(self, x: Array, weight: Array, eps: float, ws: tuple) -> tuple:
+        """``linear_many(rms_norm(x, weight, eps), ws)``: the products whose input is a norm
+        (q, k, v; gate, up; the head). A backend may form the norm inside the products'
+        launches; each result must equal the separate ops' bit for bit."""
+        return self.linear_many(self.rms_norm(x, weight, eps), ws)
+
     def linear_add(self, x: Array, w: Any, add: Array) -> Array:
         """linear(x, w) + add, with add [R, N] (a residual) or [N] (a bias): bit for bit
         `linear(x, w) + add` (the add rounds once); a backend may fuse it into the matmul."""

@@ -7,7 +7,7 @@ Weights live on the GPU:
   Q4_0, Q4_1        GGUF's blocks: the codes nibble-packed as stored + float16 d (and m)
                     (cupy_packed.py), dequantized in registers: w = (q-8)*d, Q4_1 w = q*d + m
                     -- exactly the floats gguf dequantizes (q*d is exact, + m rounds once).
-  Q8_0              int8 q [N, K] + float32 scale d per 32 weights, w = q*d, exact.
+  Q8_0              GGUF's blocks: int8 q as stored + float16 d, w = q*d, exact.
   F32               float32, exact.
   F16               float16, exact.
   BF16              as stored (uint16), widened exactly in registers.
@@ -56,7 +56,8 @@ class CupyWeight:
     """A prepared [n, k] weight. kind 'f32' / 'f16' / 'bf16' (uint16 bits): w is the matrix;
     'q8': w is int8 q, scales float32 [n, k/group], mins float32 [n, k/group] or None;
     'q4' (Q4_0/Q4_1 blocks, cupy_packed): w is uint8 qs [n, k/2] as stored, scales float16
-    [n, k/32], mins float16 [n, k/32] (Q4_1) or None."""
+    [n, k/32], mins float16 [n, k/32] (Q4_1) or None; 'q80' (Q8_0 blocks): w is int8 q
+    [n, k] as stored, scales float16 [n, k/32]."""
 
     kind: str
     n: int
@@ -75,14 +76,14 @@ class CupyWeight:
         return (self.n, self.k)
 
 
-def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widen_q4: bool = False) -> CupyWeight:
+def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = False) -> CupyWeight:
     """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc).
-    `widen_q4`: Q4_0/Q4_1 as int8 codes + float32 scales (the q8 kernels; the same floats)
+    `widened`: Q8_0/Q4_0/Q4_1 as int8 codes + float32 scales (the q8 kernels; the same floats)
     instead of their block form."""
     n, k = t.shape
-    if can_pack(t.qtype, t.shape) and not widen_q4:  # Q4_0/Q4_1 in block form, as stored
+    if can_pack(t.qtype, t.shape) and not widened:  # block form, as stored
         qs, d, m = split_blocks(t.blocks, t.qtype, n, k)
-        return CupyWeight("q4", n, k, qs, d, m)
+        return CupyWeight("q80" if t.qtype == "Q8_0" else "q4", n, k, qs, d, m)
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
@@ -208,8 +209,8 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q4_0/Q4_1 in their blocks (4-bit codes as stored), "
-                f"Q8_0/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1 in their blocks (codes as stored), "
+                f"Q5_x/K-quants as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 
@@ -237,6 +238,15 @@ class CupyBackend(ArrayBackend):
         x = self._f32(x)
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
         return self.kernels.linear(x, w, out)
+
+    def norm_linear_many(self, x: Any, weight: Any, eps: float, ws: tuple) -> tuple:
+        """Each product with the RMS norm formed inside its own launch (the linear kernels'
+        fused norm: the rms_norm kernel's arithmetic, bit for bit): no rms_norm launch, no
+        normed copy of x."""
+        x, weight = self._f32(x), self._f32(weight)
+        xp = self.xp
+        return tuple(self.kernels.linear(x, w, xp.empty((x.shape[0], w.n), xp.float32), norm=(weight, eps))
+                     for w in ws)
 
     def linear_add(self, x: Any, w: CupyWeight, add: Any) -> Any:
         """The matmul with the residual or bias added by the same kernel (one launch)."""
@@ -340,7 +350,7 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[str]:
     """Run every kernel (each linear variant: row tiles 1..16, 1 and 4 columns per warp,
-    the any-K kernel; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
+    the any-K kernel, the q4 block-form kernels, the fused RMS norm; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
     window; device sampling) on `backend` and on the
     numpy emulation with the same inputs; return one line per result that is not bit for
     bit identical (empty: the device computes exactly the documented contract)."""
@@ -384,6 +394,15 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
                           ("bias", rng.standard_normal(N, dtype=np.float32))):
             same(f"linear_add {what} {qtype} M={M} N={N} K={K}",
                  backend.linear_add(backend.asarray(x), pw, backend.asarray(add)), emu.linear_add(x, ew, add))
+    for qtype, M, N, K in (("F16", 5, 70, 96), ("Q4_0", 1, 40, 1536), ("Q4_1", 16, 33, 256), ("Q8_0", 17, 8200, 64),
+                           ("F32", 3, 50, 77)):  # the RMS norm inside the product == the separate ops
+        t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+        x = rng.standard_normal((M, K), dtype=np.float32) * 3
+        nw = rng.standard_normal(K, dtype=np.float32)
+        pw, ew = backend.linear_weight(t), emu.linear_weight(t)
+        same(f"norm + linear {qtype} M={M} N={N} K={K}",
+             backend.norm_linear_many(backend.asarray(x), backend.asarray(nw), 1e-6, (pw,))[0],
+             emu.linear(emu.rms_norm(x, nw, 1e-6), ew))
     for R, D in ((5, 300), (3, 4096), (1, 64)):
         x = rng.standard_normal((R, D), dtype=np.float32) * 3
         wt = rng.standard_normal(D, dtype=np.float32)

@@ -96,6 +96,8 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     if kind == "q4":
         return dequantize_q4(w, scales, mins)
+    if kind == "q80":  # Q8_0 blocks: int8 codes, float16 d per 32
+        scales = np.asarray(scales).view(np.float16).astype(np.float32)
     N, K = w.shape
     q = np.asarray(w).view(np.int8).reshape(N, K // group, group).astype(np.float32)
     out = q * np.asarray(scales, np.float32)[:, :, None]
@@ -359,19 +361,25 @@ def _emu_linear(name, grid, args):
     kind = parts[1]
     tm, nc = (1, 1) if parts[2] == "s" else (int(parts[2]), int(parts[3]))
     if kind == "q8":
-        x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode = args
+        x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode, nw, eps, norm = args
         w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
                        m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
+    elif kind == "q80":
+        x, q, d, out, M, N, K, add, add_mode, nw, eps, norm = args
+        w = dequantize("q80", q.reshape(int(N), int(K)), d.reshape(int(N), -1))
     elif kind == "q4":
-        x, qs, d, m, out, M, N, K, has_m, add, add_mode = args
+        x, qs, d, m, out, M, N, K, has_m, add, add_mode, nw, eps, norm = args
         w = dequantize_q4(qs.reshape(int(N), -1), d.reshape(int(N), -1), m.reshape(int(N), -1) if has_m else None)
     else:
-        x, w0, out, M, N, K, add, add_mode = args
+        x, w0, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize(kind, w0)
     M, N, K = int(M), int(N), int(K)
     if tuple(grid) != (cdiv(M, tm), cdiv(N, WARPS * nc)):
         raise ValueError(f"{name}: grid {grid} does not cover M={M}, N={N}")
-    y = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+    xin = x.reshape(M, K)
+    if int(norm):  # the fused RMS norm: the rms_norm kernel's output, formed in the launch
+        xin = emulate_rms_norm(xin, nw.reshape(K), float(eps))
+    y = emulate_linear(xin, w.reshape(N, K))
     if int(add_mode):  # the residual [M, N] or the bias [N], added once after the sum
         y = y + (add.reshape(M, N) if int(add_mode) == 1 else add.reshape(N))
     out.reshape(M, N)[...] = y

@@ -58,16 +58,18 @@ class Kernels:
         self.fn(name)(grid, (NT,), args)
 
     # -- the operations ----------------------------------------------------------------
-    def linear(self, x: Any, w: Any, out: Any, add: Any = None) -> Any:
+    def linear(self, x: Any, w: Any, out: Any, add: Any = None, norm: tuple | None = None) -> Any:
         """out[M, N] = x[M, K] @ W.T (+ add: [M, N] a residual, or [N] a bias) for a prepared
-        weight `w` (kind, n, k, arrays)."""
+        weight `w` (kind, n, k, arrays); with norm = (weight [K] float32, eps) the product's
+        input is rms_norm(x, weight, eps), formed by the same launch (bit for bit the
+        rms_norm kernel's output)."""
         M, K = x.shape
         N = w.n
         if K != w.k or out.shape != (M, N):
             raise ValueError(f"linear: x{tuple(x.shape)} w[{w.n}, {w.k}] out{tuple(out.shape)}")
         if M == 0 or N == 0:
             return out
-        if K % 8 == 0 and _ptr(x) % 16 == 0:
+        if K % 8 == 0 and _ptr(x) % 16 == 0 and (norm is None or _ptr(norm[0]) % 16 == 0):
             tm, nc = row_tile(M), col_tile(N)
             grid = (cdiv(M, tm), cdiv(N, WARPS * nc))
         elif w.kind in BLOCK_KINDS:
@@ -86,11 +88,19 @@ class Kernels:
             tail = (add, i32(2))
         else:
             raise ValueError(f"linear: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
+        if norm is None:
+            tail += (x, np.float32(0.0), i32(0))
+        else:
+            if tuple(norm[0].shape) != (K,):
+                raise ValueError(f"linear: norm weight{tuple(norm[0].shape)} is not [{K}]")
+            tail += (norm[0], np.float32(norm[1]), i32(1))
         if w.kind == "q8":
             mins = w.mins if w.mins is not None else w.scales
             group = getattr(w, "group", 32)
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
                     i32(group.bit_length() - 1)) + tail
+        elif w.kind == "q80":
+            args = (x, w.w, w.scales, out, i32(M), i32(N), i32(K)) + tail
         elif w.kind == "q4":
             mins = w.mins if w.mins is not None else w.scales
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None)) + tail

@@ -65,6 +65,19 @@ __device__ __forceinline__ float expf_pc(float x) {
     return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
 }
 
+// RMS norm's 1 / sqrt(mean(x^2) + eps) of the row xr [D], computed by the whole block (every
+// thread gets it): thread t's fma chain of x*x over k = t, t + NT, ..., then block_sum. The
+// rms_norm kernel and the linear kernels' fused norm both call this, so they agree bit for bit.
+__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int D, float eps, float* red) {
+    float acc = 0.0f;
+    for (int k = threadIdx.x; k < D; k += NT) {
+        const float v = xr[k];
+        acc = __fmaf_rn(v, v, acc);
+    }
+    const float ss = block_sum(acc, red);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+}
+
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -158,6 +171,27 @@ struct WQ8 {
     }
 };
 
+// Q8_0 in GGUF's block form: the int8 codes [N, K] as stored, d [N, K/32] float16 as stored
+// (split off the 34-byte blocks so that rows stay aligned): w = q * d, exact.
+struct WQ80 {
+    const signed char* q;
+    const unsigned short* d;
+    int K;
+    struct Raw { uint2 u; unsigned short d; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        return Raw{__ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g)),
+                   __ldg(d + (size_t)n * (K >> 5) + (g >> 2))};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const float dd = h2f(r.d);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[j] = __fmul_rn((float)(int)(signed char)((r.u.x >> (8 * j)) & 0xffu), dd);
+            o[4 + j] = __fmul_rn((float)(int)(signed char)((r.u.y >> (8 * j)) & 0xffu), dd);
+        }
+    }
+};
+
 // Q4_0 / Q4_1 in GGUF's block form: qs [N, K/32, 16] bytes exactly as stored (byte j of a
 // block holds weight j in its low nibble and weight j + 16 in its high nibble), d (and m)
 // [N, K/32] float16 as stored, split off the 18/20-byte blocks so that qs rows stay 16-byte
@@ -202,14 +236,22 @@ struct WQ4 {
 // past N (the last warp of a ragged N) load column N - 1 and never store.
 // add_mode 1: out = sum + add[m, n] (a residual), 2: out = sum + add[n] (a bias), the add
 // rounded once after the reduction: what a separate `y + add` computes, one launch fewer.
+// norm 1 (the fused RMS norm): the product's input is rms_norm(x, nw, eps), each element
+// (x * inv) * nw[k] formed in registers as the rms_norm kernel forms it, inv per row from
+// rms_inv by the whole block before any warp leaves -- one launch instead of two.
 template <int TM, int NC, class W>
 __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W& w,
                                            float* __restrict__ out, int M, int N, int K,
-                                           const float* __restrict__ add, int add_mode) {
+                                           const float* __restrict__ add, int add_mode,
+                                           const float* __restrict__ nw, float eps, int norm) {
     constexpr int PF = NC == 1 ? 8 : 2;
+    __shared__ float red[WARPS];
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
     const int m0 = blockIdx.x * TM;
+    float inv[TM];
+#pragma unroll
+    for (int r = 0; r < TM; ++r) inv[r] = (norm && m0 + r < M) ? rms_inv(x + (size_t)(m0 + r) * K, K, eps, red) : 1.0f;
     if (n0 >= N) return;  // whole warp
     float acc[TM][NC];
 #pragma unroll
@@ -236,7 +278,14 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
                     if (m0 + r < M) {
                         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + 8 * g);
                         const float4 a = __ldg(xr), b = __ldg(xr + 1);
-                        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                        if (norm) {
+                            const float4* nr = reinterpret_cast<const float4*>(nw + 8 * g);
+                            const float4 c = __ldg(nr), d = __ldg(nr + 1);
+                            const float nv[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) xv[j] = __fmul_rn(__fmul_rn(xv[j], inv[r]), nv[j]);
+                        }
 #pragma unroll
                         for (int c = 0; c < NC; ++c)
 #pragma unroll
@@ -263,16 +312,23 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 template <class W>
 __device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const W& w,
                                               float* __restrict__ out, int M, int N, int K,
-                                              const float* __restrict__ add, int add_mode) {
+                                              const float* __restrict__ add, int add_mode,
+                                              const float* __restrict__ nw, float eps, int norm) {
+    __shared__ float red[WARPS];
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.y * WARPS + (threadIdx.x >> 5);
     const int m = blockIdx.x;
-    if (n >= N) return;
     const float* xr = x + (size_t)m * K;
+    const float inv = norm ? rms_inv(xr, K, eps, red) : 1.0f;
+    if (n >= N) return;
     float acc = 0.0f;
     for (int g = lane; 8 * g < K; g += 32) {
         const int j1 = min(8, K - 8 * g);
-        for (int j = 0; j < j1; ++j) acc = __fmaf_rn(__ldg(xr + 8 * g + j), w.at(n, 8 * g + j), acc);
+        for (int j = 0; j < j1; ++j) {
+            const int k = 8 * g + j;
+            const float xv = norm ? __fmul_rn(__fmul_rn(__ldg(xr + k), inv), __ldg(nw + k)) : __ldg(xr + k);
+            acc = __fmaf_rn(xv, w.at(n, k), acc);
+        }
     }
     const float s = warp_sum(acc);
     if (lane == 0) {
@@ -288,13 +344,7 @@ extern "C" __global__ void __launch_bounds__(NT) rms_norm(
     __shared__ float red[WARPS];
     const float* xr = x + (size_t)blockIdx.x * D;
     float* yr = y + (size_t)blockIdx.x * D;
-    float acc = 0.0f;
-    for (int k = threadIdx.x; k < D; k += NT) {
-        const float v = xr[k];
-        acc = __fmaf_rn(v, v, acc);
-    }
-    const float ss = block_sum(acc, red);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    const float inv = rms_inv(xr, D, eps, red);
     for (int k = threadIdx.x; k < D; k += NT) yr[k] = __fmul_rn(__fmul_rn(xr[k], inv), w[k]);
 }
 
@@ -651,6 +701,7 @@ _LINEAR_SIGNATURES = {
     "bf16": ("const unsigned short* __restrict__ w", "WBF16 ww{w, K};"),
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
            "WQ8 ww{q, d, m, K, has_m, gshift};"),
+    "q80": ("const signed char* __restrict__ q, const unsigned short* __restrict__ d", "WQ80 ww{q, d, K};"),
     "q4": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
            "const unsigned short* __restrict__ m", "WQ4 ww{qs, d, m, K, has_m};"),
 }
@@ -669,12 +720,13 @@ def _linear_wrappers() -> str:
         if kind not in BLOCK_KINDS:  # q8, q4 need K % 32 == 0: always the vector kernels
             variants.append((0, 0))
         for tm, nc in variants:
-            call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode);" if tm
-                    else "linear_scalar(x, ww, out, M, N, K, add, add_mode);")
+            call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode, nw, eps, norm);" if tm
+                    else "linear_scalar(x, ww, out, M, N, K, add, add_mode, nw, eps, norm);")
             out.append(
                 f'extern "C" __global__ void __launch_bounds__(NT) {linear_kernel_name(kind, tm, nc)}(\n'
                 f"        const float* __restrict__ x, {wparams}, float* __restrict__ out,\n"
-                f"        int M, int N, int K{extra}, const float* __restrict__ add, int add_mode) {{\n"
+                f"        int M, int N, int K{extra}, const float* __restrict__ add, int add_mode,\n"
+                f"        const float* __restrict__ nw, float eps, int norm) {{\n"
                 f"    {make}\n"
                 f"    {call}\n"
                 f"}}\n"

@@ -355,10 +355,9 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
         t = gf.tensor(name)
         w = t.dequantize()
         pw = prepare_weight(t)
-        if qtype == "Q8_0":
-            assert pw.kind == "q8" and pw.w.dtype == np.int8 and pw.nbytes < w.nbytes / 3
-        else:  # Q4_x in their blocks: the file's bytes (backends/cupy_packed.py)
-            assert pw.kind == "q4" and pw.w.dtype == np.uint8 and pw.nbytes == np.asarray(t.blocks).nbytes
+        # in their blocks: the file's bytes (backends/cupy_packed.py)
+        assert pw.kind == ("q80" if qtype == "Q8_0" else "q4") and pw.nbytes == np.asarray(t.blocks).nbytes
+        assert pw.w.dtype == (np.int8 if qtype == "Q8_0" else np.uint8)
         assert (pw.mins is not None) == (qtype == "Q4_1")
         deq = ck.dequantize(pw.kind, pw.w, pw.scales, pw.mins)
         assert np.array_equal(deq.view(np.uint32), w.view(np.uint32)), name

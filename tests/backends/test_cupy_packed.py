@@ -1,8 +1,9 @@
-"""Q4_0 / Q4_1 resident in GGUF's block form on the CuPy backend (backends/cupy_packed.py,
-the q4 kernels), through the numpy emulation: the bytes are the file's, the weights are
-gguf's dequantized floats bit for bit, and the q4 kernels compute exactly what the widened
-q8 path (int8 codes + float32 scales, the former form) computes -- at every row count
-1..33, with the rows in shuffled order, for every row tile."""
+"""Q4_0 / Q4_1 / Q8_0 resident in GGUF's block form on the CuPy backend
+(backends/cupy_packed.py, the q4 and q80 kernels), through the numpy emulation: the bytes
+are the file's, the weights are gguf's dequantized floats bit for bit, and the block-form
+kernels compute exactly what the widened q8 path (int8 codes + float32 scales, the former
+form) computes -- at every row count 1..33, with the rows in shuffled order, for every
+row tile."""
 
 from __future__ import annotations
 
@@ -22,32 +23,36 @@ def _tensor(qtype: str, n: int, k: int, seed: int) -> GGUFTensor:
     return GGUFTensor.from_array(w, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_block_form_is_the_files_bytes_and_gguf_weights(qtype):
     n, k = 24, 320
     t = _tensor(qtype, n, k, 1)
     pw = prepare_weight(t)
-    assert pw.kind == "q4" and pw.w.dtype == np.uint8 and pw.w.shape == (n, k // 2)
+    if qtype == "Q8_0":
+        assert pw.kind == "q80" and pw.w.dtype == np.int8 and pw.w.shape == (n, k)
+    else:
+        assert pw.kind == "q4" and pw.w.dtype == np.uint8 and pw.w.shape == (n, k // 2)
     assert pw.scales.dtype == np.float16 and (pw.mins is not None) == (qtype == "Q4_1")
     assert pw.nbytes == np.asarray(t.blocks).nbytes  # exactly the file's bytes
-    got = ck.dequantize("q4", pw.w, pw.scales, pw.mins)
+    got = ck.dequantize(pw.kind, pw.w, pw.scales, pw.mins)
     want = t.dequantize()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     # the widened form (the q8 kernels) holds the same floats
-    ww = prepare_weight(t, widen_q4=True)
+    ww = prepare_weight(t, widened=True)
     assert ww.kind == "q8"
     assert np.array_equal(ck.dequantize("q8", ww.w, ww.scales, ww.mins).view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype,N,K", [("Q4_0", 40, 288), ("Q4_1", 37, 96), ("Q4_0", 8200, 32)])
+@pytest.mark.parametrize("qtype,N,K", [("Q4_0", 40, 288), ("Q4_1", 37, 96), ("Q8_0", 35, 320),
+                                     ("Q4_0", 8200, 32), ("Q8_0", 8200, 64)])
 def test_q4_kernel_equals_widened_path_at_every_row_count(qtype, N, K):
-    """linear through the q4 kernels (emulated) == through the q8 kernels on the widened
+    """linear through the block-form kernels (emulated) == through the q8 kernels on the widened
     codes, bit for bit, for M = 1..33 (every row tile and both column tiles), and a row's
     result is the same alone and at any position of a shuffled batch."""
     be = CupyBackend.emulated_on_cpu()
     t = _tensor(qtype, N, K, N + K)
     wq4 = be.linear_weight(t)
-    h = prepare_weight(t, widen_q4=True)
+    h = prepare_weight(t, widened=True)
     wq8 = CupyWeight(h.kind, h.n, h.k, h.w, h.scales, h.mins, h.group)
     rng = np.random.default_rng(7)
     xs = rng.standard_normal((33, K), dtype=np.float32)
@@ -58,7 +63,7 @@ def test_q4_kernel_equals_widened_path_at_every_row_count(qtype, N, K):
         order = rng.permutation(33)[:M]
         x = np.ascontiguousarray(xs[order])
         got = be.linear(x, wq4)
-        assert mod.launches[-1][0].startswith("linear_q4_")
+        assert mod.launches[-1][0].startswith(f"linear_{wq4.kind}_")
         want = be.linear(x, wq8)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), M
         for i, r in enumerate(order):
