@@ -91,6 +91,7 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 // at() is the scalar load of the any-K kernel.
 
 struct WF32 {
+    static constexpr int PF1 = 4;  // octets in flight per lane with one column a warp (32 bytes each)
     const float* w;
     int K;
     struct Raw { float4 a, b; };
@@ -106,6 +107,7 @@ struct WF32 {
 };
 
 struct WF16 {
+    static constexpr int PF1 = 8;  // 16 bytes an octet
     const unsigned short* w;
     int K;
     using Raw = uint4;
@@ -123,6 +125,7 @@ struct WF16 {
 
 // bfloat16 as stored (uint16): the float32 with these 16 high bits, exactly.
 struct WBF16 {
+    static constexpr int PF1 = 8;
     const unsigned short* w;
     int K;
     using Raw = uint4;
@@ -142,6 +145,7 @@ struct WBF16 {
 // int8 q [N, K] with float32 d (and m) [N, K/G], G = 1 << gs (32, or 16 for Q6_K):
 // w = q * d [+ m, rounded once]. An octet never straddles two groups.
 struct WQ8 {
+    static constexpr int PF1 = 16;  // 8 bytes of codes an octet: twice as many in flight
     const signed char* q;
     const float* d;
     const float* m;
@@ -174,6 +178,7 @@ struct WQ8 {
 // Q8_0 in GGUF's block form: the int8 codes [N, K] as stored, d [N, K/32] float16 as stored
 // (split off the 34-byte blocks so that rows stay aligned): w = q * d, exact.
 struct WQ80 {
+    static constexpr int PF1 = 16;
     const signed char* q;
     const unsigned short* d;
     int K;
@@ -200,6 +205,7 @@ struct WQ80 {
 // w = (q - 8) * d (Q4_0, exact) or q * d + m (Q4_1, the product exact, + m rounded once):
 // gguf's float32 expressions, as the CPU kernels and the widened q8 form compute them.
 struct WQ4 {
+    static constexpr int PF1 = 16;  // 8 bytes loaded an octet (4 of them its nibbles)
     const unsigned char* qs;
     const unsigned short* d;
     const unsigned short* m;
@@ -232,7 +238,8 @@ struct WQ4 {
 // runs one fma chain per output element over them in increasing k.
 // VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads, PF octets
 // per lane loaded before the first of them is used (PF * 32 octets of each column in
-// flight per warp; the chains still take the octets one by one in increasing k). Columns
+// flight per warp, PF = W::PF1 -- about 128 bytes a lane -- at one row and one column a
+// warp, fewer for larger tiles; the chains still take the octets one by one in increasing k). Columns
 // past N (the last warp of a ragged N) load column N - 1 and never store.
 // add_mode 1: out = sum + add[m, n] (a residual), 2: out = sum + add[n] (a bias), the add
 // rounded once after the reduction: what a separate `y + add` computes, one launch fewer.
@@ -244,7 +251,9 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
                                            float* __restrict__ out, int M, int N, int K,
                                            const float* __restrict__ add, int add_mode,
                                            const float* __restrict__ nw, float eps, int norm) {
-    constexpr int PF = NC == 1 ? 8 : 2;
+    // fewer octets in flight where a loaded octet serves several rows or columns (registers)
+    constexpr int PF0 = W::PF1 / NC / (TM >= 8 ? 4 : TM >= 4 ? 2 : 1);
+    constexpr int PF = PF0 > 1 ? PF0 : 1;
     __shared__ float red[WARPS];
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
