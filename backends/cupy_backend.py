@@ -11,7 +11,8 @@ Weights live on the GPU:
   F32               float32, exact.
   F16               float16, exact.
   BF16              as stored (uint16), widened exactly in registers.
-  Q4_K, Q5_K, Q6_K, int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
+  Q4_K              the 144-byte super-blocks exactly as stored (16-byte aligned).
+  Q5_K, Q6_K,       int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
   Q5_0, Q5_1        (cupy_widen.py): exactly the floats gguf dequantizes.
   anything else     dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
@@ -57,7 +58,8 @@ class CupyWeight:
     'q8': w is int8 q, scales float32 [n, k/group], mins float32 [n, k/group] or None;
     'q4' (Q4_0/Q4_1 blocks, cupy_packed): w is uint8 qs [n, k/2] as stored, scales float16
     [n, k/32], mins float16 [n, k/32] (Q4_1) or None; 'q80' (Q8_0 blocks): w is int8 q
-    [n, k] as stored, scales float16 [n, k/32]."""
+    [n, k] as stored, scales float16 [n, k/32]; 'q4k' (Q4_K): w is the uint8 super-blocks
+    [n, k/256 * 144] exactly as stored."""
 
     kind: str
     n: int
@@ -78,12 +80,14 @@ class CupyWeight:
 
 def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = False) -> CupyWeight:
     """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc).
-    `widened`: Q8_0/Q4_0/Q4_1 as int8 codes + float32 scales (the q8 kernels; the same floats)
-    instead of their block form."""
+    `widened`: Q8_0/Q4_0/Q4_1/Q4_K as int8 codes + float32 scales (the q8 kernels; the same
+    floats) instead of their block form."""
     n, k = t.shape
     if can_pack(t.qtype, t.shape) and not widened:  # block form, as stored
         qs, d, m = split_blocks(t.blocks, t.qtype, n, k)
         return CupyWeight("q80" if t.qtype == "Q8_0" else "q4", n, k, qs, d, m)
+    if t.qtype == "Q4_K" and can_widen(t.qtype, t.shape) and not widened:  # the super-blocks as stored
+        return CupyWeight("q4k", n, k, np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, k // 256 * 144))
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
@@ -209,8 +213,8 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1 in their blocks (codes as stored), "
-                f"Q5_x/K-quants as int8 + float32 scales, F32 float32, "
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1/Q4_K in their blocks (codes as stored), "
+                f"Q5_x/Q5_K/Q6_K as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..paged_kv import BLOCK_TOKENS
 from .constants import KSPLIT, NT, OCTET, QBLOCK, WARP, WARPS, cdiv
+from ..cupy_widen import widen
 from .sampling import uniform
 from .source import SOURCE, kernel_signatures
 
@@ -96,6 +97,10 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     if kind == "q4":
         return dequantize_q4(w, scales, mins)
+    if kind == "q4k":  # Q4_K super-blocks as stored: the widened codes, scales and mins
+        n, nbytes = np.asarray(w).shape
+        q, S, M, g = widen(w, "Q4_K", n, nbytes // 144 * 256)
+        return dequantize("q8", q, S, M, g)
     if kind == "q80":  # Q8_0 blocks: int8 codes, float16 d per 32
         scales = np.asarray(scales).view(np.float16).astype(np.float32)
     N, K = w.shape
@@ -364,6 +369,9 @@ def _emu_linear(name, grid, args):
         x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode, nw, eps, norm = args
         w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
                        m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
+    elif kind == "q4k":
+        x, b, out, M, N, K, add, add_mode, nw, eps, norm = args
+        w = dequantize("q4k", b.reshape(int(N), -1))
     elif kind == "q80":
         x, q, d, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize("q80", q.reshape(int(N), int(K)), d.reshape(int(N), -1))

@@ -232,6 +232,49 @@ struct WQ4 {
     }
 };
 
+// Q4_K exactly as stored: 144-byte super-blocks of 256 weights [N, K/256, 144] (16-byte
+// aligned: 144 = 9 * 16): f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins, then
+// qs[128] -- pair p (weights 64p .. 64p+63) in qs[32p .. 32p+31], low nibbles the first 32,
+// high the next. Octet g: weights j = 8 (g % 32) .. of super-block g / 32, group is = j / 32
+// (sc, m: ggml's get_scale_min_k4), one 16-byte header load and one 8-byte code load.
+// w = q * (d * sc) + (-(dmin * m)): d * sc and dmin * m are exact (11 x 6 bits), q * S exact,
+// the add rounds once -- gguf's (d * sc) * q - dmin * m, as the widened q8 form computes it.
+struct WQ4K {
+    static constexpr int PF1 = 8;
+    const unsigned char* b;
+    int K;
+    struct Raw { uint2 u; uint4 h; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const unsigned char* blk = b + ((size_t)n * (K >> 8) + (g >> 5)) * 144;
+        const int j = (g & 31) * 8;
+        return Raw{__ldg(reinterpret_cast<const uint2*>(blk + 16 + 32 * (j >> 6) + (j & 31))),
+                   __ldg(reinterpret_cast<const uint4*>(blk))};
+    }
+    __device__ __forceinline__ static unsigned int sbyte(const uint4& h, int i) {  // scales[i]
+        const unsigned int w = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+        return (w >> (8 * (i & 3))) & 0xffu;
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int is = (g & 31) >> 2;  // the 32-weight group
+        unsigned int sc, mn;
+        if (is < 4) {
+            sc = sbyte(r.h, is) & 63u;
+            mn = sbyte(r.h, is + 4) & 63u;
+        } else {
+            sc = (sbyte(r.h, is + 4) & 0xfu) | ((sbyte(r.h, is - 4) >> 6) << 4);
+            mn = (sbyte(r.h, is + 4) >> 4) | ((sbyte(r.h, is) >> 6) << 4);
+        }
+        const float S = __fmul_rn(h2f((unsigned short)(r.h.x & 0xffffu)), (float)sc);
+        const float Mn = -__fmul_rn(h2f((unsigned short)(r.h.x >> 16)), (float)mn);
+        const int sh = (is & 1) ? 4 : 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[j] = __fadd_rn(__fmul_rn((float)(int)((r.u.x >> (8 * j + sh)) & 0xfu), S), Mn);
+            o[4 + j] = __fadd_rn(__fmul_rn((float)(int)((r.u.y >> (8 * j + sh)) & 0xfu), S), Mn);
+        }
+    }
+};
+
 // ---- linear: out[M, N] = x[M, K] @ w[N, K]^T ------------------------------------------
 // Block: 8 warps; warp w computes columns n0 .. n0+NC-1 (n0 = (blockIdx.y*8 + w) * NC) for
 // rows m0 .. m0+TM-1 (m0 = blockIdx.x * TM). Lane l owns the octets g = l, l+32, ... and
@@ -711,6 +754,7 @@ _LINEAR_SIGNATURES = {
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
            "WQ8 ww{q, d, m, K, has_m, gshift};"),
     "q80": ("const signed char* __restrict__ q, const unsigned short* __restrict__ d", "WQ80 ww{q, d, K};"),
+    "q4k": ("const unsigned char* __restrict__ b", "WQ4K ww{b, K};"),
     "q4": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
            "const unsigned short* __restrict__ m", "WQ4 ww{qs, d, m, K, has_m};"),
 }

@@ -414,7 +414,7 @@ def test_kquant_and_q5_weights_are_widened_exactly(qtype):
         t = GGUFTensor("w", (40, 512), qtype, random_blocks(rng, qtype, 40, 512))
     else:
         t = GGUFTensor.from_array(rng.standard_normal((40, 512), dtype=np.float32), qtype)
-    pw = prepare_weight(t)
+    pw = prepare_weight(t, widened=True)  # Q4_K: the widened form (its block form: test_cupy_packed.py)
     assert pw.kind == "q8" and pw.w.dtype == np.int8 and pw.group == (16 if qtype == "Q6_K" else 32)
     assert pw.nbytes < t.dequantize().astype(np.float16).nbytes * 0.8  # less than a float16 copy
     want = t.dequantize()
