@@ -244,7 +244,7 @@ class CupyBackend(ArrayBackend):
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
         return self.kernels.linear(x, w, out)
 
-    def norm_linear_many(self, x: Any, weight: Any, eps: float, ws: tuple) -> tuple:
+    def norm_linear_many(self, x: Any, weight: Any, eps: float, ws: tuple, biases: tuple | None = None) -> tuple:
         """Each product with the RMS norm formed inside its own launch (the linear kernels'
         fused norm: the rms_norm kernel's arithmetic, bit for bit): no rms_norm launch, no
         normed copy of x. Past FUSED_NORM_MAX_ROWS rows (prefill, large batches) the norm
@@ -254,9 +254,11 @@ class CupyBackend(ArrayBackend):
         x, weight = self._f32(x), self._f32(weight)
         xp = self.xp
         if x.shape[0] > FUSED_NORM_MAX_ROWS:
-            return self.linear_many(self.rms_norm(x, weight, eps), ws)
-        return tuple(self.kernels.linear(x, w, xp.empty((x.shape[0], w.n), xp.float32), norm=(weight, eps))
-                     for w in ws)
+            return super().norm_linear_many(x, weight, eps, ws, biases)
+        biases = biases or (None,) * len(ws)
+        return tuple(self.kernels.linear(x, w, xp.empty((x.shape[0], w.n), xp.float32),
+                                         None if b is None else self._f32(b), norm=(weight, eps))
+                     for w, b in zip(ws, biases))
 
     def linear_add(self, x: Any, w: CupyWeight, add: Any) -> Any:
         """The matmul with the residual or bias added by the same kernel (one launch)."""

@@ -219,13 +219,9 @@ class Model:
         R = x.shape[0]
         ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         for i, L in enumerate(self.layers):
-            if L.attn_q_bias is None and L.attn_k_bias is None and L.attn_v_bias is None:
-                # norm and products in one call where the backend can
-                q, k, v = be.norm_linear_many(x, L.attn_norm, a.rms_eps, (L.attn_q, L.attn_k, L.attn_v))
-            else:
-                h = be.rms_norm(x, L.attn_norm, a.rms_eps)
-                q, k, v = (_biased(be, h, w, b) for w, b in ((L.attn_q, L.attn_q_bias),
-                                                              (L.attn_k, L.attn_k_bias), (L.attn_v, L.attn_v_bias)))
+            # the norm and the products (and biases) in one call where the backend can
+            q, k, v = be.norm_linear_many(x, L.attn_norm, a.rms_eps, (L.attn_q, L.attn_k, L.attn_v),
+                                          (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
             q, k, v = (q.reshape(R, a.n_head, a.head_dim), k.reshape(R, a.n_kv_head, a.head_dim),
                        v.reshape(R, a.n_kv_head, a.head_dim))
             q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
@@ -271,11 +267,6 @@ def _rope_per_layer(a: ModelArgs, be: Backend, max_pos: int, freqs: np.ndarray |
 
 def _normed(be: Backend, x, weight, eps: float):
     return x if weight is None else be.rms_norm(x, weight, eps)
-
-
-def _biased(be: Backend, h, w, bias):
-    """h @ w.T (+ bias): `linear_add` fuses the bias where the backend can."""
-    return be.linear(h, w) if bias is None else be.linear_add(h, w, bias)
 
 
 def _residual(be: Backend, x, h, w, post_norm, eps: float):

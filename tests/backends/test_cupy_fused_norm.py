@@ -40,3 +40,12 @@ def test_norm_inside_the_products_is_the_separate_ops(qtypes, K):
         want = be.linear_many(be.rms_norm(x, nw, 1e-6), ws)
         for g, w in zip(got, want):
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), M
+        # with biases (qwen2's q/k/v): the bias added once after the sum, in the same launch
+        biases = tuple(None if i == 1 else rng.standard_normal(w.n, dtype=np.float32) for i, w in enumerate(ws))
+        mod.launches.clear()
+        got = be.norm_linear_many(x, nw, 1e-6, ws, biases)
+        assert ("rms_norm" in [n for n, _ in mod.launches]) == (M > FUSED_NORM_MAX_ROWS)
+        h = be.rms_norm(x, nw, 1e-6)
+        want = [be.linear(h, w) if b is None else be.linear_add(h, w, b) for w, b in zip(ws, biases)]
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), M
