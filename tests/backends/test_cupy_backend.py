@@ -309,7 +309,7 @@ def test_launch_arguments_are_checked_against_the_c_signature():
         out = np.zeros((2, 70), np.float32)
         mod.get_function("linear_f32_1_1")((1, 1), (256,), (x, np.zeros((70, 8), np.float32), out,
                                                          np.int32(2), np.int32(70), np.int32(8),
-                                                         out, np.int32(0)))
+                                                         out, np.int32(0), x, np.float32(0), np.int32(0)))
 
 
 def test_kernel_variant_choice():
