@@ -102,6 +102,16 @@ class Backend(ABC):
         each result must equal `linear`'s bit for bit."""
         return tuple(self.linear(x, w) for w in ws)
 
+    def norm_linear_many(self, x: Array, weight: Array, eps: float, ws: tuple, biases: tuple | None = None) -> tuple:
+        """``linear_many(rms_norm(x, weight, eps), ws)`` -- with `biases` (one per weight, or
+        None) ``linear_add(h, w, b)`` where b is not None: the products whose input is a
+        norm (q, k, v; gate, up; the head). A backend may form the norm inside the products'
+        launches; each result must equal the separate ops' bit for bit."""
+        h = self.rms_norm(x, weight, eps)
+        if biases is None or all(b is None for b in biases):
+            return self.linear_many(h, ws)
+        return tuple(self.linear(h, w) if b is None else self.linear_add(h, w, b) for w, b in zip(ws, biases))
+
     def linear_add(self, x: Array, w: Any, add: Array) -> Array:
         """linear(x, w) + add, with add [R, N] (a residual) or [N] (a bias): bit for bit
         `linear(x, w) + add` (the add rounds once); a backend may fuse it into the matmul."""

@@ -4,21 +4,23 @@ Importing this module needs neither cupy nor a GPU; `CupyBackend()` raises
 `BackendUnavailable` with a one-line reason when either is missing. See docs/cupy.md.
 
 Weights live on the GPU:
-  Q8_0, Q4_0, Q4_1  int8 q [N, K] + float32 scale d (and min m for Q4_1) per 32 weights,
-                    from the raw GGUF blocks: w = q*d (Q4_0: q-8), Q4_1 w = q*d + m -- exactly
-                    the floats gguf dequantizes (q*d is exact in float32, + m rounds once).
+  Q4_0, Q4_1        GGUF's blocks: the codes nibble-packed as stored + float16 d (and m)
+                    (cupy_packed.py), dequantized in registers: w = (q-8)*d, Q4_1 w = q*d + m
+                    -- exactly the floats gguf dequantizes (q*d is exact, + m rounds once).
+  Q8_0              GGUF's blocks: int8 q as stored + float16 d, w = q*d, exact.
   F32               float32, exact.
   F16               float16, exact.
   BF16              as stored (uint16), widened exactly in registers.
-  Q4_K, Q5_K, Q6_K, int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
+  Q4_K              the 144-byte super-blocks exactly as stored (16-byte aligned).
+  Q5_K, Q6_K,       int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
   Q5_0, Q5_1        (cupy_widen.py): exactly the floats gguf dequantizes.
   anything else     dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
 The embedding table stays on the host as stored; a step's rows are dequantized there and
 copied over (`Backend.embed`). The KV cache is paged (`PagedKV`: float16 by default, each
-value rounded once when written; `attend` gathers a step's sequences in position order as
-float32 for the attention kernel); activations and all arithmetic are float32.
+value rounded once when written); the attention kernels read its blocks in place through
+the block tables (float16 converted exactly); activations and all arithmetic are float32.
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
@@ -41,19 +43,24 @@ from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
+from .cupy_packed import can_pack, split_blocks
 from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
 from .self_check import AttentionCase, CheckPlan
 
 F16_MAX = 65504.0
+FUSED_NORM_MAX_ROWS = 16  # norm_linear_many fuses the norm into the products up to this many rows
 
 
 @dataclass
 class CupyWeight:
     """A prepared [n, k] weight. kind 'f32' / 'f16' / 'bf16' (uint16 bits): w is the matrix;
-    'q8': w is int8 q,
-    scales float32 [n, k/32], mins float32 [n, k/32] or None."""
+    'q8': w is int8 q, scales float32 [n, k/group], mins float32 [n, k/group] or None;
+    'q4' (Q4_0/Q4_1 blocks, cupy_packed): w is uint8 qs [n, k/2] as stored, scales float16
+    [n, k/32], mins float16 [n, k/32] (Q4_1) or None; 'q80' (Q8_0 blocks): w is int8 q
+    [n, k] as stored, scales float16 [n, k/32]; 'q4k' (Q4_K): w is the uint8 super-blocks
+    [n, k/256 * 144] exactly as stored."""
 
     kind: str
     n: int
@@ -72,9 +79,16 @@ class CupyWeight:
         return (self.n, self.k)
 
 
-def prepare_weight(t: GGUFTensor, float_weights: str = "f16") -> CupyWeight:
-    """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc)."""
+def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = False) -> CupyWeight:
+    """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc).
+    `widened`: Q8_0/Q4_0/Q4_1/Q4_K as int8 codes + float32 scales (the q8 kernels; the same
+    floats) instead of their block form."""
     n, k = t.shape
+    if can_pack(t.qtype, t.shape) and not widened:  # block form, as stored
+        qs, d, m = split_blocks(t.blocks, t.qtype, n, k)
+        return CupyWeight("q80" if t.qtype == "Q8_0" else "q4", n, k, qs, d, m)
+    if t.qtype == "Q4_K" and can_widen(t.qtype, t.shape) and not widened:  # the super-blocks as stored
+        return CupyWeight("q4k", n, k, np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, k // 256 * 144))
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
@@ -131,7 +145,7 @@ class CupyBackend(ArrayBackend):
         batches=(2, 3, 4, 5, 8, 9, 16, 17, 33, 64),
         linear=(("F32", 70, 96), ("F16", 70, 96), ("F16", 64, 200), ("F32", 37, 44), ("Q8_0", 70, 96),
                 ("BF16", 70, 96), ("BF16", 33, 44),
-                ("Q4_1", 70, 128), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
+                ("Q4_1", 70, 128), ("Q4_0", 33, 96), ("F16", WIDE_N + 8, 64), ("Q8_0", WIDE_N + 8, 32)),
         norm_widths=(300,),
         attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
                    AttentionCase(4, 2, 80, 40, 6, (5, 37), window=21)))
@@ -200,7 +214,8 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1/Q4_K in their blocks (codes as stored), "
+                f"Q5_x/Q5_K/Q6_K as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant")
 
@@ -228,6 +243,22 @@ class CupyBackend(ArrayBackend):
         x = self._f32(x)
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
         return self.kernels.linear(x, w, out)
+
+    def norm_linear_many(self, x: Any, weight: Any, eps: float, ws: tuple, biases: tuple | None = None) -> tuple:
+        """Each product with the RMS norm formed inside its own launch (the linear kernels'
+        fused norm: the rms_norm kernel's arithmetic, bit for bit): no rms_norm launch, no
+        normed copy of x. Past FUSED_NORM_MAX_ROWS rows (prefill, large batches) the norm
+        runs once as its own launch instead -- every block of a fused product computes its
+        rows' norms one after another, which only pays while a launch matters -- with the
+        same bits either way."""
+        x, weight = self._f32(x), self._f32(weight)
+        xp = self.xp
+        if x.shape[0] > FUSED_NORM_MAX_ROWS:
+            return super().norm_linear_many(x, weight, eps, ws, biases)
+        biases = biases or (None,) * len(ws)
+        return tuple(self.kernels.linear(x, w, xp.empty((x.shape[0], w.n), xp.float32),
+                                         None if b is None else self._f32(b), norm=(weight, eps))
+                     for w, b in zip(ws, biases))
 
     def linear_add(self, x: Any, w: CupyWeight, add: Any) -> Any:
         """The matmul with the residual or bias added by the same kernel (one launch)."""
@@ -315,9 +346,9 @@ class CupyBackend(ArrayBackend):
         if q.shape[-1] > MAX_HEAD_DIM:
             raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
         self.write_kv(kv, layer, self._f32(k), self._f32(v), seqs, positions, tables)
-        kc, vc = self.contiguous_kv(kv, layer, tables)  # (S, n_kv, max_blocks * B, hd) float32
-        out = xp.empty_like(q)
-        return self.kernels.attention(q, kc, vc, seqs, positions, scale, out, window)
+        t = xp.ascontiguousarray(kv.slot_table if tables is None else tables, dtype=xp.int32)
+        out = xp.empty_like(q)  # the kernels read the blocks in place through the tables
+        return self.kernels.attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, scale, out, window)
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
@@ -331,7 +362,7 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[str]:
     """Run every kernel (each linear variant: row tiles 1..16, 1 and 4 columns per warp,
-    the any-K kernel; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
+    the any-K kernel, the q4 block-form kernels, the fused RMS norm; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
     window; device sampling) on `backend` and on the
     numpy emulation with the same inputs; return one line per result that is not bit for
     bit identical (empty: the device computes exactly the documented contract)."""
@@ -375,6 +406,15 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
                           ("bias", rng.standard_normal(N, dtype=np.float32))):
             same(f"linear_add {what} {qtype} M={M} N={N} K={K}",
                  backend.linear_add(backend.asarray(x), pw, backend.asarray(add)), emu.linear_add(x, ew, add))
+    for qtype, M, N, K in (("F16", 5, 70, 96), ("Q4_0", 1, 40, 1536), ("Q4_1", 16, 33, 256), ("Q8_0", 16, 8200, 64),
+                           ("F32", 3, 50, 77)):  # the RMS norm inside the product == the separate ops
+        t = GGUFTensor.from_array(rng.standard_normal((N, K), dtype=np.float32), qtype)
+        x = rng.standard_normal((M, K), dtype=np.float32) * 3
+        nw = rng.standard_normal(K, dtype=np.float32)
+        pw, ew = backend.linear_weight(t), emu.linear_weight(t)
+        same(f"norm + linear {qtype} M={M} N={N} K={K}",
+             backend.norm_linear_many(backend.asarray(x), backend.asarray(nw), 1e-6, (pw,))[0],
+             emu.linear(emu.rms_norm(x, nw, 1e-6), ew))
     for R, D in ((5, 300), (3, 4096), (1, 64)):
         x = rng.standard_normal((R, D), dtype=np.float32) * 3
         wt = rng.standard_normal(D, dtype=np.float32)
@@ -391,9 +431,10 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         tabs, etabs = backend.rope_tables(rd, 10000.0, 100), emu.rope_tables(rd, 10000.0, 100)
         same(f"rope {style} R={R} H={H} D={D} rope_dim={rd}",
              backend.rope(backend.asarray(x), backend.asarray(pos), style, tabs), emu.rope(x, pos, style, etabs))
-    for S, G, C, D, H, R, W in ((4, 2, 80, 40, 6, 7, 0), (3, 1, 300, 128, 2, 5, 0), (2, 2, 700, 64, 8, 9, 0),
-                                (3, 2, 300, 64, 4, 6, 100)):
-        kvs = [be.new_kv(S, 1, G, C, D) for be in (backend, emu)]
+    for S, G, C, D, H, R, W, dt in ((4, 2, 80, 40, 6, 7, 0, "f16"), (3, 1, 300, 128, 2, 5, 0, "f16"),
+                                    (2, 2, 700, 64, 8, 9, 0, "f16"), (3, 2, 300, 64, 4, 6, 100, "f16"),
+                                    (3, 2, 96, 40, 4, 5, 0, "f32")):
+        kvs = [be.new_kv(S, 1, G, C, D, dt) for be in (backend, emu)]
         init_k = rng.standard_normal(kvs[1].k[0].shape, dtype=np.float32).astype(kvs[1].k[0].dtype)
         init_v = rng.standard_normal(kvs[1].v[0].shape, dtype=np.float32).astype(kvs[1].v[0].dtype)
         kvs[0].k[0][...] = backend.asarray(init_k)
@@ -408,7 +449,7 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         q = rng.standard_normal((R, H, D), dtype=np.float32) * 2
         k = rng.standard_normal((R, G, D), dtype=np.float32)
         v = rng.standard_normal((R, G, D), dtype=np.float32)
-        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R} window={W}"
+        name = f"attention S={S} G={G} C={C} D={D} H={H} R={R} window={W} kv={dt}"
         got = backend.attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
                              backend.asarray(slots), backend.asarray(poss), D ** -0.5, W)
         want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W)

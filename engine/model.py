@@ -219,12 +219,9 @@ class Model:
         R = x.shape[0]
         ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
         for i, L in enumerate(self.layers):
-            h = be.rms_norm(x, L.attn_norm, a.rms_eps)
-            if L.attn_q_bias is None and L.attn_k_bias is None and L.attn_v_bias is None:
-                q, k, v = be.linear_many(h, (L.attn_q, L.attn_k, L.attn_v))  # one call where it can
-            else:
-                q, k, v = (_biased(be, h, w, b) for w, b in ((L.attn_q, L.attn_q_bias),
-                                                              (L.attn_k, L.attn_k_bias), (L.attn_v, L.attn_v_bias)))
+            # the norm and the products (and biases) in one call where the backend can
+            q, k, v = be.norm_linear_many(x, L.attn_norm, a.rms_eps, (L.attn_q, L.attn_k, L.attn_v),
+                                          (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
             q, k, v = (q.reshape(R, a.n_head, a.head_dim), k.reshape(R, a.n_kv_head, a.head_dim),
                        v.reshape(R, a.n_kv_head, a.head_dim))
             q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
@@ -232,11 +229,9 @@ class Model:
             o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i), tables)  # (R, n_head, hd)
             x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
                           a.rms_eps)
-            h = be.rms_norm(x, L.ffn_norm, a.rms_eps)
-            gate, up = be.linear_many(h, (L.ffn_gate, L.ffn_up))
+            gate, up = be.norm_linear_many(x, L.ffn_norm, a.rms_eps, (L.ffn_gate, L.ffn_up))
             x = _residual(be, x, ffn_act(gate, up), L.ffn_down, L.post_ffw_norm, a.rms_eps)
-        h = be.rms_norm(x if rows is None else x[rows], self.output_norm, a.rms_eps)
-        return be.linear(h, self.output)
+        return be.norm_linear_many(x if rows is None else x[rows], self.output_norm, a.rms_eps, (self.output,))[0]
 
 
 def _rope_freq_factors(gf: GGUFFile, a: ModelArgs, max_pos: int) -> np.ndarray | None:
@@ -272,11 +267,6 @@ def _rope_per_layer(a: ModelArgs, be: Backend, max_pos: int, freqs: np.ndarray |
 
 def _normed(be: Backend, x, weight, eps: float):
     return x if weight is None else be.rms_norm(x, weight, eps)
-
-
-def _biased(be: Backend, h, w, bias):
-    """h @ w.T (+ bias): `linear_add` fuses the bias where the backend can."""
-    return be.linear(h, w) if bias is None else be.linear_add(h, w, bias)
 
 
 def _residual(be: Backend, x, h, w, post_norm, eps: float):

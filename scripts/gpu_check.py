@@ -10,8 +10,11 @@ numpy backend used for comparisons falls back to its GEMV path without it).
 What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
   1. versions: GPU, driver, CUDA driver API and runtime, NVRTC, cupy, numpy, gguf;
   2. every CUDA kernel variant against the numpy emulation of its documented arithmetic,
-     bit for bit (backends/cupy_kernels/);
+     bit for bit (backends/cupy_kernels/): the block-form Q8_0 / Q4_x kernels, the RMS norm
+     fused into the products, attention over the paged float16 / float32 store;
   3. the backend's start-up self_check() (rows alone vs in batches, bit for bit);
+  3b. each decode product alone at B = 1 (20 launches in one CUDA graph): weight bytes per
+     second vs the copy bandwidth, for Q8_0 / F16 and the block-form Q4_0 / Q4_1 kernels;
   4. tiny llama/qwen2 models (tests/tiny_gguf.py; F32, F16, Q8_0, Q4_1, Q4_0, BF16, and
      head_dim 128) and gemma3 (sliding window, GELU): GPU logits == emulated backend bit for bit; vs the numpy backend and
      the float64 reference within REL_TOL; same greedy tokens as the numpy backend;
@@ -497,6 +500,72 @@ def host_bandwidth() -> float:
     return 3 * 2 * a.nbytes / (time.perf_counter() - t)
 
 
+# (weight type, N, K): the decode products of the synthetic models (qwen2-1.5B: q/o, gate/up,
+# down, the head; llama-7B: q, gate/up, down) and the block-form Q4 kernels at the same shapes
+GEMV = [("Q8_0", 1536, 1536), ("Q8_0", 8960, 1536), ("Q8_0", 1536, 8960), ("Q8_0", 151936, 1536),
+        ("F16", 4096, 4096), ("F16", 11008, 4096), ("F16", 4096, 11008),
+        ("Q4_0", 8960, 1536), ("Q4_0", 1536, 8960), ("Q4_1", 8960, 1536), ("Q4_0", 11008, 4096)]
+
+
+def _raw_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
+    """Valid Q8_0 / Q4_0 / Q4_1 blocks [n, k/32 * bytes]: random codes, small f16 d (and m)."""
+    size, head = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}[qtype]
+    raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+    raw[..., :head] = (rng.uniform(0.5, 1.5, (n, k // 32, head // 2)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def decode_gemv(rep: Report, be, cp) -> None:
+    """Each decode product alone at B = 1: 20 launches back to back replayed from one CUDA
+    graph (no host between them), weight bytes per second next to the device's copy
+    bandwidth -- whether the linear kernels stream, apart from the rest of the step."""
+    from panechat.backends.cupy_step_graphs import GraphCapture
+    from panechat.backends.gguf_tensor import GGUFTensor
+
+    rep.section("decode products at B = 1 (one linear kernel, 20 launches in a CUDA graph) vs copy bandwidth")
+    if cp is None:
+        rep.say("  ---- not measured here (CPU dry run)")
+        return
+    bw = copy_bandwidth(cp)
+    rng = np.random.default_rng(0)
+    rep.say(f"  device copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written); kernel = linear_<kind>_1_<NC>")
+    for qtype, n, k in GEMV:
+        if rep.left() < 60:
+            rep.skip(f"decode product {qtype} {n}x{k} (time budget)")
+            continue
+        try:
+            if qtype == "F16":
+                t = GGUFTensor("w", (n, k), "F16", (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16))
+            else:
+                t = GGUFTensor("w", (n, k), qtype, _raw_blocks(rng, qtype, n, k))
+            w = be.linear_weight(t)
+            x = cp.asarray(rng.standard_normal((1, k), dtype=np.float32))
+            out = cp.empty((1, n), cp.float32)
+            reps = 20
+
+            def launches(x=x, w=w, out=out):
+                for _ in range(reps):
+                    be.kernels.linear(x, w, out)
+                return out
+
+            replay = GraphCapture(cp).capture(launches)
+            replay()
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                replay()
+            cp.cuda.Device().synchronize()
+            dt = (time.perf_counter() - t0) / (5 * reps)
+            frac = w.nbytes / dt / bw
+            rep.figures[("decode product", f"{qtype} {n}x{k}")] = frac
+            rep.say(f"  {qtype:5s} N={n:6d} K={k:5d} ({w.kind}): {w.nbytes / 1e6:7.1f} MB in {dt * 1e6:7.1f} us = "
+                    f"{w.nbytes / dt / 1e12:.2f} TB/s, {frac:.0%} of the copy bandwidth")
+            del w, x, out, replay
+            cp.get_default_memory_pool().free_all_blocks()
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"decode product {qtype} {n}x{k}", e)
+
+
 def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -> None:
     from panechat.engine.gguf_file import GGUFFile
     from panechat.engine.model import Model
@@ -765,7 +834,8 @@ def main() -> int:
             rep.error("versions", e)
     rep.say(f"  backend: {be.describe()}")
     rep.say(f"  kernels built and loaded in {t_build:.1f} s")
-    for name, fn in (("kernels", lambda: kernels_vs_emulation(rep, be)), ("self_check", lambda: self_check(rep, be))):
+    for name, fn in (("kernels", lambda: kernels_vs_emulation(rep, be)), ("self_check", lambda: self_check(rep, be)),
+                     ("decode products", lambda: decode_gemv(rep, be, cp))):
         try:
             fn()
         except Exception as e:  # noqa: BLE001

@@ -33,16 +33,24 @@ directly -- see ``build.build_module``). Float32 throughout, subnormals kept.
   warp); each lane runs one fma chain from +0 over its k in increasing order; the 32 lane
   sums are combined by the xor butterfly ``v += shfl_xor(v, h)`` for h = 16, 8, 4, 2, 1.
   The weight is dequantized exactly in registers (f16 -> f32 by cvt; q8: ``q * d`` is
-  exact, then ``+ m`` rounded once, as numpy_kernels.dequantize_q8 does). The order
+  exact, then ``+ m`` rounded once, as numpy_kernels.dequantize_q8 does; q80, Q8_0 blocks:
+  ``q * d`` with d float16 as stored; q4, Q4_0/Q4_1 blocks with the codes nibble-packed as
+  stored: ``(q - 8) * d`` or ``q * d + m``). Each lane loads its next PF octets before it
+  uses the first (loads in flight), which does not change the order. The order
   depends on K alone. A warp computes NC in {1, 4} columns x TM in {1, 2, 4, 8, 16} rows
   with vector loads (K % 8 == 0); TM is picked from M and NC from N, which only regroups
   elements. Any other K runs ``linear_*_s`` (scalar loads, one row and column per warp)
   with the same order.
+* ``linear`` with a fused norm (``norm`` = 1): the input element is ``(x * inv) * nw[k]``
+  with inv from ``rms_inv`` -- the rms_norm kernel's own computation, below -- formed in
+  registers: bit for bit the rms_norm kernel followed by the plain product.
 * ``rms_norm`` per row of D: thread t (of 256) runs an fma chain of x*x over k = t,
   t+256, ...; a block sum (butterfly within each warp, then ((w0+w1)+(w2+w3)) +
   ((w4+w5)+(w6+w7)) over the 8 warps); inv = 1 / sqrt(sum / D + eps);
   y = (x * inv) * weight.
-* ``attention`` per (row, head), keys t = 0..pos of the row's slot, kv head h // (H/G):
+* ``attention`` per (row, head), keys t = 0..pos of the row's sequence, read from the paged
+  store through its block table (key t: block table[t // 16], offset t % 16; float16
+  converted exactly), kv head h // (H/G):
   score[t] = (fma chain over d = lane + 32 i, butterfly) * scale; m = max; e[t] =
   expf_pc(score[t] - m) (``expf_pc`` is a Cephes expf from plain IEEE operations, the same
   formula as numpy_kernels._expf); sum = block sum of per-thread chains over t = thread,

@@ -69,3 +69,20 @@ def build_module(cp: Any, cache_dir: str | Path | None = None) -> Any:
         except OSError:
             continue  # an unwritable cache folder: try the next one
     raise RuntimeError("no writable folder for the compiled CUDA kernels")
+
+
+def compile_ptx_nvcc(arch: str = "sm_90", source: str = SOURCE, options: tuple = OPTIONS,
+                     nvcc: str = "nvcc") -> bytes:
+    """Compile `source` to PTX with the CUDA toolkit's nvcc (`nvcc -ptx -arch=<arch>`) and
+    the same options NVRTC gets, without a GPU or cupy: a check that every kernel compiles
+    where only the toolkit is installed. Raises RuntimeError with nvcc's output on an error."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "panechat_kernels.cu", Path(tmp) / "panechat_kernels.ptx"
+        src.write_text(source)
+        r = subprocess.run([nvcc, "-ptx", f"-arch={arch}", *options, str(src), "-o", str(out)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc ({arch}): {r.stderr.strip() or r.stdout.strip()}")
+        return out.read_bytes()

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from ..paged_kv import BLOCK_TOKENS
 from .constants import KSPLIT, NT, OCTET, QBLOCK, WARP, WARPS, cdiv
+from ..cupy_widen import widen
 from .sampling import uniform
 from .source import SOURCE, kernel_signatures
 
@@ -93,12 +95,34 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         return np.asarray(w).view(np.float16).astype(np.float32)
     if kind == "bf16":
         return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if kind == "q4":
+        return dequantize_q4(w, scales, mins)
+    if kind == "q4k":  # Q4_K super-blocks as stored: the widened codes, scales and mins
+        n, nbytes = np.asarray(w).shape
+        q, S, M, g = widen(w, "Q4_K", n, nbytes // 144 * 256)
+        return dequantize("q8", q, S, M, g)
+    if kind == "q80":  # Q8_0 blocks: int8 codes, float16 d per 32
+        scales = np.asarray(scales).view(np.float16).astype(np.float32)
     N, K = w.shape
     q = np.asarray(w).view(np.int8).reshape(N, K // group, group).astype(np.float32)
     out = q * np.asarray(scales, np.float32)[:, :, None]
     if mins is not None:
         out = out + np.asarray(mins, np.float32)[:, :, None]
     return out.reshape(N, K)
+
+
+def dequantize_q4(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """The float32 weights of Q4_0 (m None: (q - 8) * d) or Q4_1 (q * d + m) blocks held as
+    the q4 kernels read them: qs uint8 [N, K/2] (16 bytes per block as stored), d, m
+    float16 [N, K/32] -- the nibbles unpacked as gguf does, gguf's float32 expressions."""
+    d = np.asarray(d).view(np.float16).astype(np.float32)
+    N, nb = d.shape
+    b = np.asarray(qs, np.uint8).reshape(N, nb, 16)
+    q = np.concatenate([b & 0x0F, b >> 4], axis=-1).astype(np.float32)  # [N, nb, 32]
+    if m is None:
+        return ((q - _F32(8)) * d[:, :, None]).reshape(N, nb * 32)
+    mm = np.asarray(m).view(np.float16).astype(np.float32)
+    return (q * d[:, :, None] + mm[:, :, None]).reshape(N, nb * 32)
 
 
 def emulate_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -290,6 +314,7 @@ _NP_OF_CTYPE = {
     "float": (np.float32,),
     "unsigned short": (np.float16, np.uint16),
     "signed char": (np.int8,),
+    "unsigned char": (np.uint8,),
     "int": (np.int32,),
     "long long": (np.int64,),
     "unsigned int": (np.uint32,),
@@ -341,16 +366,28 @@ def _emu_linear(name, grid, args):
     kind = parts[1]
     tm, nc = (1, 1) if parts[2] == "s" else (int(parts[2]), int(parts[3]))
     if kind == "q8":
-        x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode = args
+        x, q, d, m, out, M, N, K, has_m, gshift, add, add_mode, nw, eps, norm = args
         w = dequantize("q8", q.reshape(int(N), int(K)), d.reshape(int(N), -1),
                        m.reshape(int(N), -1) if has_m else None, 1 << int(gshift))
+    elif kind == "q4k":
+        x, b, out, M, N, K, add, add_mode, nw, eps, norm = args
+        w = dequantize("q4k", b.reshape(int(N), -1))
+    elif kind == "q80":
+        x, q, d, out, M, N, K, add, add_mode, nw, eps, norm = args
+        w = dequantize("q80", q.reshape(int(N), int(K)), d.reshape(int(N), -1))
+    elif kind == "q4":
+        x, qs, d, m, out, M, N, K, has_m, add, add_mode, nw, eps, norm = args
+        w = dequantize_q4(qs.reshape(int(N), -1), d.reshape(int(N), -1), m.reshape(int(N), -1) if has_m else None)
     else:
-        x, w0, out, M, N, K, add, add_mode = args
+        x, w0, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize(kind, w0)
     M, N, K = int(M), int(N), int(K)
     if tuple(grid) != (cdiv(M, tm), cdiv(N, WARPS * nc)):
         raise ValueError(f"{name}: grid {grid} does not cover M={M}, N={N}")
-    y = emulate_linear(x.reshape(M, K), w.reshape(N, K))
+    xin = x.reshape(M, K)
+    if int(norm):  # the fused RMS norm: the rms_norm kernel's output, formed in the launch
+        xin = emulate_rms_norm(xin, nw.reshape(K), float(eps))
+    y = emulate_linear(xin, w.reshape(N, K))
     if int(add_mode):  # the residual [M, N] or the bias [N], added once after the sum
         y = y + (add.reshape(M, N) if int(add_mode) == 1 else add.reshape(N))
     out.reshape(M, N)[...] = y
@@ -409,36 +446,49 @@ def _emu_rope(name, grid, args):
                                            pos.reshape(-1)[:R], bool(neox)).reshape(-1)
 
 
+def gather_keys(store: np.ndarray, table: np.ndarray, g: int, t0: int, P: int) -> np.ndarray:
+    """Keys (or values) t0 .. P-1 of kv head g of one sequence (its block table row) from a
+    paged store [NB, G, BT, D], in position order, as float32 (an exact conversion): what
+    the attention kernels read through the table."""
+    nb = -(-P // BLOCK_TOKENS)
+    blocks = store[np.asarray(table[:nb], np.int64), g]  # [nb, BT, D]
+    return blocks.reshape(nb * BLOCK_TOKENS, -1)[t0:P].astype(np.float32)
+
+
 def _emu_scores(name, grid, args):
-    q, kc, slot, pos, sc, H, G, C, D, scale, r0, window = args
-    H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
+    q, kc, tab, nb, seq, pos, sc, H, G, D, scale, r0, window = args
+    H, G, D, r0, nb = int(H), int(G), int(D), int(r0), int(nb)
     if grid[0] % H or grid[1] != KSPLIT:
         raise ValueError(f"{name}: grid {grid}")
     qv = q.reshape(-1, H, D)
-    kcv = kc.reshape(-1, G, C, D)
-    scv = sc.reshape(-1, H, C)
+    kcv = kc.reshape(-1, G, BLOCK_TOKENS, D)
+    tabv = tab.reshape(-1, nb)
+    scv = sc.reshape(-1, H, nb * BLOCK_TOKENS)
     for rr in range(grid[0] // H):
         r = r0 + rr
-        P, s = int(pos[r]) + 1, int(slot[r])
+        P = int(pos[r]) + 1
+        t0 = _window_start(P, int(window))
         for h in range(H):
-            t0 = _window_start(P, int(window))
-            scv[rr, h, t0:P] = emulate_scores(qv[r, h], kcv[s, h // (H // G), t0:P], float(scale))
+            keys = gather_keys(kcv, tabv[int(seq[r])], h // (H // G), t0, P)
+            scv[rr, h, t0:P] = emulate_scores(qv[r, h], keys, float(scale))
 
 
 def _emu_softmax_v(name, grid, args):
-    sc, vc, slot, pos, o, H, G, C, D, r0, window = args
-    H, G, C, D, r0 = int(H), int(G), int(C), int(D), int(r0)
+    sc, vc, tab, nb, seq, pos, o, H, G, D, r0, window = args
+    H, G, D, r0, nb = int(H), int(G), int(D), int(r0), int(nb)
     if grid[0] % H:
         raise ValueError(f"{name}: grid {grid}")
-    scv = sc.reshape(-1, H, C)
-    vcv = vc.reshape(-1, G, C, D)
+    scv = sc.reshape(-1, H, nb * BLOCK_TOKENS)
+    vcv = vc.reshape(-1, G, BLOCK_TOKENS, D)
+    tabv = tab.reshape(-1, nb)
     ov = o.reshape(-1, H, D)
     for rr in range(grid[0] // H):
         r = r0 + rr
-        P, s = int(pos[r]) + 1, int(slot[r])
+        P = int(pos[r]) + 1
+        t0 = _window_start(P, int(window))
         for h in range(H):
-            t0 = _window_start(P, int(window))
-            ov[r, h], scv[rr, h, t0:P] = emulate_softmax_v(scv[rr, h, t0:P], vcv[s, h // (H // G), t0:P])
+            vals = gather_keys(vcv, tabv[int(seq[r])], h // (H // G), t0, P)
+            ov[r, h], scv[rr, h, t0:P] = emulate_softmax_v(scv[rr, h, t0:P], vals)
 
 
 def _emu_sample_rows(name, grid, args):
@@ -455,7 +505,9 @@ _EMULATORS = {
     "gelu_mul": _emu_gelu,
     "rope": _emu_rope,
     "kv_write": _emu_kv_write,
-    "attn_scores": _emu_scores,
-    "attn_softmax_v": _emu_softmax_v,
+    "attn_scores_f16": _emu_scores,
+    "attn_scores_f32": _emu_scores,
+    "attn_softmax_v_f16": _emu_softmax_v,
+    "attn_softmax_v_f32": _emu_softmax_v,
     "sample_rows": _emu_sample_rows,
 }

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .constants import COL_TILES, KSPLIT, MAX_HEAD_DIM, NT, ROW_TILES, WARPS, WIDE_N, cdiv
+from ..paged_kv import BLOCK_TOKENS
+from .constants import BLOCK_KINDS, COL_TILES, KSPLIT, MAX_HEAD_DIM, NT, ROW_TILES, WARPS, WIDE_N, cdiv
 from .source import KERNEL_NAMES, linear_kernel_name
 
 SCRATCH_FLOATS = 1 << 24  # attention score scratch per launch group (64 MiB); rows are chunked
@@ -57,20 +58,22 @@ class Kernels:
         self.fn(name)(grid, (NT,), args)
 
     # -- the operations ----------------------------------------------------------------
-    def linear(self, x: Any, w: Any, out: Any, add: Any = None) -> Any:
+    def linear(self, x: Any, w: Any, out: Any, add: Any = None, norm: tuple | None = None) -> Any:
         """out[M, N] = x[M, K] @ W.T (+ add: [M, N] a residual, or [N] a bias) for a prepared
-        weight `w` (kind, n, k, arrays)."""
+        weight `w` (kind, n, k, arrays); with norm = (weight [K] float32, eps) the product's
+        input is rms_norm(x, weight, eps), formed by the same launch (bit for bit the
+        rms_norm kernel's output)."""
         M, K = x.shape
         N = w.n
         if K != w.k or out.shape != (M, N):
             raise ValueError(f"linear: x{tuple(x.shape)} w[{w.n}, {w.k}] out{tuple(out.shape)}")
         if M == 0 or N == 0:
             return out
-        if K % 8 == 0 and _ptr(x) % 16 == 0:
+        if K % 8 == 0 and _ptr(x) % 16 == 0 and (norm is None or _ptr(norm[0]) % 16 == 0):
             tm, nc = row_tile(M), col_tile(N)
             grid = (cdiv(M, tm), cdiv(N, WARPS * nc))
-        elif w.kind == "q8":
-            raise ValueError("linear: q8 weights need K a multiple of their group and a 16-byte aligned x")
+        elif w.kind in BLOCK_KINDS:
+            raise ValueError(f"linear: {w.kind} weights need K a multiple of their group and a 16-byte aligned x")
         else:  # the any-K kernel: same arithmetic, scalar loads, one row per block
             tm, nc = 0, 0
             grid = (M, cdiv(N, WARPS))
@@ -85,11 +88,24 @@ class Kernels:
             tail = (add, i32(2))
         else:
             raise ValueError(f"linear: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
+        if norm is None:
+            tail += (x, np.float32(0.0), i32(0))
+        else:
+            if tuple(norm[0].shape) != (K,):
+                raise ValueError(f"linear: norm weight{tuple(norm[0].shape)} is not [{K}]")
+            tail += (norm[0], np.float32(norm[1]), i32(1))
         if w.kind == "q8":
             mins = w.mins if w.mins is not None else w.scales
             group = getattr(w, "group", 32)
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
                     i32(group.bit_length() - 1)) + tail
+        elif w.kind == "q4k":
+            args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
+        elif w.kind == "q80":
+            args = (x, w.w, w.scales, out, i32(M), i32(N), i32(K)) + tail
+        elif w.kind == "q4":
+            mins = w.mins if w.mins is not None else w.scales
+            args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None)) + tail
         else:
             args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
         self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)
@@ -135,25 +151,33 @@ class Kernels:
             self.launch("kv_write", (min(cdiv(n, NT), 4096),),
                         (k, v, kc, vc, slots, pos, i32(R), i32(G), i32(C), i32(D)))
 
-    def attention(self, q: Any, kc: Any, vc: Any, slots: Any, pos: Any, scale: float, out: Any,
+    def attention(self, q: Any, kc: Any, vc: Any, tables: Any, seqs: Any, pos: Any, scale: float, out: Any,
                   window: int = 0) -> Any:
-        """Causal GQA of q [R, H, D] over keys 0..pos[r] of slot slots[r] (with a sliding
-        `window` > 0: the last `window` of them) -> out [R, H, D]."""
+        """Causal GQA of q [R, H, D] over keys 0..pos[r] of sequence seqs[r] (with a sliding
+        `window` > 0: the last `window` of them) -> out [R, H, D], reading one layer's paged
+        store kc, vc [NB, G, BT, D] (float16 or float32) in place through the block tables
+        [S, nb] (int32)."""
         R, H, D = q.shape
-        S, G, C, D2 = kc.shape
-        if D2 != D or H % G or D > MAX_HEAD_DIM or out.shape != q.shape:
-            raise ValueError(f"attention: q{tuple(q.shape)} cache{tuple(kc.shape)} (head_dim <= {MAX_HEAD_DIM})")
+        NB, G, bt, D2 = kc.shape
+        S, nb = tables.shape
+        if D2 != D or bt != BLOCK_TOKENS or H % G or D > MAX_HEAD_DIM or out.shape != q.shape or vc.shape != kc.shape:
+            raise ValueError(f"attention: q{tuple(q.shape)} store{tuple(kc.shape)} (head_dim <= {MAX_HEAD_DIM})")
+        if kc.dtype != vc.dtype or np.dtype(str(kc.dtype)) not in (np.float16, np.float32):
+            raise ValueError(f"attention: a float16 or float32 store, got {kc.dtype}")
         if R == 0:
             return out
+        kind = "f16" if np.dtype(str(kc.dtype)) == np.float16 else "f32"
+        C = nb * BLOCK_TOKENS
         rows = max(1, min(R, SCRATCH_FLOATS // (H * C)))  # rows per launch pair
         sc = self.xp.empty((rows, H, C), self.xp.float32)
         i32 = np.int32
         for r0 in range(0, R, rows):
             n = min(rows, R - r0)
-            self.launch("attn_scores", (n * H, KSPLIT),
-                        (q, kc, slots, pos, sc, i32(H), i32(G), i32(C), i32(D), np.float32(scale), i32(r0), i32(window)))
-            self.launch("attn_softmax_v", (n * H,),
-                        (sc, vc, slots, pos, out, i32(H), i32(G), i32(C), i32(D), i32(r0), i32(window)))
+            self.launch(f"attn_scores_{kind}", (n * H, KSPLIT),
+                        (q, kc, tables, i32(nb), seqs, pos, sc, i32(H), i32(G), i32(D), np.float32(scale), i32(r0),
+                         i32(window)))
+            self.launch(f"attn_softmax_v_{kind}", (n * H,),
+                        (sc, vc, tables, i32(nb), seqs, pos, out, i32(H), i32(G), i32(D), i32(r0), i32(window)))
         return out
 
     def sample_rows(self, logits: Any, prob: Any, fparams: Any, top_k: Any, seed_step: Any, out: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .constants import COL_TILES, CUDA_DEFINES, LINEAR_KINDS, ROW_TILES
+from .constants import BLOCK_KINDS, COL_TILES, CUDA_DEFINES, LINEAR_KINDS, ROW_TILES
 
 _COMMON = r"""
 // panechat CuPy backend kernels. The numerical contract is documented in cupy_kernels/__init__.py;
@@ -65,6 +65,19 @@ __device__ __forceinline__ float expf_pc(float x) {
     return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
 }
 
+// RMS norm's 1 / sqrt(mean(x^2) + eps) of the row xr [D], computed by the whole block (every
+// thread gets it): thread t's fma chain of x*x over k = t, t + NT, ..., then block_sum. The
+// rms_norm kernel and the linear kernels' fused norm both call this, so they agree bit for bit.
+__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int D, float eps, float* red) {
+    float acc = 0.0f;
+    for (int k = threadIdx.x; k < D; k += NT) {
+        const float v = xr[k];
+        acc = __fmaf_rn(v, v, acc);
+    }
+    const float ss = block_sum(acc, red);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+}
+
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -72,25 +85,36 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 }
 
 // ---- weight formats: octet(n, g, o) = w[n, 8g .. 8g+8) as exact floats ----------------
-// octet() uses vector loads (rows 16-byte aligned: K % 8 == 0); at() is the scalar load.
+// load(n, g) fetches what octet g of row n needs from memory (vector loads, rows 16-byte
+// aligned: K % 8 == 0) and decode(raw, g, o) turns it into the 8 exact floats, so that the
+// linear kernel can issue several octets' loads before their first use (bytes in flight);
+// at() is the scalar load of the any-K kernel.
 
 struct WF32 {
+    static constexpr int PF1 = 4;  // octets in flight per lane with one column a warp (32 bytes each)
     const float* w;
     int K;
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
+    struct Raw { float4 a, b; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
         const float4* p = reinterpret_cast<const float4*>(w + (size_t)n * K + 8 * g);
-        const float4 a = __ldg(p), b = __ldg(p + 1);
-        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+        return Raw{__ldg(p), __ldg(p + 1)};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        o[0] = r.a.x; o[1] = r.a.y; o[2] = r.a.z; o[3] = r.a.w;
+        o[4] = r.b.x; o[5] = r.b.y; o[6] = r.b.z; o[7] = r.b.w;
     }
     __device__ __forceinline__ float at(int n, int k) const { return __ldg(w + (size_t)n * K + k); }
 };
 
 struct WF16 {
+    static constexpr int PF1 = 8;  // 16 bytes an octet
     const unsigned short* w;
     int K;
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    using Raw = uint4;
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        return __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    }
+    __device__ __forceinline__ void decode(const Raw& u, int g, float* o) const {
         o[0] = h2f((unsigned short)(u.x & 0xffffu)); o[1] = h2f((unsigned short)(u.x >> 16));
         o[2] = h2f((unsigned short)(u.y & 0xffffu)); o[3] = h2f((unsigned short)(u.y >> 16));
         o[4] = h2f((unsigned short)(u.z & 0xffffu)); o[5] = h2f((unsigned short)(u.z >> 16));
@@ -101,11 +125,15 @@ struct WF16 {
 
 // bfloat16 as stored (uint16): the float32 with these 16 high bits, exactly.
 struct WBF16 {
+    static constexpr int PF1 = 8;
     const unsigned short* w;
     int K;
+    using Raw = uint4;
     __device__ __forceinline__ static float b2f(unsigned int b) { return __uint_as_float(b << 16); }
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        return __ldg(reinterpret_cast<const uint4*>(w + (size_t)n * K + 8 * g));
+    }
+    __device__ __forceinline__ void decode(const Raw& u, int g, float* o) const {
         o[0] = b2f(u.x & 0xffffu); o[1] = b2f(u.x >> 16);
         o[2] = b2f(u.y & 0xffffu); o[3] = b2f(u.y >> 16);
         o[4] = b2f(u.z & 0xffffu); o[5] = b2f(u.z >> 16);
@@ -117,25 +145,28 @@ struct WBF16 {
 // int8 q [N, K] with float32 d (and m) [N, K/G], G = 1 << gs (32, or 16 for Q6_K):
 // w = q * d [+ m, rounded once]. An octet never straddles two groups.
 struct WQ8 {
+    static constexpr int PF1 = 16;  // 8 bytes of codes an octet: twice as many in flight
     const signed char* q;
     const float* d;
     const float* m;
     int K;
     int has_m;
     int gs;
+    struct Raw { uint2 u; float d, m; };
     __device__ __forceinline__ float deq(int qv, float dd, float mm) const {
         const float w = __fmul_rn((float)qv, dd);
         return has_m ? __fadd_rn(w, mm) : w;
     }
-    __device__ __forceinline__ void octet(int n, int g, float* o) const {
-        const uint2 u = __ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g));
+    __device__ __forceinline__ Raw load(int n, int g) const {
         const size_t b = (size_t)n * (K >> gs) + ((8 * g) >> gs);
-        const float dd = __ldg(d + b);
-        const float mm = has_m ? __ldg(m + b) : 0.0f;
+        return Raw{__ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g)), __ldg(d + b),
+                   has_m ? __ldg(m + b) : 0.0f};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            o[j] = deq((int)(signed char)((u.x >> (8 * j)) & 0xffu), dd, mm);
-            o[4 + j] = deq((int)(signed char)((u.y >> (8 * j)) & 0xffu), dd, mm);
+            o[j] = deq((int)(signed char)((r.u.x >> (8 * j)) & 0xffu), r.d, r.m);
+            o[4 + j] = deq((int)(signed char)((r.u.y >> (8 * j)) & 0xffu), r.d, r.m);
         }
     }
     __device__ __forceinline__ float at(int n, int k) const {
@@ -144,20 +175,135 @@ struct WQ8 {
     }
 };
 
+// Q8_0 in GGUF's block form: the int8 codes [N, K] as stored, d [N, K/32] float16 as stored
+// (split off the 34-byte blocks so that rows stay aligned): w = q * d, exact.
+struct WQ80 {
+    static constexpr int PF1 = 16;
+    const signed char* q;
+    const unsigned short* d;
+    int K;
+    struct Raw { uint2 u; unsigned short d; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        return Raw{__ldg(reinterpret_cast<const uint2*>(q + (size_t)n * K + 8 * g)),
+                   __ldg(d + (size_t)n * (K >> 5) + (g >> 2))};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const float dd = h2f(r.d);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[j] = __fmul_rn((float)(int)(signed char)((r.u.x >> (8 * j)) & 0xffu), dd);
+            o[4 + j] = __fmul_rn((float)(int)(signed char)((r.u.y >> (8 * j)) & 0xffu), dd);
+        }
+    }
+};
+
+// Q4_0 / Q4_1 in GGUF's block form: qs [N, K/32, 16] bytes exactly as stored (byte j of a
+// block holds weight j in its low nibble and weight j + 16 in its high nibble), d (and m)
+// [N, K/32] float16 as stored, split off the 18/20-byte blocks so that qs rows stay 16-byte
+// aligned. Octet g = part p = g % 4 of block g / 4: weights 8p' .. 8p'+7 of the block are the
+// low (p < 2) or high (p >= 2) nibbles of bytes 8 (p & 1) .. 8 (p & 1) + 7, one 8-byte load.
+// w = (q - 8) * d (Q4_0, exact) or q * d + m (Q4_1, the product exact, + m rounded once):
+// gguf's float32 expressions, as the CPU kernels and the widened q8 form compute them.
+struct WQ4 {
+    static constexpr int PF1 = 16;  // 8 bytes loaded an octet (4 of them its nibbles)
+    const unsigned char* qs;
+    const unsigned short* d;
+    const unsigned short* m;
+    int K;
+    int has_m;
+    struct Raw { uint2 u; unsigned short d, m; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        return Raw{__ldg(reinterpret_cast<const uint2*>(qs + 16 * b + 8 * (g & 1))), __ldg(d + b),
+                   has_m ? __ldg(m + b) : (unsigned short)0};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int sh = (g & 2) ? 4 : 0;  // parts 2, 3: the high nibbles
+        const float dd = h2f(r.d), mm = h2f(r.m);
+        const int off = has_m ? 0 : 8;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int q0 = (int)((r.u.x >> (8 * j + sh)) & 0xfu) - off;
+            const int q1 = (int)((r.u.y >> (8 * j + sh)) & 0xfu) - off;
+            const float w0 = __fmul_rn((float)q0, dd), w1 = __fmul_rn((float)q1, dd);
+            o[j] = has_m ? __fadd_rn(w0, mm) : w0;
+            o[4 + j] = has_m ? __fadd_rn(w1, mm) : w1;
+        }
+    }
+};
+
+// Q4_K exactly as stored: 144-byte super-blocks of 256 weights [N, K/256, 144] (16-byte
+// aligned: 144 = 9 * 16): f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins, then
+// qs[128] -- pair p (weights 64p .. 64p+63) in qs[32p .. 32p+31], low nibbles the first 32,
+// high the next. Octet g: weights j = 8 (g % 32) .. of super-block g / 32, group is = j / 32
+// (sc, m: ggml's get_scale_min_k4), one 16-byte header load and one 8-byte code load.
+// w = q * (d * sc) + (-(dmin * m)): d * sc and dmin * m are exact (11 x 6 bits), q * S exact,
+// the add rounds once -- gguf's (d * sc) * q - dmin * m, as the widened q8 form computes it.
+struct WQ4K {
+    static constexpr int PF1 = 8;
+    const unsigned char* b;
+    int K;
+    struct Raw { uint2 u; uint4 h; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const unsigned char* blk = b + ((size_t)n * (K >> 8) + (g >> 5)) * 144;
+        const int j = (g & 31) * 8;
+        return Raw{__ldg(reinterpret_cast<const uint2*>(blk + 16 + 32 * (j >> 6) + (j & 31))),
+                   __ldg(reinterpret_cast<const uint4*>(blk))};
+    }
+    __device__ __forceinline__ static unsigned int sbyte(const uint4& h, int i) {  // scales[i]
+        const unsigned int w = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+        return (w >> (8 * (i & 3))) & 0xffu;
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int is = (g & 31) >> 2;  // the 32-weight group
+        unsigned int sc, mn;
+        if (is < 4) {
+            sc = sbyte(r.h, is) & 63u;
+            mn = sbyte(r.h, is + 4) & 63u;
+        } else {
+            sc = (sbyte(r.h, is + 4) & 0xfu) | ((sbyte(r.h, is - 4) >> 6) << 4);
+            mn = (sbyte(r.h, is + 4) >> 4) | ((sbyte(r.h, is) >> 6) << 4);
+        }
+        const float S = __fmul_rn(h2f((unsigned short)(r.h.x & 0xffffu)), (float)sc);
+        const float Mn = -__fmul_rn(h2f((unsigned short)(r.h.x >> 16)), (float)mn);
+        const int sh = (is & 1) ? 4 : 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[j] = __fadd_rn(__fmul_rn((float)(int)((r.u.x >> (8 * j + sh)) & 0xfu), S), Mn);
+            o[4 + j] = __fadd_rn(__fmul_rn((float)(int)((r.u.y >> (8 * j + sh)) & 0xfu), S), Mn);
+        }
+    }
+};
+
 // ---- linear: out[M, N] = x[M, K] @ w[N, K]^T ------------------------------------------
 // Block: 8 warps; warp w computes columns n0 .. n0+NC-1 (n0 = (blockIdx.y*8 + w) * NC) for
 // rows m0 .. m0+TM-1 (m0 = blockIdx.x * TM). Lane l owns the octets g = l, l+32, ... and
 // runs one fma chain per output element over them in increasing k.
-// VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads.
+// VEC (K % 8 == 0, every row 16-byte aligned): whole octets with vector loads, PF octets
+// per lane loaded before the first of them is used (PF * 32 octets of each column in
+// flight per warp, PF = W::PF1 -- about 128 bytes a lane -- at one row and one column a
+// warp, fewer for larger tiles; the chains still take the octets one by one in increasing k). Columns
+// past N (the last warp of a ragged N) load column N - 1 and never store.
 // add_mode 1: out = sum + add[m, n] (a residual), 2: out = sum + add[n] (a bias), the add
 // rounded once after the reduction: what a separate `y + add` computes, one launch fewer.
+// norm 1 (the fused RMS norm): the product's input is rms_norm(x, nw, eps), each element
+// (x * inv) * nw[k] formed in registers as the rms_norm kernel forms it, inv per row from
+// rms_inv by the whole block before any warp leaves -- one launch instead of two.
 template <int TM, int NC, class W>
 __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W& w,
                                            float* __restrict__ out, int M, int N, int K,
-                                           const float* __restrict__ add, int add_mode) {
+                                           const float* __restrict__ add, int add_mode,
+                                           const float* __restrict__ nw, float eps, int norm) {
+    // fewer octets in flight where a loaded octet serves several rows or columns (registers)
+    constexpr int PF0 = W::PF1 / NC / (TM >= 8 ? 4 : TM >= 4 ? 2 : 1);
+    constexpr int PF = PF0 > 1 ? PF0 : 1;
+    __shared__ float red[WARPS];
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * NC;
     const int m0 = blockIdx.x * TM;
+    float inv[TM];
+#pragma unroll
+    for (int r = 0; r < TM; ++r) inv[r] = (norm && m0 + r < M) ? rms_inv(x + (size_t)(m0 + r) * K, K, eps, red) : 1.0f;
     if (n0 >= N) return;  // whole warp
     float acc[TM][NC];
 #pragma unroll
@@ -165,27 +311,39 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
     const int G = K >> 3;
-    for (int g = lane; g < G; g += 32) {
-        float wv[NC][8];
+    for (int g0 = lane; g0 < G; g0 += 32 * PF) {
+        typename W::Raw raw[PF][NC];
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            if (n0 + c < N) {
-                w.octet(n0 + c, g, wv[c]);
-            } else {
+        for (int p = 0; p < PF; ++p)
+            if (g0 + 32 * p < G)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) wv[c][j] = 0.0f;
-            }
-        }
+                for (int c = 0; c < NC; ++c) raw[p][c] = w.load(min(n0 + c, N - 1), g0 + 32 * p);
 #pragma unroll
-        for (int r = 0; r < TM; ++r) {
-            if (m0 + r < M) {
-                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + 8 * g);
-                const float4 a = __ldg(xr), b = __ldg(xr + 1);
-                const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (int p = 0; p < PF; ++p) {
+            const int g = g0 + 32 * p;
+            if (g < G) {
+                float wv[NC][8];
 #pragma unroll
-                for (int c = 0; c < NC; ++c)
+                for (int c = 0; c < NC; ++c) w.decode(raw[p][c], g, wv[c]);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[r][c] = __fmaf_rn(xv[j], wv[c][j], acc[r][c]);
+                for (int r = 0; r < TM; ++r) {
+                    if (m0 + r < M) {
+                        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + 8 * g);
+                        const float4 a = __ldg(xr), b = __ldg(xr + 1);
+                        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                        if (norm) {
+                            const float4* nr = reinterpret_cast<const float4*>(nw + 8 * g);
+                            const float4 c = __ldg(nr), d = __ldg(nr + 1);
+                            const float nv[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) xv[j] = __fmul_rn(__fmul_rn(xv[j], inv[r]), nv[j]);
+                        }
+#pragma unroll
+                        for (int c = 0; c < NC; ++c)
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) acc[r][c] = __fmaf_rn(xv[j], wv[c][j], acc[r][c]);
+                    }
+                }
             }
         }
     }
@@ -206,16 +364,23 @@ __device__ __forceinline__ void linear_vec(const float* __restrict__ x, const W&
 template <class W>
 __device__ __forceinline__ void linear_scalar(const float* __restrict__ x, const W& w,
                                               float* __restrict__ out, int M, int N, int K,
-                                              const float* __restrict__ add, int add_mode) {
+                                              const float* __restrict__ add, int add_mode,
+                                              const float* __restrict__ nw, float eps, int norm) {
+    __shared__ float red[WARPS];
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.y * WARPS + (threadIdx.x >> 5);
     const int m = blockIdx.x;
-    if (n >= N) return;
     const float* xr = x + (size_t)m * K;
+    const float inv = norm ? rms_inv(xr, K, eps, red) : 1.0f;
+    if (n >= N) return;
     float acc = 0.0f;
     for (int g = lane; 8 * g < K; g += 32) {
         const int j1 = min(8, K - 8 * g);
-        for (int j = 0; j < j1; ++j) acc = __fmaf_rn(__ldg(xr + 8 * g + j), w.at(n, 8 * g + j), acc);
+        for (int j = 0; j < j1; ++j) {
+            const int k = 8 * g + j;
+            const float xv = norm ? __fmul_rn(__fmul_rn(__ldg(xr + k), inv), __ldg(nw + k)) : __ldg(xr + k);
+            acc = __fmaf_rn(xv, w.at(n, k), acc);
+        }
     }
     const float s = warp_sum(acc);
     if (lane == 0) {
@@ -231,13 +396,7 @@ extern "C" __global__ void __launch_bounds__(NT) rms_norm(
     __shared__ float red[WARPS];
     const float* xr = x + (size_t)blockIdx.x * D;
     float* yr = y + (size_t)blockIdx.x * D;
-    float acc = 0.0f;
-    for (int k = threadIdx.x; k < D; k += NT) {
-        const float v = xr[k];
-        acc = __fmaf_rn(v, v, acc);
-    }
-    const float ss = block_sum(acc, red);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    const float inv = rms_inv(xr, D, eps, red);
     for (int k = threadIdx.x; k < D; k += NT) yr[k] = __fmul_rn(__fmul_rn(xr[k], inv), w[k]);
 }
 
@@ -314,14 +473,22 @@ extern "C" __global__ void __launch_bounds__(NT) kv_write(
     }
 }
 
-// ---- attention, pass 1: scores -------------------------------------------------------
-// grid (rows * H, KSPLIT); warp wg = blockIdx.y * WARPS + warp handles keys t = wg,
-// wg + WARPS * KSPLIT, ...
-// sc[(rr * H + h) * C + t] = dot(q[r, h], k[slot, g, t]) * scale   (r = r0 + rr)
-extern "C" __global__ void __launch_bounds__(NT) attn_scores(
-        const float* __restrict__ q, const float* __restrict__ kc,
-        const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ sc,
-        int H, int G, int C, int D, float scale, int r0, int window) {
+// ---- attention over the paged KV store, read in place through the block tables -------
+// kc, vc: one layer's store [NB, G, BT, D] (BT positions a block, a -D define) of T = float16
+// (unsigned short, converted exactly by cvt) or float32; the row's sequence seq[r] has the
+// block table tab[seq[r] * nb .. + nb): key t lies in block tab[.. + t / BT] at offset
+// t % BT. The arithmetic is the contiguous kernels' (docs: attention), key for key.
+__device__ __forceinline__ float kv_ld(const float* p, size_t i) { return __ldg(p + i); }
+__device__ __forceinline__ float kv_ld(const unsigned short* p, size_t i) { return h2f(__ldg(p + i)); }
+
+// pass 1: scores. grid (rows * H, KSPLIT); warp wg = blockIdx.y * WARPS + warp handles keys
+// t = t0 + wg, t0 + wg + WARPS * KSPLIT, ...
+// sc[(rr * H + h) * C + t] = dot(q[r, h], k[t]) * scale   (r = r0 + rr, C = nb * BT)
+template <class T>
+__device__ __forceinline__ void attn_scores_t(
+        const float* __restrict__ q, const T* __restrict__ kc, const int* __restrict__ tab, int nb,
+        const int* __restrict__ seq, const int* __restrict__ pos, float* __restrict__ sc,
+        int H, int G, int D, float scale, int r0, int window) {
     const int rh = blockIdx.x;
     const int rr = rh / H, h = rh - rr * H, r = r0 + rr;
     const int P = pos[r] + 1;
@@ -329,27 +496,28 @@ extern "C" __global__ void __launch_bounds__(NT) attn_scores(
     const int g = h / (H / G);
     const int lane = threadIdx.x & 31;
     const float* qr = q + ((size_t)r * H + h) * D;
-    const float* kb = kc + ((size_t)slot[r] * G + g) * (size_t)C * D;
-    float* out = sc + (size_t)rh * C;
+    const int* tr = tab + (size_t)seq[r] * nb;
+    float* out = sc + (size_t)rh * nb * BT;
     float qv[MAX_HEAD_DIM / 32];
 #pragma unroll
     for (int i = 0; i < MAX_HEAD_DIM / 32; ++i) qv[i] = (lane + 32 * i < D) ? qr[lane + 32 * i] : 0.0f;
     for (int t = t0 + blockIdx.y * WARPS + (threadIdx.x >> 5); t < P; t += WARPS * KSPLIT) {
-        const float* kt = kb + (size_t)t * D;
+        const size_t kt = (((size_t)tr[t / BT] * G + g) * BT + t % BT) * D;
         float acc = 0.0f;
 #pragma unroll
         for (int i = 0; i < MAX_HEAD_DIM / 32; ++i)
-            if (lane + 32 * i < D) acc = __fmaf_rn(qv[i], kt[lane + 32 * i], acc);
+            if (lane + 32 * i < D) acc = __fmaf_rn(qv[i], kv_ld(kc, kt + lane + 32 * i), acc);
         acc = warp_sum(acc);
         if (lane == 0) out[t] = __fmul_rn(acc, scale);
     }
 }
 
-// ---- attention, pass 2: softmax and the weighted V sum; one block per (row, head) -----
-extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
-        float* sc, const float* __restrict__ vc,
-        const int* __restrict__ slot, const int* __restrict__ pos, float* __restrict__ o,
-        int H, int G, int C, int D, int r0, int window) {
+// pass 2: softmax and the weighted V sum; one block per (row, head)
+template <class T>
+__device__ __forceinline__ void attn_softmax_v_t(
+        float* sc, const T* __restrict__ vc, const int* __restrict__ tab, int nb,
+        const int* __restrict__ seq, const int* __restrict__ pos, float* __restrict__ o,
+        int H, int G, int D, int r0, int window) {
     __shared__ float red[WARPS];
     __shared__ float part[NT];
     const int rh = blockIdx.x;
@@ -358,7 +526,8 @@ extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
     const int t0 = window > 0 ? max(0, P - window) : 0;  // sliding window: keys t0 .. P-1
     const int g = h / (H / G);
     const int tid = threadIdx.x;
-    float* e = sc + (size_t)rh * C;
+    const int* tr = tab + (size_t)seq[r] * nb;
+    float* e = sc + (size_t)rh * nb * BT;
     float mx = __int_as_float(0xff800000);  // -inf
     for (int t = t0 + tid; t < P; t += NT) mx = fmaxf(mx, e[t]);
     mx = block_max(mx, red);
@@ -370,11 +539,11 @@ extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
     }
     sum = block_sum(sum, red);  // its __syncthreads also publishes e[] to the block
     const int S = NT / D;       // key subsets (D <= 256)
-    const float* vb = vc + ((size_t)slot[r] * G + g) * (size_t)C * D;
     if (tid < S * D) {
         const int s = tid / D, d = tid - s * D;
         float acc = 0.0f;
-        for (int t = t0 + s; t < P; t += S) acc = __fmaf_rn(e[t], vb[(size_t)t * D + d], acc);
+        for (int t = t0 + s; t < P; t += S)
+            acc = __fmaf_rn(e[t], kv_ld(vc, (((size_t)tr[t / BT] * G + g) * BT + t % BT) * D + d), acc);
         part[tid] = acc;
     }
     __syncthreads();
@@ -384,6 +553,35 @@ extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v(
         o[((size_t)r * H + h) * D + tid] = __fmul_rn(a, __fdiv_rn(1.0f, sum));
     }
 }
+
+extern "C" __global__ void __launch_bounds__(NT) attn_scores_f16(
+        const float* __restrict__ q, const unsigned short* __restrict__ kc, const int* __restrict__ tab, int nb,
+        const int* __restrict__ seq, const int* __restrict__ pos, float* __restrict__ sc,
+        int H, int G, int D, float scale, int r0, int window) {
+    attn_scores_t(q, kc, tab, nb, seq, pos, sc, H, G, D, scale, r0, window);
+}
+
+extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v_f16(
+        float* sc, const unsigned short* __restrict__ vc, const int* __restrict__ tab, int nb,
+        const int* __restrict__ seq, const int* __restrict__ pos, float* __restrict__ o,
+        int H, int G, int D, int r0, int window) {
+    attn_softmax_v_t(sc, vc, tab, nb, seq, pos, o, H, G, D, r0, window);
+}
+
+extern "C" __global__ void __launch_bounds__(NT) attn_scores_f32(
+        const float* __restrict__ q, const float* __restrict__ kc, const int* __restrict__ tab, int nb,
+        const int* __restrict__ seq, const int* __restrict__ pos, float* __restrict__ sc,
+        int H, int G, int D, float scale, int r0, int window) {
+    attn_scores_t(q, kc, tab, nb, seq, pos, sc, H, G, D, scale, r0, window);
+}
+
+extern "C" __global__ void __launch_bounds__(NT) attn_softmax_v_f32(
+        float* sc, const float* __restrict__ vc, const int* __restrict__ tab, int nb,
+        const int* __restrict__ seq, const int* __restrict__ pos, float* __restrict__ o,
+        int H, int G, int D, int r0, int window) {
+    attn_softmax_v_t(sc, vc, tab, nb, seq, pos, o, H, G, D, r0, window);
+}
+
 // ---- sampling on the device: one block per row; only token ids go back to the host -------
 // The contract (cupy_kernels/sampling.py emulates it bit for bit):
 //  tok = argmax (NaN beats everything, then the larger value, then the lower index: numpy's
@@ -555,6 +753,10 @@ _LINEAR_SIGNATURES = {
     "bf16": ("const unsigned short* __restrict__ w", "WBF16 ww{w, K};"),
     "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
            "WQ8 ww{q, d, m, K, has_m, gshift};"),
+    "q80": ("const signed char* __restrict__ q, const unsigned short* __restrict__ d", "WQ80 ww{q, d, K};"),
+    "q4k": ("const unsigned char* __restrict__ b", "WQ4K ww{b, K};"),
+    "q4": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
+           "const unsigned short* __restrict__ m", "WQ4 ww{qs, d, m, K, has_m};"),
 }
 
 
@@ -566,17 +768,18 @@ def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
 def _linear_wrappers() -> str:
     out = []
     for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
-        extra = ", int has_m, int gshift" if kind == "q8" else ""
+        extra = {"q8": ", int has_m, int gshift", "q4": ", int has_m"}.get(kind, "")
         variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
-        if kind != "q8":  # q8 needs K % 32 == 0: always the vector kernels
+        if kind not in BLOCK_KINDS:  # q8, q4 need K % 32 == 0: always the vector kernels
             variants.append((0, 0))
         for tm, nc in variants:
-            call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode);" if tm
-                    else "linear_scalar(x, ww, out, M, N, K, add, add_mode);")
+            call = (f"linear_vec<{tm}, {nc}>(x, ww, out, M, N, K, add, add_mode, nw, eps, norm);" if tm
+                    else "linear_scalar(x, ww, out, M, N, K, add, add_mode, nw, eps, norm);")
             out.append(
                 f'extern "C" __global__ void __launch_bounds__(NT) {linear_kernel_name(kind, tm, nc)}(\n'
                 f"        const float* __restrict__ x, {wparams}, float* __restrict__ out,\n"
-                f"        int M, int N, int K{extra}, const float* __restrict__ add, int add_mode) {{\n"
+                f"        int M, int N, int K{extra}, const float* __restrict__ add, int add_mode,\n"
+                f"        const float* __restrict__ nw, float eps, int norm) {{\n"
                 f"    {make}\n"
                 f"    {call}\n"
                 f"}}\n"
@@ -594,8 +797,9 @@ OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 
 KERNEL_NAMES = tuple(
     [linear_kernel_name(k, tm, nc) for k in LINEAR_KINDS for tm in ROW_TILES for nc in COL_TILES]
-    + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k != "q8"]
-    + ["rms_norm", "silu_mul", "gelu_mul", "rope", "kv_write", "attn_scores", "attn_softmax_v", "sample_rows"]
+    + [linear_kernel_name(k, 0, 0) for k in LINEAR_KINDS if k not in BLOCK_KINDS]
+    + ["rms_norm", "silu_mul", "gelu_mul", "rope", "kv_write", "attn_scores_f16", "attn_scores_f32", "attn_softmax_v_f16",
+       "attn_softmax_v_f32", "sample_rows"]
 )
 
 

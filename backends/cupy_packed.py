@@ -1,0 +1,35 @@
+"""Q4_0 / Q4_1 / Q8_0 weights for the CuPy backend's q4 and q80 kernels, in GGUF's block
+form: the codes of every block exactly as stored (Q4: 16 bytes, byte j holding weight j in
+the low nibble and weight j + 16 in the high nibble; Q8_0: 32 int8), and the block's
+float16 d (and m) as stored, split off into their own arrays so that every row of codes
+starts 16-byte aligned (an 18-, 20- or 34-byte block would not). 0.5625 (Q4_0) / 0.625
+(Q4_1) / 1.0625 (Q8_0) bytes a weight, the file's size; the kernels dequantize in
+registers with gguf's float32 expressions: w = (q - 8) * d or q * d (exact), q * d + m
+(the product exact, the add rounded once). Host-side numpy, at load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PACKED = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
+
+
+def can_pack(qtype: str, shape: tuple) -> bool:
+    return qtype in PACKED and len(shape) == 2 and shape[1] % 32 == 0
+
+
+def split_blocks(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Blocks [n, k/32 * bytes] -> (qs uint8 [n, k/2], d float16 [n, k/32], m float16
+    [n, k/32] or None), every byte as the file has it."""
+    nb = k // 32
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, PACKED[qtype])
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
+    if qtype == "Q8_0":  # (q int8 [n, k], d, None)
+        return np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k), d, None
+    if qtype == "Q4_1":
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, nb)
+        qs = b[..., 4:20]
+    else:
+        m, qs = None, b[..., 2:18]
+    return np.ascontiguousarray(qs).reshape(n, nb * 16), d, m

@@ -1,0 +1,97 @@
+"""Q4_0 / Q4_1 / Q8_0 / Q4_K resident in GGUF's block form on the CuPy backend
+(backends/cupy_packed.py, the q4 and q80 kernels; Q4_K's super-blocks as stored, q4k), through the numpy emulation: the bytes
+are the file's, the weights are gguf's dequantized floats bit for bit, and the block-form
+kernels compute exactly what the widened q8 path (int8 codes + float32 scales, the former
+form) computes -- at every row count 1..33, with the rows in shuffled order, for every
+row tile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from panechat.backends import cupy_kernels as ck
+from panechat.backends.cupy_backend import CupyBackend, CupyWeight, prepare_weight
+from panechat.backends.cupy_widen import random_blocks
+from panechat.backends.gguf_tensor import GGUFTensor
+
+
+def _tensor(qtype: str, n: int, k: int, seed: int) -> GGUFTensor:
+    rng = np.random.default_rng(seed)
+    if qtype == "Q4_K":  # raw super-blocks: random codes, scales and mins, small f16 d, dmin
+        blocks = random_blocks(rng, qtype, n, k)
+        blocks[0, 4:16] = 255  # the largest 6-bit scales and mins of the first super-block
+        return GGUFTensor("w", (n, k), qtype, blocks)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    w[0, :32] = 0.0  # an all-zero block (d = 0)
+    w[1, 32:64] *= 1e4  # a block with a large scale
+    return GGUFTensor.from_array(w, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_block_form_is_the_files_bytes_and_gguf_weights(qtype):
+    n, k = 24, 512
+    t = _tensor(qtype, n, k, 1)
+    pw = prepare_weight(t)
+    if qtype == "Q8_0":
+        assert pw.kind == "q80" and pw.w.dtype == np.int8 and pw.w.shape == (n, k)
+    elif qtype == "Q4_K":
+        assert pw.kind == "q4k" and pw.w.dtype == np.uint8 and pw.scales is None
+        assert np.array_equal(pw.w.reshape(-1), np.asarray(t.blocks).reshape(-1))  # as stored
+    else:
+        assert pw.kind == "q4" and pw.w.dtype == np.uint8 and pw.w.shape == (n, k // 2)
+    if qtype != "Q4_K":
+        assert pw.scales.dtype == np.float16 and (pw.mins is not None) == (qtype == "Q4_1")
+    assert pw.nbytes == np.asarray(t.blocks).nbytes  # exactly the file's bytes
+    got = ck.dequantize(pw.kind, pw.w, pw.scales, pw.mins)
+    want = t.dequantize()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the widened form (the q8 kernels) holds the same floats
+    ww = prepare_weight(t, widened=True)
+    assert ww.kind == "q8"
+    assert np.array_equal(ck.dequantize("q8", ww.w, ww.scales, ww.mins).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype,N,K", [("Q4_0", 40, 288), ("Q4_1", 37, 96), ("Q8_0", 35, 320),
+                                     ("Q4_K", 33, 512), ("Q4_0", 8200, 32), ("Q8_0", 8200, 64),
+                                     ("Q4_K", 8200, 256)])
+def test_q4_kernel_equals_widened_path_at_every_row_count(qtype, N, K):
+    """linear through the block-form kernels (emulated) == through the q8 kernels on the widened
+    codes, bit for bit, for M = 1..33 (every row tile and both column tiles), and a row's
+    result is the same alone and at any position of a shuffled batch."""
+    be = CupyBackend.emulated_on_cpu()
+    t = _tensor(qtype, N, K, N + K)
+    wq4 = be.linear_weight(t)
+    h = prepare_weight(t, widened=True)
+    wq8 = CupyWeight(h.kind, h.n, h.k, h.w, h.scales, h.mins, h.group)
+    rng = np.random.default_rng(7)
+    xs = rng.standard_normal((33, K), dtype=np.float32)
+    mod = be.kernels.module
+    alone = {}
+    rows = range(1, 34) if N < 1000 else (1, 2, 5, 9, 17, 33)
+    for M in rows:
+        order = rng.permutation(33)[:M]
+        x = np.ascontiguousarray(xs[order])
+        got = be.linear(x, wq4)
+        assert mod.launches[-1][0].startswith(f"linear_{wq4.kind}_")
+        want = be.linear(x, wq8)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), M
+        for i, r in enumerate(order):
+            if r in alone:
+                assert np.array_equal(got[i].view(np.uint32), alone[r]), (M, r)
+            else:
+                alone[r] = got[i].view(np.uint32).copy()
+
+
+def test_q4_kernel_is_the_contract_on_gguf_weights():
+    """The emulated q4 kernel == the literal contract (emulate_linear) on gguf's
+    dequantized weights, with a residual added once after the sum."""
+    be = CupyBackend.emulated_on_cpu()
+    t = _tensor("Q4_1", 33, 544, 4)
+    w = be.linear_weight(t)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 544), dtype=np.float32)
+    add = rng.standard_normal((3, 33), dtype=np.float32)
+    want = ck.emulate_linear(x, t.dequantize())
+    assert np.array_equal(be.linear(x, w).view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(be.linear_add(x, w, add).view(np.uint32), (want + add).view(np.uint32))
