@@ -40,6 +40,7 @@ from .array_backend import ArrayBackend
 from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
+from .cupy_mma import build_mma, emulated_mma, mma_requested
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
 from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
@@ -124,6 +125,7 @@ class CupyBackend(ArrayBackend):
 
     name = "cupy"
     samples_on_device = True
+    mma = None  # MmaKernels when the tensor-core products are on (cupy_mma.py)
     # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
     # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
     # one at 128
@@ -136,7 +138,7 @@ class CupyBackend(ArrayBackend):
         attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
                    AttentionCase(4, 2, 80, 40, 6, (5, 37), window=21)))
 
-    def __init__(self, float_weights: str | None = None):
+    def __init__(self, float_weights: str | None = None, mma: bool | None = None):
         cp = _import_cupy()
         try:
             n_dev = cp.cuda.runtime.getDeviceCount()
@@ -160,11 +162,12 @@ class CupyBackend(ArrayBackend):
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
         self._info = self._device_info(cp)
+        self.mma = build_mma(cp) if mma_requested(mma) else None  # tensor-core products (cupy_mma.py)
         graphs = os.environ.get("PANECHAT_CUDA_GRAPHS", "1") != "0"
         self.graphs = StepGraphs(cp, GraphCapture(cp)) if graphs else None
 
     @classmethod
-    def emulated_on_cpu(cls, float_weights: str = "f16") -> "CupyBackend":
+    def emulated_on_cpu(cls, float_weights: str = "f16", mma: bool = False) -> "CupyBackend":
         """This backend's host code on numpy arrays with every kernel run by the numpy
         emulation of `cupy_kernels` (bit for bit what the GPU must compute). For tests and
         for checking the GPU; slow."""
@@ -175,6 +178,7 @@ class CupyBackend(ArrayBackend):
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
         self._info = "numpy emulation of the CUDA kernels on the CPU"
+        self.mma = emulated_mma() if mma else None
         self.graphs = StepGraphs(np, ReplayByRerun())  # the padding and bucket logic, no CUDA graph
         return self
 
@@ -202,7 +206,8 @@ class CupyBackend(ArrayBackend):
         floats = "float32" if self.float_weights == "f32" else "float16"
         return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
-                "(no cuBLAS), row-invariant")
+                "(no cuBLAS), row-invariant" + ("; tensor-core matmuls for F16 and int8-code weights "
+                                                "(PANECHAT_CUPY_MMA=1, same mode at every batch size)" if self.mma else ""))
 
     # -- weights ---------------------------------------------------------------------
     def linear_weight(self, t: GGUFTensor) -> CupyWeight:
@@ -227,12 +232,16 @@ class CupyBackend(ArrayBackend):
     def linear(self, x: Any, w: CupyWeight) -> Any:
         x = self._f32(x)
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        if self.mma is not None and self.mma.handles(w):  # by the weight, never by the batch
+            return self.mma.linear(x, w, out)
         return self.kernels.linear(x, w, out)
 
     def linear_add(self, x: Any, w: CupyWeight, add: Any) -> Any:
         """The matmul with the residual or bias added by the same kernel (one launch)."""
         x = self._f32(x)
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        if self.mma is not None and self.mma.handles(w):
+            return self.mma.linear(x, w, out, self._f32(add))
         return self.kernels.linear(x, w, out, self._f32(add))
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
