@@ -64,7 +64,8 @@ def split_x(x: np.ndarray, m_pad: int, gshift: int = 5, want_sums: bool = False
         G = 1 << gshift
         xsum = np.zeros((m_pad, K >> gshift), np.float32)
         if M and K:
-            xsum[:M] = np.add.accumulate(v.reshape(M, K >> gshift, G), axis=2, dtype=np.float32)[:, :, -1]
+            groups = np.concatenate([np.zeros((M, K >> gshift, 1), np.float32), v.reshape(M, K >> gshift, G)], 2)
+            xsum[:M] = np.add.accumulate(groups, axis=2, dtype=np.float32)[:, :, -1]  # from +0, in order
     return hi, lo, xinv, xsum
 
 

@@ -108,12 +108,10 @@ struct MF16 {
     __device__ __forceinline__ float scale(int, int) const { return 1.0f; }
     __device__ __forceinline__ float min_(int, int) const { return 0.0f; }
     __device__ __forceinline__ void frag(int row, int k, unsigned& lo, unsigned& hi) const {
-        if (row < N) {
-            const uint2 u = __ldg(reinterpret_cast<const uint2*>(w + (size_t)row * K + k));
-            lo = u.x; hi = u.y;
-        } else {
-            lo = 0u; hi = 0u;
-        }
+        // rows past N read row N - 1 and become zeros by a select (no branch between loads)
+        const uint2 u = __ldg(reinterpret_cast<const uint2*>(w + (size_t)min(row, N - 1) * K + k));
+        lo = row < N ? u.x : 0u;
+        hi = row < N ? u.y : 0u;
     }
 };
 
@@ -132,19 +130,17 @@ struct MQ8 {
     const float* m;
     int N, K, has_m, gs;
     __device__ __forceinline__ void frag(int row, int k, unsigned& lo, unsigned& hi) const {
-        if (row < N) {
-            const unsigned u = __ldg(reinterpret_cast<const unsigned*>(q + (size_t)row * K + k));
-            lo = mma_i8x2_to_h2(u, 0x4140u);  // codes k, k+1
-            hi = mma_i8x2_to_h2(u, 0x4342u);  // codes k+2, k+3
-        } else {
-            lo = 0u; hi = 0u;
-        }
+        const unsigned u = __ldg(reinterpret_cast<const unsigned*>(q + (size_t)min(row, N - 1) * K + k));
+        lo = row < N ? mma_i8x2_to_h2(u, 0x4140u) : 0u;  // codes k, k+1
+        hi = row < N ? mma_i8x2_to_h2(u, 0x4342u) : 0u;  // codes k+2, k+3
     }
     __device__ __forceinline__ float scale(int row, int b) const {
-        return row < N ? __ldg(d + (size_t)row * (K >> gs) + b) : 0.0f;
+        const float v = __ldg(d + (size_t)min(row, N - 1) * (K >> gs) + b);
+        return row < N ? v : 0.0f;
     }
     __device__ __forceinline__ float min_(int row, int b) const {
-        return row < N ? __ldg(m + (size_t)row * (K >> gs) + b) : 0.0f;
+        const float v = __ldg(m + (size_t)min(row, N - 1) * (K >> gs) + b);
+        return row < N ? v : 0.0f;
     }
 };
 
@@ -170,6 +166,7 @@ __device__ __forceinline__ void mma_linear(
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
     const int C = K >> 5;
     const int NG = Q8 ? (K >> w.gs) : 0;
+#pragma unroll (WT * TT <= 2 ? 2 : 1)
     for (int c = warp; c < C; c += WARPS) {
         unsigned bh[TT][2][2], bl[TT][2][2];  // [token tile][mma j][b0, b1]
 #pragma unroll
