@@ -40,7 +40,7 @@ from .array_backend import ArrayBackend
 from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
-from .cupy_mma import build_mma, emulated_mma, mma_requested
+from .cupy_mma import build_mma, emulated_mma, mma_requested, with_mma_checks
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
 from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
@@ -163,6 +163,8 @@ class CupyBackend(ArrayBackend):
             ) from None
         self._info = self._device_info(cp)
         self.mma = build_mma(cp) if mma_requested(mma) else None  # tensor-core products (cupy_mma.py)
+        if self.mma is not None:
+            self.check_plan = with_mma_checks(self.check_plan)
         graphs = os.environ.get("PANECHAT_CUDA_GRAPHS", "1") != "0"
         self.graphs = StepGraphs(cp, GraphCapture(cp)) if graphs else None
 
@@ -179,6 +181,8 @@ class CupyBackend(ArrayBackend):
         self.kernels = Kernels(EmulatedModule(), np)
         self._info = "numpy emulation of the CUDA kernels on the CPU"
         self.mma = emulated_mma() if mma else None
+        if mma:
+            self.check_plan = with_mma_checks(self.check_plan)
         self.graphs = StepGraphs(np, ReplayByRerun())  # the padding and bucket logic, no CUDA graph
         return self
 

@@ -9,6 +9,7 @@ device checks: cupy_mma_check.py; docs/cupy.md, "Tensor-core mode"."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,15 @@ from .cupy_kernels.mma_source import MMA_MIN_CC, MMA_OPTIONS, MMA_SOURCE
 from .errors import BackendUnavailable, one_line
 
 ENV = "PANECHAT_CUPY_MMA"
+
+#: self-check weights added when the mode is on: K of many chunks (each warp 2-3 of them),
+#: N not a multiple of the 16-row tile, a min per group (Q4_1)
+MMA_CHECK_LINEAR = (("F16", 72, 544), ("Q8_0", 40, 288), ("Q4_1", 24, 320))
+
+
+def with_mma_checks(plan: Any) -> Any:
+    """The backend's CheckPlan with MMA_CHECK_LINEAR added (the mode's start-up check)."""
+    return replace(plan, linear=tuple(plan.linear) + MMA_CHECK_LINEAR)
 
 
 def mma_requested(option: bool | None = None) -> bool:

@@ -135,9 +135,11 @@ def test_check_mma_passes_on_the_model(mma_be):
 
 
 def test_self_check_runs_the_mma_kernels(mma_be):
+    assert set(cupy_mma.MMA_CHECK_LINEAR) <= set(mma_be.check_plan.linear)
     mma_be.mma.module.launches.clear()
     assert mma_be.self_check() is None
-    assert any(n.startswith("mma_linear_") for n, _ in mma_be.mma.module.launches)
+    names = {n for n, _ in mma_be.mma.module.launches}
+    assert {"mma_linear_f16_1_1", "mma_linear_q8_1_2", "mma_linear_q8_2_4"} <= names
 
 
 # -- whole models with the mode on -----------------------------------------------------------
