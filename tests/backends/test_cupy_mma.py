@@ -89,6 +89,62 @@ def test_model_is_within_the_bound_of_float64(qtype, n, k):
     assert (err <= 1e-6 * (np.abs(x.astype(np.float64)) @ w_abs.T) + 1e-30).all()
 
 
+def _literal_product(hi, lo, xinv, xsum, w, d, m, gshift):
+    """The contract of mma_source.py for one element at a time, written out as stated
+    (each mma: the exact sum of its 16 products and the accumulator, rounded once)."""
+    R, K = hi.shape
+    N = w.shape[0]
+    G = 1 << gshift if d is not None else 32
+    out = np.zeros((R, N), np.float32)
+    for r in range(R):
+        for n in range(N):
+            warps = [np.float32(0)] * 8
+            for c in range(K // 32):
+                for g0 in range(32 * c, 32 * c + 32, G):
+                    p = np.float32(0)
+                    for k0 in range(g0, g0 + G, 16):
+                        for part in (hi, lo):
+                            exact = sum(float(part[r, k]) * float(w[n, k]) for k in range(k0, k0 + 16))
+                            p = np.float32(float(p) + exact)
+                    a = warps[c % 8]
+                    if d is None:
+                        a = np.float32(a + p)
+                    else:
+                        b = g0 // G
+                        a = ck_fma(d[n, b], p, a)
+                        if m is not None:
+                            a = ck_fma(m[n, b], xsum[r, b], a)
+                    warps[c % 8] = a
+            s = ((warps[0] + warps[1]) + (warps[2] + warps[3])) + ((warps[4] + warps[5]) + (warps[6] + warps[7]))
+            out[r, n] = np.float32(s * xinv[r])
+    return out
+
+
+def ck_fma(a, b, c):
+    from panechat.backends.cupy_kernels import fma_f32
+
+    return fma_f32(np.float32(a), np.float32(b), np.float32(c))[()]
+
+
+@pytest.mark.parametrize("kind,gshift,mins", [("f16", 5, False), ("q8", 5, True), ("q8", 4, False)])
+def test_model_is_the_literal_contract(kind, gshift, mins):
+    """emulate_mma_product (vectorized) == the contract written out per element, bit for bit."""
+    rng = np.random.default_rng(6)
+    R, N, K = 3, 5, 288  # 9 chunks: warp 0 gets two
+    x = probe_rows(rng, R, K)
+    hi, lo, xinv, xsum = split_x(x, 8, gshift, mins)
+    if kind == "f16":
+        w = rng.standard_normal((N, K)).astype(np.float16)
+        d = m = None
+    else:
+        w = rng.integers(-128, 128, (N, K)).astype(np.int8)
+        d = (rng.standard_normal((N, K >> gshift)) * 0.01).astype(np.float32)
+        m = (rng.standard_normal((N, K >> gshift)) * 0.01).astype(np.float32) if mins else None
+    got = emulate_mma_product(hi[:R], lo[:R], xinv[:R], None if xsum is None else xsum[:R], w, d, m, gshift)
+    want = _literal_product(hi[:R], lo[:R], xinv[:R], xsum, w.astype(np.float64), d, m, gshift)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_bound_catches_a_split_without_its_low_half(monkeypatch):
     """A product that drops x's low f16 half (x rounded to 11 bits) breaks the bound: the
     check can fail."""
