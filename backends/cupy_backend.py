@@ -210,7 +210,7 @@ class CupyBackend(ArrayBackend):
         floats = "float32" if self.float_weights == "f32" else "float16"
         return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/K-quants as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
-                "(no cuBLAS), row-invariant" + ("; tensor-core matmuls for F16 and int8-code weights "
+                "(no cuBLAS), row-invariant" + ("; tensor-core matmuls for F16, BF16 and int8-code weights "
                                                 "(PANECHAT_CUPY_MMA=1, same mode at every batch size)" if self.mma else ""))
 
     # -- weights ---------------------------------------------------------------------

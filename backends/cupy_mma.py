@@ -1,6 +1,6 @@
 """The tensor-core (MMA) mode of the CuPy backend, opt-in: `PANECHAT_CUPY_MMA=1` (or
 `CupyBackend(mma=True)`). When on, every `linear` whose weight the MMA kernels take (F16,
-and the int8 codes of Q8_0 / Q4_x / Q5_x / K-quants with K % 32 == 0) runs on tensor cores
+BF16, and the int8 codes of Q8_0 / Q4_x / Q5_x / K-quants; K % 32 == 0) runs on tensor cores
 at every batch size, B = 1 included: the mode is chosen by the weight, never by the
 number of rows, so a conversation gets the same tokens alone or in any batch. The
 kernels, their contract and error bound: cupy_kernels/mma_source.py, mma_emulation.py;

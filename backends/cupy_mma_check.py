@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 
 from .cupy_backend import CupyBackend, prepare_weight
-from .cupy_kernels.mma_emulation import mma_error_bound, split_x
+from .cupy_kernels.mma_emulation import from_bf16, mma_error_bound, split_x
 from .cupy_widen import random_blocks
 from .gguf_tensor import GGUFTensor
 
-#: (GGUF type, N, K): every MMA weight form -- f16; int8 codes with one scale per 32
+#: (GGUF type, N, K): every MMA weight form -- f16, bf16; int8 codes with one scale per 32
 #: (Q8_0, Q4_0), with mins (Q4_1, Q4_K), 16 weights per scale (Q6_K); N not a multiple of
 #: the 16-row tile, K of several chunks per warp
-MMA_CASES = (("F16", 72, 320), ("Q8_0", 200, 512), ("Q4_0", 40, 96), ("Q4_1", 70, 256),
+MMA_CASES = (("F16", 72, 320), ("BF16", 40, 256), ("Q8_0", 200, 512), ("Q4_0", 40, 96), ("Q4_1", 70, 256),
              ("Q4_K", 48, 512), ("Q6_K", 33, 256))
 BATCHES = (2, 3, 5, 8, 9, 16, 17, 31, 33, 64)
 
@@ -38,7 +38,7 @@ def exact_weights(t: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int]:
         d = h.scales.astype(np.float64)[:, :, None]
         m = 0.0 if h.mins is None else h.mins.astype(np.float64)[:, :, None]
         return (q * d + m).reshape(h.n, h.k), (np.abs(q * d) + np.abs(m)).reshape(h.n, h.k), h.group
-    w = np.asarray(h.w, np.float64)
+    w = (from_bf16(h.w) if h.kind == "bf16" else np.asarray(h.w)).astype(np.float64)
     return w, np.abs(w), 32
 
 
@@ -85,11 +85,13 @@ def check_mma(be: CupyBackend, seed: int = 11, batches=BATCHES, cases=MMA_CASES)
     x[7, 3] = np.float32(1e-40)  # a subnormal input
     x[8] = np.float32(1e-42)  # a row of subnormals
     x[9] *= np.float32(1e33)  # near float32's top
-    got = [be.to_numpy(a) for a in be.mma.split(be.asarray(x), 16, 4, True)]
-    want = split_x(x, 16, 4, True)
-    same = all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8)) for g, w in zip(got, want))
-    out.append((same, f"mma_split_x: hi, lo, 1/scale, group sums {'bit-identical to' if same else 'DIFFER from'} "
-                      "the numpy form"))
+    for bf16 in (False, True):
+        got = [be.to_numpy(a) for a in be.mma.split(be.asarray(x), 16, 4, True, bf16)]
+        want = split_x(x, 16, 4, True, bf16)
+        same = all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+                   for g, w in zip(got, want))
+        out.append((same, f"mma_split_x ({'bf16 hi, mid, lo' if bf16 else 'f16 hi, lo'}, 1/scale, group sums): "
+                          f"{'bit-identical to' if same else 'DIFFERS from'} the numpy form"))
     emu = CupyBackend.emulated_on_cpu(mma=True)
     for qtype, n, k in cases:
         t = mma_tensor(rng, qtype, n, k)

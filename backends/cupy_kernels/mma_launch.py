@@ -22,8 +22,8 @@ def mma_tile(m: int) -> tuple[int, int]:
 
 
 class MmaKernels:
-    """out = x @ W.T on tensor cores for f16 weights and q8 codes (int8 + float32 scale,
-    optional min, groups of 32 or 16 weights) with K % 32 == 0; `handles` says which
+    """out = x @ W.T on tensor cores for f16 and bf16 weights and q8 codes (int8 + float32
+    scale, optional min, groups of 32 or 16 weights) with K % 32 == 0; `handles` says which
     weights (a property of the weight, never of the batch)."""
 
     def __init__(self, module: Any, xp: Any):
@@ -45,20 +45,20 @@ class MmaKernels:
     def handles(w: Any) -> bool:
         if w.k % MMA_CHUNK or w.n == 0:
             return False
-        return w.kind == "f16" or (w.kind == "q8" and getattr(w, "group", 32) in (16, 32))
+        return w.kind in ("f16", "bf16") or (w.kind == "q8" and getattr(w, "group", 32) in (16, 32))
 
-    def split(self, x: Any, m_pad: int, gshift: int, want_sums: bool) -> tuple:
-        """mma_split_x: (hi, lo float16 [m_pad, K], xinv [m_pad], xsum [m_pad, K >> gshift])."""
+    def split(self, x: Any, m_pad: int, gshift: int, want_sums: bool, bf16: bool = False) -> tuple:
+        """mma_split_x: (parts [2, m_pad, K] float16 hi, lo -- bf16: [3, m_pad, K] uint16
+        hi, mid, lo --, xinv [m_pad], xsum [m_pad, K >> gshift])."""
         xp = self.xp
         M, K = x.shape
-        hi = xp.empty((m_pad, K), xp.float16)
-        lo = xp.empty((m_pad, K), xp.float16)
+        parts = xp.empty((3, m_pad, K), xp.uint16) if bf16 else xp.empty((2, m_pad, K), xp.float16)
         xinv = xp.empty(m_pad, xp.float32)
         xsum = xp.empty((m_pad, K >> gshift) if want_sums else (1,), xp.float32)
         i32 = np.int32
-        self.fn("mma_split_x")((m_pad,), (NT,), (x, hi, lo, xinv, xsum, i32(M), i32(K), i32(gshift),
-                                                 i32(want_sums)))
-        return hi, lo, xinv, xsum
+        self.fn("mma_split_x")((m_pad,), (NT,), (x, parts, xinv, xsum, i32(M), i32(K), i32(gshift),
+                                                 i32(want_sums), i32(bf16)))
+        return parts, xinv, xsum
 
     def linear(self, x: Any, w: Any, out: Any, add: Any = None) -> Any:
         M, K = x.shape
@@ -72,7 +72,7 @@ class MmaKernels:
         q8 = w.kind == "q8"
         gshift = getattr(w, "group", 32).bit_length() - 1 if q8 else 5
         has_m = q8 and w.mins is not None
-        hi, lo, xinv, xsum = self.split(x, m_pad, gshift, has_m)
+        parts, xinv, xsum = self.split(x, m_pad, gshift, has_m, w.kind == "bf16")
         i32 = np.int32
         if add is None:
             tail = (out, i32(0))
@@ -86,9 +86,9 @@ class MmaKernels:
         if grid[1] > 65535:
             raise ValueError(f"mma linear: N={N} too large for one launch")
         if q8:
-            args = (hi, lo, xinv, xsum, w.w, w.scales, w.mins if has_m else w.scales, out, i32(M), i32(N),
+            args = (parts, xinv, xsum, w.w, w.scales, w.mins if has_m else w.scales, out, i32(M), i32(N),
                     i32(K), i32(has_m), i32(gshift)) + tail
         else:
-            args = (hi, lo, xinv, xsum, w.w, out, i32(M), i32(N), i32(K)) + tail
+            args = (parts, xinv, xsum, w.w, out, i32(M), i32(N), i32(K)) + tail
         self.fn(mma_kernel_name(w.kind, wt, tt))(grid, (NT,), args)
         return out

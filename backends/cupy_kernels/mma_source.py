@@ -5,16 +5,20 @@ compile options. The contract (what `mma_emulation.py` models) is:
 x split (bit-specified, IEEE only): per row r, mx = max_k |x[r, k]|; s = 141 - (biased
 exponent of mx), clamped to [-120, 120] (s = 120 for mx = 0 or subnormal, 0 for inf/NaN),
 so that |v| = |x * 2^s| < 2^15; hi = f16_rn(v), lo = f16_rn(v - hi) (the subtraction is
-exact); xinv[r] = 2^-s. With mins, xsum[r, b] = the sequential float32 sum of v over
-weight group b. Rows M .. Mpad - 1 (padding to the token tile) are zeros, xinv 1.
+exact); for bf16 weights three bf16 parts: hi = bf16_rn(v), mid = bf16_rn(v - hi), lo =
+bf16_rn(v - hi - mid); xinv[r] = 2^-s. With mins, xsum[r, b] = the sequential float32
+sum (from +0) of v over weight group b. Rows M .. Mpad - 1 (padding to the token tile)
+are zeros, xinv 1. The parts are one buffer [2 or 3, Mpad, K].
 
 Product (swap-AB: weights are the 16-row A side of mma.m16n8k16, tokens the 8-column B
-side; f16 x f16 -> f32): K in chunks of 32; chunk c belongs to warp c % 8 of the block.
+side; f16 x f16 -> f32, or bf16 x bf16 -> f32 for BF16 weights, whose bits are used as
+stored): K in chunks of 32; chunk c belongs to warp c % 8 of the block.
 Within a chunk, mma j (0, 1) covers k = 32c + 16j .. + 15 (thread t of a quad holds the 4
 consecutive k 16j + 4t .. + 3 in the fragment slots {2t, 2t+1, 2t+8, 2t+9}). Per weight
 group g (32 k, or 16 for Q6_K): P = 0; for each mma j of the group: P = mma(W_j, hi_j, P);
-P = mma(W_j, lo_j, P). Then acc_w = acc_w + P (f16 weights), or acc_w = fma(d, P, acc_w)
-and, with mins, acc_w = fma(m, xsum, acc_w) (q8 codes, exact in f16). The 8 warp sums
+P = mma(W_j, lo_j, P) (bf16: hi, mid, lo). Then acc_w = acc_w + P (f16 weights), or acc_w = fma(d, P, acc_w)
+and, with mins, acc_w = fma(m, xsum, acc_w) (q8 codes, exact in f16;
+bf16 weights: acc_w + P). The 8 warp sums
 are added ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)), times xinv[r], then + add.
 A token's arithmetic depends on K alone: never on M, on the tile, or on its column in the
 tile (the mma computes each output element from its own row and column). Only the
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from .constants import CUDA_DEFINES
 
-MMA_KINDS = ("f16", "q8")
+MMA_KINDS = ("f16", "bf16", "q8")
 MMA_TILES = ((1, 1), (1, 2), (2, 4))  # (WT weight tiles of 16 rows, TT token tiles of 8) per block
 MMA_CHUNK = 32  # k per chunk; chunk c -> warp c % MMA_WARPS
 MMA_WARPS = 8
@@ -46,27 +50,46 @@ __device__ __forceinline__ float mma_h2f(unsigned short h) {
     return f;
 }
 
-// D = A * B + C, m16n8k16, f16 inputs, f32 accumulate.
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ unsigned short mma_f2bf(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
 }
 
-// ---- x split: one block per padded row ------------------------------------------------
+__device__ __forceinline__ float mma_bf2f(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+
+// D = A * B + C, m16n8k16, f16 (BF: bf16) inputs, f32 accumulate.
+template <bool BF>
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    if constexpr (BF) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// ---- x split: one block per padded row; parts [2 or 3 (bf16), Mpad, K] ---------------------
 extern "C" __global__ void __launch_bounds__(NT) mma_split_x(
-        const float* __restrict__ x, unsigned short* __restrict__ xh, unsigned short* __restrict__ xl,
-        float* __restrict__ xinv, float* __restrict__ xsum, int M, int K, int gshift, int want_sums) {
+        const float* __restrict__ x, unsigned short* __restrict__ xp, float* __restrict__ xinv,
+        float* __restrict__ xsum, int M, int K, int gshift, int want_sums, int bf16) {
     __shared__ float red[WARPS];
     const int r = blockIdx.x;
     const int tid = threadIdx.x;
-    unsigned short* hr = xh + (size_t)r * K;
-    unsigned short* lr = xl + (size_t)r * K;
+    const size_t ps = (size_t)gridDim.x * K;  // one part
+    unsigned short* hr = xp + (size_t)r * K;
+    unsigned short* lr = hr + ps;
+    unsigned short* mr = bf16 ? lr + ps : lr;  // bf16: hi, mid, lo = parts 0, 1, 2
     const int NG = K >> gshift;
     if (r >= M) {  // a padding row: zeros (uniform per block)
-        for (int k = tid; k < K; k += NT) { hr[k] = 0; lr[k] = 0; }
+        for (int k = tid; k < K; k += NT) { hr[k] = 0; lr[k] = 0; mr[k] = 0; }
         if (want_sums) for (int b = tid; b < NG; b += NT) xsum[(size_t)r * NG + b] = 0.0f;
         if (tid == 0) xinv[r] = 1.0f;
         return;
@@ -85,9 +108,18 @@ extern "C" __global__ void __launch_bounds__(NT) mma_split_x(
     const float sc = __int_as_float((127 + s) << 23);
     for (int k = tid; k < K; k += NT) {
         const float v = __fmul_rn(xr[k], sc);
-        const unsigned short h = mma_f2h(v);
-        hr[k] = h;
-        lr[k] = mma_f2h(__fsub_rn(v, mma_h2f(h)));
+        if (bf16) {  // v = hi + mid + lo, each subtraction exact
+            const unsigned short h = mma_f2bf(v);
+            const float r1 = __fsub_rn(v, mma_bf2f(h));
+            const unsigned short m = mma_f2bf(r1);
+            hr[k] = h;
+            lr[k] = m;
+            mr[k] = mma_f2bf(__fsub_rn(r1, mma_bf2f(m)));
+        } else {
+            const unsigned short h = mma_f2h(v);
+            hr[k] = h;
+            lr[k] = mma_f2h(__fsub_rn(v, mma_h2f(h)));
+        }
     }
     if (want_sums) {
         const int G = 1 << gshift;
@@ -147,12 +179,12 @@ struct MQ8 {
 // ---- out[M, N] = x[M, K] @ w[N, K]^T on tensor cores -----------------------------------
 // Block: weight rows n0 .. n0 + 16 WT - 1, tokens m0 .. m0 + 8 TT - 1 (x padded to whole
 // token tiles by mma_split_x); warp w takes the chunks c = w, w + 8, ... of 32 k.
-template <int WT, int TT, bool Q8, class W>
+template <int WT, int TT, bool Q8, bool BF, class W>
 __device__ __forceinline__ void mma_linear(
-        const unsigned short* __restrict__ xh, const unsigned short* __restrict__ xl,
-        const float* __restrict__ xinv, const float* __restrict__ xsum, const W& w,
-        float* __restrict__ out, int M, int N, int K, const float* __restrict__ add, int add_mode) {
-    constexpr int RW = 16 * WT, CT = 8 * TT, E = RW * CT;
+        const unsigned short* __restrict__ xp, const float* __restrict__ xinv, const float* __restrict__ xsum,
+        const W& w, float* __restrict__ out, int M, int N, int K, const float* __restrict__ add, int add_mode) {
+    constexpr int RW = 16 * WT, CT = 8 * TT, E = RW * CT, P = BF ? 3 : 2;  // x parts: hi, (mid,) lo
+    const size_t ps = (size_t)gridDim.x * CT * K;  // one part of the padded rows
     __shared__ float red[WARPS * E];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -168,17 +200,17 @@ __device__ __forceinline__ void mma_linear(
     const int NG = Q8 ? (K >> w.gs) : 0;
 #pragma unroll (WT * TT <= 2 ? 2 : 1)
     for (int c = warp; c < C; c += WARPS) {
-        unsigned bh[TT][2][2], bl[TT][2][2];  // [token tile][mma j][b0, b1]
+        unsigned bx[TT][2][P][2];  // [token tile][mma j][part][b0, b1]
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt) {
             const size_t o = (size_t)(m0 + 8 * tt + g) * K + 32 * c + 4 * t;
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const uint2 h = __ldg(reinterpret_cast<const uint2*>(xh + o + 16 * j));
-                const uint2 l = __ldg(reinterpret_cast<const uint2*>(xl + o + 16 * j));
-                bh[tt][j][0] = h.x; bh[tt][j][1] = h.y;
-                bl[tt][j][0] = l.x; bl[tt][j][1] = l.y;
-            }
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int q = 0; q < P; ++q) {
+                    const uint2 h = __ldg(reinterpret_cast<const uint2*>(xp + q * ps + o + 16 * j));
+                    bx[tt][j][q][0] = h.x; bx[tt][j][q][1] = h.y;
+                }
         }
 #pragma unroll
         for (int wt = 0; wt < WT; ++wt) {
@@ -202,10 +234,9 @@ __device__ __forceinline__ void mma_linear(
                 for (int j = 0; j < 2; ++j) {
                     if (g16 && j != grp) continue;
 #pragma unroll
-                    for (int tt = 0; tt < TT; ++tt) {
-                        mma16816(p[tt], a[j], bh[tt][j][0], bh[tt][j][1]);
-                        mma16816(p[tt], a[j], bl[tt][j][0], bl[tt][j][1]);
-                    }
+                    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+                        for (int q = 0; q < P; ++q) mma16816<BF>(p[tt], a[j], bx[tt][j][q][0], bx[tt][j][q][1]);
                 }
                 if constexpr (Q8) {
                     const int b = g16 ? 2 * c + grp : c;
@@ -268,22 +299,23 @@ def mma_kernel_name(kind: str, wt: int, tt: int) -> str:
 
 def _wrappers() -> str:
     out = []
-    heads = {
-        "f16": ("const unsigned short* __restrict__ w", "", "MF16 ww{w, N, K};", "false"),
+    heads = {  # bf16 weights: their bits are the A fragment as they are (MF16 loads 16-bit words)
+        "f16": ("const unsigned short* __restrict__ w", "", "MF16 ww{w, N, K};", "false, false"),
+        "bf16": ("const unsigned short* __restrict__ w", "", "MF16 ww{w, N, K};", "false, true"),
         "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
-               ", int has_m, int gshift", "MQ8 ww{q, d, m, N, K, has_m, gshift};", "true"),
+               ", int has_m, int gshift", "MQ8 ww{q, d, m, N, K, has_m, gshift};", "true, false"),
     }
     for kind in MMA_KINDS:
-        wparams, extra, make, q8 = heads[kind]
+        wparams, extra, make, flags = heads[kind]
         for wt, tt in MMA_TILES:
             out.append(
                 f'extern "C" __global__ void __launch_bounds__(NT) {mma_kernel_name(kind, wt, tt)}(\n'
-                f"        const unsigned short* __restrict__ xh, const unsigned short* __restrict__ xl,\n"
-                f"        const float* __restrict__ xinv, const float* __restrict__ xsum, {wparams},\n"
+                f"        const unsigned short* __restrict__ xp, const float* __restrict__ xinv,\n"
+                f"        const float* __restrict__ xsum, {wparams},\n"
                 f"        float* __restrict__ out, int M, int N, int K{extra}, const float* __restrict__ add,\n"
                 f"        int add_mode) {{\n"
                 f"    {make}\n"
-                f"    mma_linear<{wt}, {tt}, {q8}>(xh, xl, xinv, xsum, ww, out, M, N, K, add, add_mode);\n"
+                f"    mma_linear<{wt}, {tt}, {flags}>(xp, xinv, xsum, ww, out, M, N, K, add, add_mode);\n"
                 f"}}\n")
     return "\n".join(out)
 

@@ -44,7 +44,7 @@ def test_split_x_reconstructs_each_row_to_22_bits():
     rng = np.random.default_rng(0)
     x = probe_rows(rng, 40, 256)
     x[11, :5] = [np.float32(1e-40), -np.float32(3e38), 65504.0, 1e-8, -0.0]
-    hi, lo, xinv, xsum = split_x(x, 48, 5, True)
+    (hi, lo), xinv, xsum = split_x(x, 48, 5, True)
     assert hi.dtype == lo.dtype == np.float16 and hi.shape == (48, 256)
     assert np.isfinite(hi).all() and np.isfinite(lo).all() and (np.abs(hi.astype(np.float32)) <= 2 ** 15).all()
     assert (xinv[:40] == 2.0 ** np.round(np.log2(xinv[:40]))).all()  # powers of two
@@ -65,7 +65,7 @@ def test_split_scale_keeps_rows_below_f16_overflow():
     for mx in (np.float32(65504.0), np.float32(0.99999994), np.float32(1.0), np.float32(3.4e38),
                np.float32(1e-30), np.float32(0.0)):
         x = np.full((1, 32), mx, np.float32)
-        hi, lo, xinv, _ = split_x(x, 8)
+        (hi, lo), xinv, _ = split_x(x, 8)
         assert np.isfinite(hi.astype(np.float32)).all()
         if mx > 1e-30:
             assert 2 ** 14 <= abs(float(hi[0, 0])) <= 2 ** 15
@@ -73,7 +73,21 @@ def test_split_scale_keeps_rows_below_f16_overflow():
 
 # -- the products: model within the bound, the bound able to fail --------------------------
 
-@pytest.mark.parametrize("qtype,n,k", [("F16", 40, 128), ("Q8_0", 72, 256), ("Q4_1", 24, 320),
+def test_bf16_split_reconstructs_each_row_to_24_bits():
+    from panechat.backends.cupy_kernels.mma_emulation import from_bf16, part_values
+
+    rng = np.random.default_rng(7)
+    x = probe_rows(rng, 20, 128)
+    xp, xinv, _ = split_x(x, 24, bf16=True)
+    assert xp.shape == (3, 24, 128) and xp.dtype == np.uint16 and not xp[:, 20:].any()
+    hi, mid, lo = part_values(xp[:, :20], True)
+    recon = (hi + mid + lo) * xinv[:20, None]
+    x64 = x.astype(np.float64)
+    assert (np.abs(recon - x64) <= 2.0 ** -26 * np.abs(x64) + 2.0 ** -60 * np.abs(x64).max()).all()
+    assert np.array_equal(from_bf16(xp[0, :20]), hi.astype(np.float32))  # bf16 bits as stored
+
+
+@pytest.mark.parametrize("qtype,n,k", [("F16", 40, 128), ("BF16", 24, 96), ("Q8_0", 72, 256), ("Q4_1", 24, 320),
                                        ("Q4_K", 16, 512), ("Q6_K", 20, 256), ("Q5_0", 17, 64)])
 def test_model_is_within_the_bound_of_float64(qtype, n, k):
     rng = np.random.default_rng(1)
@@ -89,10 +103,10 @@ def test_model_is_within_the_bound_of_float64(qtype, n, k):
     assert (err <= 1e-6 * (np.abs(x.astype(np.float64)) @ w_abs.T) + 1e-30).all()
 
 
-def _literal_product(hi, lo, xinv, xsum, w, d, m, gshift):
+def _literal_product(parts, xinv, xsum, w, d, m, gshift):
     """The contract of mma_source.py for one element at a time, written out as stated
     (each mma: the exact sum of its 16 products and the accumulator, rounded once)."""
-    R, K = hi.shape
+    R, K = parts[0].shape
     N = w.shape[0]
     G = 1 << gshift if d is not None else 32
     out = np.zeros((R, N), np.float32)
@@ -103,7 +117,7 @@ def _literal_product(hi, lo, xinv, xsum, w, d, m, gshift):
                 for g0 in range(32 * c, 32 * c + 32, G):
                     p = np.float32(0)
                     for k0 in range(g0, g0 + G, 16):
-                        for part in (hi, lo):
+                        for part in parts:
                             exact = sum(float(part[r, k]) * float(w[n, k]) for k in range(k0, k0 + 16))
                             p = np.float32(float(p) + exact)
                     a = warps[c % 8]
@@ -126,22 +140,29 @@ def ck_fma(a, b, c):
     return fma_f32(np.float32(a), np.float32(b), np.float32(c))[()]
 
 
-@pytest.mark.parametrize("kind,gshift,mins", [("f16", 5, False), ("q8", 5, True), ("q8", 4, False)])
+@pytest.mark.parametrize("kind,gshift,mins", [("f16", 5, False), ("bf16", 5, False), ("q8", 5, True),
+                                              ("q8", 4, False)])
 def test_model_is_the_literal_contract(kind, gshift, mins):
     """emulate_mma_product (vectorized) == the contract written out per element, bit for bit."""
     rng = np.random.default_rng(6)
     R, N, K = 3, 5, 288  # 9 chunks: warp 0 gets two
     x = probe_rows(rng, R, K)
-    hi, lo, xinv, xsum = split_x(x, 8, gshift, mins)
+    from panechat.backends.cupy_kernels.mma_emulation import from_bf16, part_values, to_bf16
+
+    xp, xinv, xsum = split_x(x, 8, gshift, mins, kind == "bf16")
+    parts = part_values(xp[:, :R], kind == "bf16")
     if kind == "f16":
         w = rng.standard_normal((N, K)).astype(np.float16)
+        d = m = None
+    elif kind == "bf16":
+        w = from_bf16(to_bf16(rng.standard_normal((N, K)).astype(np.float32)))
         d = m = None
     else:
         w = rng.integers(-128, 128, (N, K)).astype(np.int8)
         d = (rng.standard_normal((N, K >> gshift)) * 0.01).astype(np.float32)
         m = (rng.standard_normal((N, K >> gshift)) * 0.01).astype(np.float32) if mins else None
-    got = emulate_mma_product(hi[:R], lo[:R], xinv[:R], None if xsum is None else xsum[:R], w, d, m, gshift)
-    want = _literal_product(hi[:R], lo[:R], xinv[:R], xsum, w.astype(np.float64), d, m, gshift)
+    got = emulate_mma_product(parts, xinv[:R], None if xsum is None else xsum[:R], w, d, m, gshift)
+    want = _literal_product(parts, xinv[:R], xsum, w.astype(np.float64), d, m, gshift)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -152,8 +173,9 @@ def test_bound_catches_a_split_without_its_low_half(monkeypatch):
     t = mma_tensor(rng, "F16", 32, 256)
     w, w_abs, group = exact_weights(t)
     x = probe_rows(rng, 9, 256)
-    hi, lo, xinv, _ = split_x(x, 16)
-    y = emulate_mma_product(hi, np.zeros_like(lo), xinv, None, t.dequantize().astype(np.float16))[:9]
+    (hi, lo), xinv, _ = split_x(x, 16)
+    w16 = t.dequantize().astype(np.float64)
+    y = emulate_mma_product((hi.astype(np.float64), np.zeros(lo.shape)), xinv, None, w16)[:9]
     err = np.abs(y.astype(np.float64) - x.astype(np.float64) @ w.T)
     assert (err > mma_error_bound(x, w_abs, group)).any()
 
@@ -166,13 +188,15 @@ def test_mma_tiles_and_which_weights():
     kinds = {q: be.mma.handles(be.linear_weight(mma_tensor(rng, q, 16, 64))) for q in ("F16", "Q8_0", "Q4_1")}
     kinds["F32"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "F32", 16, 64)))
     kinds["BF16"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "BF16", 16, 64)))
+    kinds["BF16 K=48"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "BF16", 16, 48)))
     kinds["F16 K=40"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "F16", 16, 40)))
-    assert kinds == {"F16": True, "Q8_0": True, "Q4_1": True, "F32": False, "BF16": False, "F16 K=40": False}
+    assert kinds == {"F16": True, "Q8_0": True, "Q4_1": True, "F32": False, "BF16": True, "BF16 K=48": False,
+                     "F16 K=40": False}
 
 
 # -- invariance through the backend's host code ----------------------------------------------
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_1"])
 def test_rows_alone_equal_rows_in_batches(mma_be, qtype):
     rng = np.random.default_rng(4)
     t = mma_tensor(rng, qtype, 40, 256)
@@ -200,7 +224,7 @@ def test_self_check_runs_the_mma_kernels(mma_be):
 
 # -- whole models with the mode on -----------------------------------------------------------
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q8_0"), ("qwen2", "F16"), ("llama", "Q4_1")])
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q8_0"), ("qwen2", "F16"), ("llama", "Q4_1"), ("llama", "BF16")])
 def test_tiny_model_with_mma_matches_float64_and_is_invariant(tiny, arch, qtype):
     path, weights = tiny(arch, qtype, qtype != "F16")
     model = Model.load(GGUFFile.open(path), CupyBackend.emulated_on_cpu(mma=True), max_positions=64)
@@ -257,7 +281,7 @@ def test_emulated_module_checks_launch_arguments(mma_be):
     fn = mma_be.mma.module.get_function("mma_split_x")
     x = np.zeros((2, 32), np.float32)
     with pytest.raises(TypeError):
-        fn((8,), (256,), (x, x, x, x, x, np.int32(2), np.int32(32), np.int32(5), np.int32(0)))
+        fn((8,), (256,), (x, x, x, x, np.int32(2), np.int32(32), np.int32(5), np.int32(0), np.int32(0)))
     assert set(mma_emulation.EmulatedMmaModule().signatures) == set(MMA_KERNEL_NAMES)
 
 
@@ -271,6 +295,7 @@ def _check_ptx(ptx: str) -> None:
     assert sorted(entries) == sorted(MMA_KERNEL_NAMES)
     assert ".approx" not in ptx and ".ftz" not in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     f32_ops = set(re.findall(r"\b((?:fma|add|sub|mul|div|sqrt|rcp)\.[\w.]*f32)\b", ptx))
     assert f32_ops <= {"fma.rn.f32", "add.rn.f32", "sub.rn.f32", "mul.rn.f32"}, f32_ops
 
