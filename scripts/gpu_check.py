@@ -819,7 +819,10 @@ def main() -> int:
     rep.say(f"  kernels built and loaded in {t_build:.1f} s")
     if args.mma_only:
         with tempfile.TemporaryDirectory(prefix="panechat-gpu-check-") as tmpdir:
-            mma_mode(rep, cp, Path(tmpdir), args.dry_run_cpu, args.quick)
+            try:
+                mma_mode(rep, cp, Path(tmpdir), args.dry_run_cpu, args.quick)
+            except Exception as e:  # noqa: BLE001
+                rep.error("tensor-core (MMA) mode", e)
         targets(rep, args.dry_run_cpu, rep.failed)
         rep.section(f"summary: {rep.passed} passed, {rep.failed} failed, {rep.skipped} skipped, "
                     f"{rep.elapsed():.0f} s")
@@ -850,7 +853,10 @@ def main() -> int:
         del tiny, mid, pick
         synthetic(rep, be, cp, tmp, args.quick, (1, 16, 64) if args.quick else (1, 4, 16, 64),
                   _dry_specs() if args.dry_run_cpu else BIG)
-        mma_mode(rep, cp, tmp, args.dry_run_cpu, args.quick)
+        try:
+            mma_mode(rep, cp, tmp, args.dry_run_cpu, args.quick)
+        except Exception as e:  # noqa: BLE001
+            rep.error("tensor-core (MMA) mode", e)
     targets(rep, args.dry_run_cpu, rep.failed)
     rep.section(f"summary: {rep.passed} passed, {rep.failed} failed, {rep.skipped} skipped, "
                 f"{rep.elapsed():.0f} s")
