@@ -249,6 +249,24 @@ def test_tiny_model_with_mma_matches_float64_and_is_invariant(tiny, arch, qtype)
             assert np.array_equal(alone[i][s], together[i][s]), f"seq {i} step {s}"
 
 
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q8_0"), ("qwen2", "Q4_1"), ("llama", "F16")])
+def test_every_product_of_a_model_runs_on_tensor_cores(tiny, arch, qtype):
+    """With the mode on, every matmul of the forward pass (q/k/v, output, gate/up, down, the
+    head) goes through the MMA kernels, at B = 1 as in prefill: none through the CUDA-core
+    linear kernels. (Guards the mode's coverage when products get other routes, e.g. a
+    fused norm + linear, or weights in another resident form.)"""
+    path, _ = tiny(arch, qtype, True)
+    be = CupyBackend.emulated_on_cpu(mma=True)
+    model = Model.load(GGUFFile.open(path), be, max_positions=64)
+    for chunk in (9, 1):
+        be.kernels.module.launches.clear()
+        be.mma.module.launches.clear()
+        forward_chunks(model, list(range(3, 12)), chunk)
+        core = [n for n, _ in be.kernels.module.launches if n.startswith("linear_")]
+        mma = [n for n, _ in be.mma.module.launches if n.startswith("mma_linear_")]
+        assert not core and mma, (chunk, sorted(set(core)))
+
+
 def test_graph_steps_with_mma_equal_eager_steps(tiny):
     """Decode steps through the per-bucket graphs (rows padded to the bucket, replayed by
     re-running on the emulation) == the eager steps, with the MMA mode on."""
