@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .cupy_backend import CupyBackend, prepare_weight
-from .cupy_kernels.mma_emulation import from_bf16, mma_error_bound, split_x
+from .cupy_backend import CupyBackend, CupyWeight, prepare_weight
+from .cupy_kernels.mma_emulation import block_codes, from_bf16, mma_error_bound, split_x
 from .cupy_widen import random_blocks
 from .gguf_tensor import GGUFTensor
 
@@ -19,7 +19,9 @@ from .gguf_tensor import GGUFTensor
 #: (Q8_0, Q4_0), with mins (Q4_1, Q4_K), 16 weights per scale (Q6_K); N not a multiple of
 #: the 16-row tile, K of several chunks per warp
 MMA_CASES = (("F16", 72, 320), ("BF16", 40, 256), ("Q8_0", 200, 512), ("Q4_0", 40, 96), ("Q4_1", 70, 256),
-             ("Q4_K", 48, 512), ("Q6_K", 33, 256))
+             ("Q4_K", 48, 512), ("Q6_K", 33, 256),
+             ("Q8_0 blocks", 40, 256), ("Q4_0 blocks", 24, 320), ("Q4_1 blocks", 33, 256))
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 BATCHES = (2, 3, 5, 8, 9, 16, 17, 31, 33, 64)
 
 
@@ -29,12 +31,37 @@ def mma_tensor(rng: np.random.Generator, qtype: str, n: int, k: int) -> GGUFTens
     return GGUFTensor.from_array(rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), qtype)
 
 
-def exact_weights(t: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int]:
+def block_form(t: GGUFTensor) -> CupyWeight:
+    """Q8_0 / Q4_0 / Q4_1 in GGUF's block form, the layout of the CUDA-core kernels' q80 / q4
+    weights (cupy_packed on the block-form branch): the codes as stored (Q4: 16 bytes per
+    32 weights, byte j = weight j low nibble, j + 16 high), float16 d (and m) split off."""
+    n, k = t.shape
+    nb = k // 32
+    b = np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, nb, BLOCK_BYTES[t.qtype])
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
+    if t.qtype == "Q8_0":
+        return CupyWeight("q80", n, k, np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k), d)
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, nb) if t.qtype == "Q4_1" else None
+    qs = b[..., 4:20] if t.qtype == "Q4_1" else b[..., 2:18]
+    return CupyWeight("q4", n, k, np.ascontiguousarray(qs).reshape(n, nb * 16), d, m)
+
+
+def host_weight(t: GGUFTensor, blocks: bool = False) -> CupyWeight:
+    return block_form(t) if blocks else prepare_weight(t)
+
+
+def on_backend(be: CupyBackend, h: CupyWeight) -> CupyWeight:
+    return CupyWeight(h.kind, h.n, h.k, be.asarray(h.w), None if h.scales is None else be.asarray(h.scales),
+                      None if h.mins is None else be.asarray(h.mins), h.group)
+
+
+def exact_weights(t: GGUFTensor | CupyWeight) -> tuple[np.ndarray, np.ndarray, int]:
     """(w, w', G): the float64 weights the MMA kernels multiply (q*d + m exactly; f16 as
     stored), the bound's |q d| + |m|, and the weights per scale."""
-    h = prepare_weight(t)
-    if h.kind == "q8":
-        q = h.w.astype(np.float64).reshape(h.n, -1, h.group)
+    h = prepare_weight(t) if isinstance(t, GGUFTensor) else t
+    if h.kind in ("q8", "q80", "q4"):
+        codes = block_codes(h.w, h.n, h.k, h.mins is not None) if h.kind == "q4" else h.w
+        q = codes.astype(np.float64).reshape(h.n, -1, h.group)
         d = h.scales.astype(np.float64)[:, :, None]
         m = 0.0 if h.mins is None else h.mins.astype(np.float64)[:, :, None]
         return (q * d + m).reshape(h.n, h.k), (np.abs(q * d) + np.abs(m)).reshape(h.n, h.k), h.group
@@ -93,12 +120,14 @@ def check_mma(be: CupyBackend, seed: int = 11, batches=BATCHES, cases=MMA_CASES)
         out.append((same, f"mma_split_x ({'bf16 hi, mid, lo' if bf16 else 'f16 hi, lo'}, 1/scale, group sums): "
                           f"{'bit-identical to' if same else 'DIFFERS from'} the numpy form"))
     emu = CupyBackend.emulated_on_cpu(mma=True)
-    for qtype, n, k in cases:
+    for name, n, k in cases:
+        qtype, blocks = name.split()[0], name.endswith(" blocks")
         t = mma_tensor(rng, qtype, n, k)
-        w, w_abs, group = exact_weights(t)
-        pw = be.linear_weight(t)
+        host = host_weight(t, blocks)
+        w, w_abs, group = exact_weights(host)
+        pw = on_backend(be, host)
         if not be.mma.handles(pw):
-            out.append((False, f"{qtype} {n}x{k}: not taken by the MMA kernels"))
+            out.append((False, f"{name} {n}x{k}: not taken by the MMA kernels"))
             continue
         M = max(batches)
         x = probe_rows(rng, M, k)
@@ -107,16 +136,16 @@ def check_mma(be: CupyBackend, seed: int = 11, batches=BATCHES, cases=MMA_CASES)
         bound = mma_error_bound(x, w_abs, group)
         err = np.abs(y - ref)
         ratio = float((err / np.maximum(bound, 1e-300)).max())
-        y_emu = emu.to_numpy(emu.linear(x, emu.linear_weight(t))).astype(np.float64)
+        y_emu = emu.to_numpy(emu.linear(x, on_backend(emu, host))).astype(np.float64)
         vs_emu = float((np.abs(y - y_emu) / np.maximum(2 * bound, 1e-300)).max())
         scale = np.abs(x.astype(np.float64)) @ w_abs.T
         rel = float((err / np.maximum(scale, 1e-300)).max())
         ok = bool(np.isfinite(y).all()) and ratio <= 1.0 and vs_emu <= 1.0
-        out.append((ok, f"{qtype} {n}x{k} M={M}: |err| vs float64 <= {ratio:.3f} of the bound (max "
+        out.append((ok, f"{name} {n}x{k} M={M}: |err| vs float64 <= {ratio:.3f} of the bound (max "
                         f"{rel:.1e} of sum|x||w|); vs the numpy model {vs_emu:.3f} of 2x the bound"))
         problem = rows_invariant(be, pw, x, batches)
         if problem is None and qtype in ("F16", "Q8_0"):  # the fused residual / bias add too
             problem = rows_invariant(be, pw, x, batches[:4], add=rng.standard_normal((M, n), dtype=np.float32))
-        out.append((problem is None, f"{qtype} {n}x{k}: rows alone vs in batches of {batches[0]}..{batches[-1]}: "
+        out.append((problem is None, f"{name} {n}x{k}: rows alone vs in batches of {batches[0]}..{batches[-1]}: "
                                      f"{problem or 'bit-identical'}"))
     return out

@@ -142,7 +142,15 @@ def mma_error_bound(x: np.ndarray, w_abs: np.ndarray, group: int = 32) -> np.nda
 # -- a stand-in for the compiled MMA module --------------------------------------------------
 
 _NP_OF_CTYPE = {"float": (np.float32,), "unsigned short": (np.float16, np.uint16), "signed char": (np.int8,),
-                "int": (np.int32,)}
+                "unsigned char": (np.uint8,), "int": (np.int32,)}
+
+
+def block_codes(qs: np.ndarray, n: int, k: int, has_m: bool) -> np.ndarray:
+    """Q4 block form (16 bytes per 32 weights: byte j = weight j low nibble, j + 16 high)
+    -> the codes the kernel multiplies [n, k]: q - 8 (Q4_0) or q (Q4_1, with a min)."""
+    b = np.asarray(qs, np.uint8).reshape(n, k // 32, 16)
+    q = np.concatenate([b & 0x0F, b >> 4], axis=2).reshape(n, k).astype(np.int16)
+    return (q if has_m else q - 8).astype(np.int8)
 
 
 class EmulatedMmaModule:
@@ -200,11 +208,14 @@ def _emu_split(name: str, grid: tuple, args: Any) -> None:
 def _emu_linear(name: str, grid: tuple, args: Any) -> None:
     _, _, kind, wt, tt = name.split("_")
     wt, tt = int(wt), int(tt)
-    if kind == "q8":
+    if kind in ("q8", "q80", "q4"):
         xp, xinv, xsum, q, d, m, out, M, N, K, has_m, gshift, add, add_mode = args
         M, N, K = int(M), int(N), int(K)
-        d2 = d.reshape(N, -1)
-        w, mins, gs = q.reshape(N, K), (m.reshape(N, -1) if int(has_m) else None), int(gshift)
+        f32 = (lambda a: a) if kind == "q8" else (lambda a: a.view(np.float16).astype(np.float32))
+        d2 = f32(d.reshape(N, -1))
+        mins = f32(m.reshape(N, -1)) if int(has_m) else None
+        w = block_codes(q, N, K, bool(int(has_m))) if kind == "q4" else q.reshape(N, K)
+        gs = int(gshift)
     else:
         xp, xinv, xsum, w0, out, M, N, K, add, add_mode = args
         M, N, K = int(M), int(N), int(K)

@@ -22,8 +22,9 @@ def mma_tile(m: int) -> tuple[int, int]:
 
 
 class MmaKernels:
-    """out = x @ W.T on tensor cores for f16 and bf16 weights and q8 codes (int8 + float32
-    scale, optional min, groups of 32 or 16 weights) with K % 32 == 0; `handles` says which
+    """out = x @ W.T on tensor cores for f16 and bf16 weights, q8 codes (int8 + float32
+    scale, optional min, groups of 32 or 16 weights), and Q8_0 / Q4_x in block form (q80:
+    int8 + float16 d; q4: nibbles as stored + float16 d, m) with K % 32 == 0; `handles` says which
     weights (a property of the weight, never of the batch)."""
 
     def __init__(self, module: Any, xp: Any):
@@ -45,7 +46,9 @@ class MmaKernels:
     def handles(w: Any) -> bool:
         if w.k % MMA_CHUNK or w.n == 0:
             return False
-        return w.kind in ("f16", "bf16") or (w.kind == "q8" and getattr(w, "group", 32) in (16, 32))
+        if w.kind in ("f16", "bf16", "q80", "q4"):  # q80, q4: Q8_0 / Q4_x in GGUF block form
+            return w.kind in ("f16", "bf16") or getattr(w, "group", 32) == 32
+        return w.kind == "q8" and getattr(w, "group", 32) in (16, 32)
 
     def split(self, x: Any, m_pad: int, gshift: int, want_sums: bool, bf16: bool = False) -> tuple:
         """mma_split_x: (parts [2, m_pad, K] float16 hi, lo -- bf16: [3, m_pad, K] uint16
@@ -69,7 +72,7 @@ class MmaKernels:
             return out
         wt, tt = mma_tile(M)
         m_pad = cdiv(M, 8 * tt) * 8 * tt
-        q8 = w.kind == "q8"
+        q8 = w.kind in ("q8", "q80", "q4")
         gshift = getattr(w, "group", 32).bit_length() - 1 if q8 else 5
         has_m = q8 and w.mins is not None
         parts, xinv, xsum = self.split(x, m_pad, gshift, has_m, w.kind == "bf16")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .constants import CUDA_DEFINES
 
-MMA_KINDS = ("f16", "bf16", "q8")
+MMA_KINDS = ("f16", "bf16", "q8", "q80", "q4")  # q80, q4: Q8_0 / Q4_x in GGUF block form
 MMA_TILES = ((1, 1), (1, 2), (2, 4))  # (WT weight tiles of 16 rows, TT token tiles of 8) per block
 MMA_CHUNK = 32  # k per chunk; chunk c -> warp c % MMA_WARPS
 MMA_WARPS = 8
@@ -156,24 +156,49 @@ __device__ __forceinline__ unsigned mma_i8x2_to_h2(unsigned u, unsigned sel) {
     return r;
 }
 
-struct MQ8 {
-    const signed char* q;
-    const float* d;
-    const float* m;
+// nibble codes (bytes 0..15) -> f16 exactly: 0x6400 | c is 1024 + c; minus 1024 (Q4_1: q)
+// or 1032 (Q4_0: q - 8), exact f16 subtractions.
+__device__ __forceinline__ unsigned mma_u4x2_to_h2(unsigned c, unsigned sel, int has_m) {
+    const unsigned h = __byte_perm(c, 0x64646464u, sel);
+    unsigned r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(has_m ? 0x64006400u : 0x64086408u));
+    return r;
+}
+
+// Scaled codes, FORM 0 'q8': int8 q [N, K] + float32 d, m [N, K >> gs]; 1 'q80' (Q8_0 in
+// block form): int8 q [N, K] + float16 d; 2 'q4' (Q4_0 / Q4_1 in block form): per 32
+// weights 16 bytes, byte j = weight j (low nibble) and j + 16 (high), codes q - 8 (Q4_0)
+// or q with a float16 min (Q4_1), float16 d. w = code * d (+ m), applied per group.
+template <int FORM>
+struct MQ {
+    const void* q;
+    const void* d;
+    const void* m;
     int N, K, has_m, gs;
     __device__ __forceinline__ void frag(int row, int k, unsigned& lo, unsigned& hi) const {
-        const unsigned u = __ldg(reinterpret_cast<const unsigned*>(q + (size_t)min(row, N - 1) * K + k));
-        lo = row < N ? mma_i8x2_to_h2(u, 0x4140u) : 0u;  // codes k, k+1
-        hi = row < N ? mma_i8x2_to_h2(u, 0x4342u) : 0u;  // codes k+2, k+3
+        const size_t rr = (size_t)min(row, N - 1);
+        if constexpr (FORM == 2) {
+            const int kb = k & 31;  // k .. k+3 lie in one block, one half of it
+            const unsigned char* p = static_cast<const unsigned char*>(q) + rr * (K >> 1) + ((k >> 5) << 4) + (kb & 15);
+            const unsigned u = __ldg(reinterpret_cast<const unsigned*>(p));
+            const unsigned c = (kb >= 16 ? u >> 4 : u) & 0x0f0f0f0fu;
+            lo = row < N ? mma_u4x2_to_h2(c, 0x4140u, has_m) : 0u;  // codes k, k+1
+            hi = row < N ? mma_u4x2_to_h2(c, 0x4342u, has_m) : 0u;  // codes k+2, k+3
+        } else {
+            const unsigned u = __ldg(reinterpret_cast<const unsigned*>(static_cast<const signed char*>(q) + rr * K + k));
+            lo = row < N ? mma_i8x2_to_h2(u, 0x4140u) : 0u;  // codes k, k+1
+            hi = row < N ? mma_i8x2_to_h2(u, 0x4342u) : 0u;  // codes k+2, k+3
+        }
     }
-    __device__ __forceinline__ float scale(int row, int b) const {
-        const float v = __ldg(d + (size_t)min(row, N - 1) * (K >> gs) + b);
+    __device__ __forceinline__ float load(const void* a, int row, int b) const {
+        const size_t i = (size_t)min(row, N - 1) * (K >> gs) + b;
+        float v;
+        if constexpr (FORM == 0) v = __ldg(static_cast<const float*>(a) + i);
+        else v = mma_h2f(__ldg(static_cast<const unsigned short*>(a) + i));
         return row < N ? v : 0.0f;
     }
-    __device__ __forceinline__ float min_(int row, int b) const {
-        const float v = __ldg(m + (size_t)min(row, N - 1) * (K >> gs) + b);
-        return row < N ? v : 0.0f;
-    }
+    __device__ __forceinline__ float scale(int row, int b) const { return load(d, row, b); }
+    __device__ __forceinline__ float min_(int row, int b) const { return load(m, row, b); }
 };
 
 // ---- out[M, N] = x[M, K] @ w[N, K]^T on tensor cores -----------------------------------
@@ -303,7 +328,13 @@ def _wrappers() -> str:
         "f16": ("const unsigned short* __restrict__ w", "", "MF16 ww{w, N, K};", "false, false"),
         "bf16": ("const unsigned short* __restrict__ w", "", "MF16 ww{w, N, K};", "false, true"),
         "q8": ("const signed char* __restrict__ q, const float* __restrict__ d, const float* __restrict__ m",
-               ", int has_m, int gshift", "MQ8 ww{q, d, m, N, K, has_m, gshift};", "true, false"),
+               ", int has_m, int gshift", "MQ<0> ww{q, d, m, N, K, has_m, gshift};", "true, false"),
+        "q80": ("const signed char* __restrict__ q, const unsigned short* __restrict__ d, "
+                "const unsigned short* __restrict__ m", ", int has_m, int gshift",
+                "MQ<1> ww{q, d, m, N, K, has_m, gshift};", "true, false"),
+        "q4": ("const unsigned char* __restrict__ q, const unsigned short* __restrict__ d, "
+               "const unsigned short* __restrict__ m", ", int has_m, int gshift",
+               "MQ<2> ww{q, d, m, N, K, has_m, gshift};", "true, false"),
     }
     for kind in MMA_KINDS:
         wparams, extra, make, flags = heads[kind]

@@ -25,7 +25,15 @@ from panechat.backends.cupy_kernels import mma_emulation
 from panechat.backends.cupy_kernels.mma_emulation import emulate_mma_product, mma_error_bound, split_x
 from panechat.backends.cupy_kernels.mma_launch import mma_tile
 from panechat.backends.cupy_kernels.mma_source import MMA_KERNEL_NAMES, MMA_OPTIONS, MMA_SOURCE
-from panechat.backends.cupy_mma_check import check_mma, exact_weights, mma_tensor, probe_rows, rows_invariant
+from panechat.backends.cupy_mma_check import (
+    block_form,
+    check_mma,
+    exact_weights,
+    mma_tensor,
+    on_backend,
+    probe_rows,
+    rows_invariant,
+)
 from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.model import Model
 
@@ -164,6 +172,28 @@ def test_model_is_the_literal_contract(kind, gshift, mins):
     got = emulate_mma_product(parts, xinv[:R], None if xsum is None else xsum[:R], w, d, m, gshift)
     want = _literal_product(parts, xinv[:R], xsum, w.astype(np.float64), d, m, gshift)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_form_weights_are_gguf_s_weights(qtype):
+    """The q80 / q4 block forms (codes as stored, float16 d, m) decode to exactly the
+    weights gguf dequantizes (Q4_1: q*d + m before gguf's one rounding), and their MMA
+    products are within the bound."""
+    rng = np.random.default_rng(8)
+    t = mma_tensor(rng, qtype, 24, 256)
+    h = block_form(t)
+    assert h.kind == ("q80" if qtype == "Q8_0" else "q4") and h.scales.dtype == np.float16
+    w, w_abs, group = exact_weights(h)
+    want = t.dequantize().astype(np.float64)
+    if qtype == "Q4_1":
+        assert np.array_equal(w.astype(np.float32), want.astype(np.float32))  # rounded once, as gguf
+    else:
+        assert np.array_equal(w, want)
+    be = CupyBackend.emulated_on_cpu(mma=True)
+    x = probe_rows(rng, 11, 256)
+    y = be.linear(x, on_backend(be, h)).astype(np.float64)
+    assert (np.abs(y - x.astype(np.float64) @ want.T) <= mma_error_bound(x, w_abs, group) + 2.0 ** -24 * (
+        np.abs(x.astype(np.float64)) @ np.abs(want).T)).all()
 
 
 def test_bound_catches_a_split_without_its_low_half(monkeypatch):
