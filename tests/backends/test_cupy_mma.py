@@ -249,7 +249,8 @@ def test_self_check_runs_the_mma_kernels(mma_be):
     mma_be.mma.module.launches.clear()
     assert mma_be.self_check() is None
     names = {n for n, _ in mma_be.mma.module.launches}
-    assert {"mma_linear_f16_1_1", "mma_linear_q8_1_2", "mma_linear_q8_2_4"} <= names
+    assert {"mma_linear_f16_1_1", "mma_linear_f16_1_2", "mma_linear_f16_2_4"} <= names
+    assert {n[-3:] for n in names if n.startswith("mma_linear_q")} == {"1_1", "1_2", "2_4"}  # codes: every tile
 
 
 # -- whole models with the mode on -----------------------------------------------------------
