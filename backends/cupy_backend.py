@@ -42,6 +42,7 @@ from .array_backend import ArrayBackend
 from .paged_kv import PagedKV
 from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_module
 from .cupy_kernels.sampling import sampling_table
+from .cupy_mma import build_mma, emulated_mma, mma_requested, with_mma_checks
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
 from .cupy_packed import can_pack, split_blocks
 from .cupy_widen import WIDENED, can_widen, random_blocks, widen
@@ -138,6 +139,7 @@ class CupyBackend(ArrayBackend):
 
     name = "cupy"
     samples_on_device = True
+    mma = None  # MmaKernels when the tensor-core products are on (cupy_mma.py)
     # every linear kind and variant (row tiles 1..16, 1 and 4 columns per warp past WIDE_N,
     # the any-K kernel), a norm tail past the 256 threads, GQA with a head_dim below and
     # one at 128
@@ -150,7 +152,7 @@ class CupyBackend(ArrayBackend):
         attention=(AttentionCase(4, 2, 80, 40, 6, (37,)), AttentionCase(3, 1, 300, 128, 2, (257,)),
                    AttentionCase(4, 2, 80, 40, 6, (5, 37), window=21)))
 
-    def __init__(self, float_weights: str | None = None):
+    def __init__(self, float_weights: str | None = None, mma: bool | None = None):
         cp = _import_cupy()
         try:
             n_dev = cp.cuda.runtime.getDeviceCount()
@@ -174,11 +176,14 @@ class CupyBackend(ArrayBackend):
                 "a CUDA toolkit or: pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) / nvidia-cuda-nvrtc (13)"
             ) from None
         self._info = self._device_info(cp)
+        self.mma = build_mma(cp) if mma_requested(mma) else None  # tensor-core products (cupy_mma.py)
+        if self.mma is not None:
+            self.check_plan = with_mma_checks(self.check_plan)
         graphs = os.environ.get("PANECHAT_CUDA_GRAPHS", "1") != "0"
         self.graphs = StepGraphs(cp, GraphCapture(cp)) if graphs else None
 
     @classmethod
-    def emulated_on_cpu(cls, float_weights: str = "f16") -> "CupyBackend":
+    def emulated_on_cpu(cls, float_weights: str = "f16", mma: bool = False) -> "CupyBackend":
         """This backend's host code on numpy arrays with every kernel run by the numpy
         emulation of `cupy_kernels` (bit for bit what the GPU must compute). For tests and
         for checking the GPU; slow."""
@@ -189,6 +194,9 @@ class CupyBackend(ArrayBackend):
         self.float_weights = float_weights
         self.kernels = Kernels(EmulatedModule(), np)
         self._info = "numpy emulation of the CUDA kernels on the CPU"
+        self.mma = emulated_mma() if mma else None
+        if mma:
+            self.check_plan = with_mma_checks(self.check_plan)
         self.graphs = StepGraphs(np, ReplayByRerun())  # the padding and bucket logic, no CUDA graph
         return self
 
@@ -217,7 +225,8 @@ class CupyBackend(ArrayBackend):
         return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1/Q4_K in their blocks (codes as stored), "
                 f"Q5_x/Q5_K/Q6_K as int8 + float32 scales, F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
-                "(no cuBLAS), row-invariant")
+                "(no cuBLAS), row-invariant" + ("; tensor-core matmuls for F16, BF16 and int8-code weights "
+                                                "(PANECHAT_CUPY_MMA=1, same mode at every batch size)" if self.mma else ""))
 
     # -- weights ---------------------------------------------------------------------
     def linear_weight(self, t: GGUFTensor) -> CupyWeight:
@@ -242,6 +251,8 @@ class CupyBackend(ArrayBackend):
     def linear(self, x: Any, w: CupyWeight) -> Any:
         x = self._f32(x)
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        if self.mma is not None and self.mma.handles(w):  # by the weight, never by the batch
+            return self.mma.linear(x, w, out)
         return self.kernels.linear(x, w, out)
 
     def norm_linear_many(self, x: Any, weight: Any, eps: float, ws: tuple, biases: tuple | None = None) -> tuple:
@@ -256,6 +267,12 @@ class CupyBackend(ArrayBackend):
         if x.shape[0] > FUSED_NORM_MAX_ROWS:
             return super().norm_linear_many(x, weight, eps, ws, biases)
         biases = biases or (None,) * len(ws)
+        if self.mma is not None and any(self.mma.handles(w) for w in ws):  # tensor cores take the normed x
+            xn = self.rms_norm(x, weight, eps)  # the fused norm's bits, so the others may still fuse it
+            return tuple((self.linear(xn, w) if b is None else self.linear_add(xn, w, b)) if self.mma.handles(w)
+                         else self.kernels.linear(x, w, xp.empty((x.shape[0], w.n), xp.float32),
+                                                  None if b is None else self._f32(b), norm=(weight, eps))
+                         for w, b in zip(ws, biases))
         return tuple(self.kernels.linear(x, w, xp.empty((x.shape[0], w.n), xp.float32),
                                          None if b is None else self._f32(b), norm=(weight, eps))
                      for w, b in zip(ws, biases))
@@ -264,6 +281,8 @@ class CupyBackend(ArrayBackend):
         """The matmul with the residual or bias added by the same kernel (one launch)."""
         x = self._f32(x)
         out = self.xp.empty((x.shape[0], w.n), self.xp.float32)
+        if self.mma is not None and self.mma.handles(w):
+            return self.mma.linear(x, w, out, self._f32(add))
         return self.kernels.linear(x, w, out, self._f32(add))
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:

@@ -30,7 +30,12 @@ What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
      S_TG at B = 1, 4, 16, 64 next to the weight-bandwidth limit
      B * (measured copy bandwidth) / (weight bytes read per step), through the model's
      forward pass and through the Engine (host loop, scheduler, device sampling);
-  8. issue 15's targets, each figure with PASS / FAIL against it.
+  8. the tensor-core (MMA) mode (PANECHAT_CUPY_MMA=1, cupy_mma.py): the x split bit for
+     bit, every MMA weight form within the documented error bound of float64, rows alone
+     == in batches of 2..64 bit for bit, self_check and tiny models with it on, and its
+     speed (prefill 512 tokens, B = 1 and 64) on the synthetic models; `--mma-only` runs
+     just this (and the versions);
+  9. issue 15's targets, each figure with PASS / FAIL against it.
 Exit status: 0 everything passed, 1 a check failed, 2 it could not start (no GPU, ...).
 Designed to finish within 7 minutes on an H100/H200 (the default --budget 420; run it
 with a timeout of 540 s); --budget skips the remaining optional parts (reported as SKIP)
@@ -566,7 +571,7 @@ def decode_gemv(rep: Report, be, cp) -> None:
             rep.error(f"decode product {qtype} {n}x{k}", e)
 
 
-def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -> None:
+def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG, engine: bool = True) -> None:
     from panechat.engine.gguf_file import GGUFFile
     from panechat.engine.model import Model
 
@@ -646,7 +651,8 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG) -
                 rep.figures[(spec["label"], f"B={B} ms/step")] = dt * 1e3
                 rep.figures[(spec["label"], f"B={B} of limit")] = B / dt / limit
                 rep.say(f"    {B:5d}   {dt * 1e3:7.2f}   {B / dt:10,.0f}   {limit:11,.0f}   {B / dt / limit:7.1%}")
-            engine_path(rep, model, path_tok, spec["label"], batches, bw, step_bytes, dry)
+            if engine:
+                engine_path(rep, model, path_tok, spec["label"], batches, bw, step_bytes, dry)
         except Exception as e:  # noqa: BLE001
             rep.error(label, e)
         finally:
@@ -711,6 +717,8 @@ TARGETS = [
     ("B=1 decode >= 40% of the bandwidth limit", "qwen2-1.5B-like", "B=1 of limit", ">=", 0.40, "%"),
     ("B=64 ms/step <= 2x the B=1 ms/step", "llama-7B-like", "B=64/B=1", "<=", 2.0, "x"),
     ("prefill 512 tokens >= 20,000 tok/s", "qwen2-1.5B-like", "prefill tok/s", ">=", 20000.0, "tok/s"),
+    ("prefill 512 tokens >= 20,000 tok/s", "qwen2-1.5B-like MMA", "prefill tok/s", ">=", 20000.0, "tok/s"),
+    ("B=64 ms/step <= 2x the B=1 ms/step", "llama-7B-like MMA", "B=64/B=1", "<=", 2.0, "x"),
 ]
 
 
@@ -784,6 +792,48 @@ def graphs_and_sampling(rep: Report, models: list) -> None:
             rep.error(label, e)
 
 
+def mma_mode(rep: Report, cp, tmp: Path, dry: bool, quick: bool, speed: bool = True) -> None:
+    """The tensor-core mode: (a) invariance bit for bit, (b) error vs float64 within the
+    documented bound, (c) speed on the synthetic models (figures labelled "... MMA")."""
+    from panechat.backends.cupy_backend import CupyBackend
+    from panechat.backends.cupy_mma_check import BATCHES, check_mma
+    from panechat.engine.gguf_file import GGUFFile
+    from panechat.engine.model import Model
+    from tests.tiny_gguf import reference_logits, write_tiny_gguf
+
+    rep.section("tensor-core (MMA) mode, PANECHAT_CUPY_MMA=1: split bit for bit, error bound, invariance, speed")
+    try:
+        be = CupyBackend.emulated_on_cpu(mma=True) if dry else CupyBackend(mma=True)
+    except Exception as e:  # noqa: BLE001
+        rep.error("MMA backend", e)
+        return
+    rep.say(f"  backend: {be.describe()}")
+    t = time.perf_counter()
+    for ok, line in check_mma(be, batches=(2, 3, 5, 8, 9, 17, 33) if dry else BATCHES):
+        rep.result(ok, line)
+    problem = be.self_check()
+    rep.result(problem is None, f"self_check() with the MMA mode on -> {problem} ({time.perf_counter() - t:.1f} s)")
+    for arch, qtype in (("llama", "Q8_0"), ("qwen2", "F16"), ("llama", "Q4_1")):
+        label = f"MMA tiny {arch} {qtype}"
+        try:
+            path = tmp / f"mma-tiny-{arch}-{qtype}.gguf"
+            weights = write_tiny_gguf(path, arch, qtype=qtype, tied=True, seed=3)
+            model = Model.load(GGUFFile.open(path), be, max_positions=64)
+            tokens = np.random.default_rng(1).integers(0, model.args.vocab_size, 23).tolist()
+            got = _forward_all(model, tokens, 23)
+            chunked = np.array_equal(got, _forward_all(model, tokens, 5))
+            r_ref = _rel(got, reference_logits(weights, arch, tokens))
+            problem = _invariance(model, steps=4)
+            rep.result(r_ref < REL_TOL and chunked and problem is None,
+                       f"{label}: vs float64 {r_ref:.1e}; chunked prefill {'bit-identical' if chunked else 'DIFFERS'}; "
+                       f"{problem or 'alone == batched, bit for bit'}")
+        except Exception as e:  # noqa: BLE001
+            rep.error(label, e)
+    if speed:
+        specs = [dict(spec, label=spec["label"] + " MMA") for spec in (_dry_specs() if dry else BIG)]
+        synthetic(rep, be, cp, tmp, quick, (1, 64), specs, engine=False)
+
+
 def _dry_specs() -> list[dict]:
     """Small stand-ins for BIG (CPU dry run: exercises this script, not the GPU)."""
     return [dict(spec, n_embd=128, n_head=4, n_kv=spec["n_kv"] and (4 if spec["n_kv"] == spec["n_head"] else 2),
@@ -797,6 +847,8 @@ def main() -> int:
     out_dir = os.environ.get("OUT")
     ap.add_argument("--report", default=os.path.join(out_dir, "gpu_check.txt") if out_dir else None,
                     help="also append the report to this file (default: $OUT/gpu_check.txt when $OUT is set)")
+    ap.add_argument("--mma-only", action="store_true",
+                    help="only the versions and the tensor-core (MMA) mode's checks and speed")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="no GPU: run this script's logic on the numpy emulation with small models")
     args = ap.parse_args()
@@ -834,6 +886,16 @@ def main() -> int:
             rep.error("versions", e)
     rep.say(f"  backend: {be.describe()}")
     rep.say(f"  kernels built and loaded in {t_build:.1f} s")
+    if args.mma_only:
+        with tempfile.TemporaryDirectory(prefix="panechat-gpu-check-") as tmpdir:
+            try:
+                mma_mode(rep, cp, Path(tmpdir), args.dry_run_cpu, args.quick)
+            except Exception as e:  # noqa: BLE001
+                rep.error("tensor-core (MMA) mode", e)
+        targets(rep, args.dry_run_cpu, rep.failed)
+        rep.section(f"summary: {rep.passed} passed, {rep.failed} failed, {rep.skipped} skipped, "
+                    f"{rep.elapsed():.0f} s")
+        return 1 if rep.failed else 0
     for name, fn in (("kernels", lambda: kernels_vs_emulation(rep, be)), ("self_check", lambda: self_check(rep, be)),
                      ("decode products", lambda: decode_gemv(rep, be, cp))):
         try:
@@ -861,6 +923,10 @@ def main() -> int:
         del tiny, mid, pick
         synthetic(rep, be, cp, tmp, args.quick, (1, 16, 64) if args.quick else (1, 4, 16, 64),
                   _dry_specs() if args.dry_run_cpu else BIG)
+        try:
+            mma_mode(rep, cp, tmp, args.dry_run_cpu, args.quick)
+        except Exception as e:  # noqa: BLE001
+            rep.error("tensor-core (MMA) mode", e)
     targets(rep, args.dry_run_cpu, rep.failed)
     rep.section(f"summary: {rep.passed} passed, {rep.failed} failed, {rep.skipped} skipped, "
                 f"{rep.elapsed():.0f} s")

@@ -38,8 +38,10 @@ def _cache_dir() -> Path:
     return Path(base) / "panechat" / "cuda"
 
 
-def build_module(cp: Any, cache_dir: str | Path | None = None) -> Any:
-    """Compile SOURCE with NVRTC for the current device and load it as a cupy.RawModule.
+def build_module(cp: Any, cache_dir: str | Path | None = None, source: str = SOURCE,
+                 options: tuple = OPTIONS, stem: str = "kernels") -> Any:
+    """Compile `source` (SOURCE; mma_source.MMA_SOURCE with stem "mma") with NVRTC for the
+    current device and load it as a cupy.RawModule.
 
     NVRTC is called directly rather than through ``cupy.RawModule(code=...)``, because
     CuPy appends ``-ftz=true`` to every compilation (the last -ftz option wins), which
@@ -54,14 +56,14 @@ def build_module(cp: Any, cache_dir: str | Path | None = None) -> Any:
     if not archs:
         raise RuntimeError(f"this NVRTC supports no architecture up to sm_{cc}")
     target, kind = (f"-arch=sm_{cc}", "cubin") if cc in archs else (f"-arch=compute_{max(archs)}", "ptx")
-    key = hashlib.sha256(repr((SOURCE, OPTIONS, target, nvrtc.getVersion())).encode()).hexdigest()[:24]
+    key = hashlib.sha256(repr((source, options, target, nvrtc.getVersion())).encode()).hexdigest()[:24]
     for folder in ([Path(cache_dir)] if cache_dir else [_cache_dir(), Path(tempfile.gettempdir()) / "panechat-cuda"]):
-        path = folder / f"kernels-{key}.{kind}"
+        path = folder / f"{stem}-{key}.{kind}"
         if path.is_file():
             return cp.RawModule(path=str(path))
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            data = _nvrtc_compile(SOURCE, target, OPTIONS, kind)
+            data = _nvrtc_compile(source, target, options, kind)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
