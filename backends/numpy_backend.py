@@ -73,9 +73,10 @@ class NumpyBackend(ArrayBackend):
     name = "numpy"
 
     def __init__(self):
-        from . import numpy_kernels, quant_kernels  # need numba; `cpu_backend()` falls back without it
+        from . import decode_attention, numpy_kernels, quant_kernels  # need numba; else `cpu_backend()` falls back
 
         self.kernels = numpy_kernels
+        self.decode_attention = decode_attention
         self.quant_kernels = quant_kernels
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
@@ -144,11 +145,19 @@ class NumpyBackend(ArrayBackend):
         return super().rope(x, positions, style, tables)
 
     def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
-        self.write_kv(kv, layer, k, v, seqs, positions, tables)
+        """At decode (every row its own sequence) one numba call writes K and V and attends
+        (`decode_attention`); a call with a prefill chunk writes with numpy and gathers each
+        such sequence once (`paged_attention`). The same bits either way."""
+        c = np.ascontiguousarray
+        q, k, v = c(q, np.float32), c(k, np.float32), c(v, np.float32)
         out = np.empty_like(q)
-        self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], kv.slot_table if tables is None else tables,
-                                     seqs.astype(np.int32), positions.astype(np.int32), np.float32(scale),
-                                     out, window)
+        t = c(kv.slot_table if tables is None else tables, np.int32)
+        seqs, positions = c(seqs, np.int32), c(positions, np.int32)
+        if self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, seqs, positions, scale, out,
+                                              window):
+            return out
+        self.write_kv(kv, layer, k, v, seqs, positions, tables)
+        self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, np.float32(scale), out, window)
         return out
 
 
