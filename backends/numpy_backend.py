@@ -73,10 +73,11 @@ class NumpyBackend(ArrayBackend):
     name = "numpy"
 
     def __init__(self):
-        from . import decode_attention, numpy_kernels, quant_kernels  # need numba; else `cpu_backend()` falls back
+        from . import decode_attention, norm_kernels, numpy_kernels, quant_kernels  # numba; else `cpu_backend()`
 
         self.kernels = numpy_kernels
         self.decode_attention = decode_attention
+        self.norm_kernels = norm_kernels
         self.quant_kernels = quant_kernels
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
@@ -135,6 +136,13 @@ class NumpyBackend(ArrayBackend):
         if same and isinstance(first, StoredWeight) and first.qtype in _BLOCK32:
             return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
         return super().linear_many(x, ws)
+
+    def rms_norm(self, x, weight, eps):
+        """One numba call with the numpy expression's bits (`norm_kernels`)."""
+        if (x.dtype == np.float32 and x.flags.c_contiguous and weight.dtype == np.float32
+                and weight.shape == x.shape[-1:]):
+            return self.norm_kernels.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
 
     def rope(self, x, positions, style, tables):
         cos, sin = tables
