@@ -7,6 +7,7 @@ contiguous kernel on them; around it, `write_kv` and the wrapper's checks are a 
 numpy calls. At decode every row belongs to a different sequence, so here one call:
 
 * checks the rows and block tables (in numba, no numpy temporaries),
+* turns q and k by RoPE when asked (`NumpyBackend.rope_attend`: two calls fewer a layer),
 * rounds the new K and V rows to the store's dtype and writes them (the same bits as
   numpy's float32 -> float16 assignment: IEEE round to nearest even),
 * runs one task per (row, kv head): each block of keys is converted to float32 once into
@@ -35,7 +36,7 @@ from numba.core import config
 from numba.extending import intrinsic
 
 from .numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _expf, _is_c_array, _scores16, _sum,
-                            f32vec, load_kv, vload, vload_kv, vmac, vmul, vsplat, vstore)
+                            f32vec, load_kv, prefetch, vload, vload_kv, vmac, vmul, vsplat, vstore)
 
 _HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
 
@@ -105,6 +106,22 @@ def _write_row(blocks, o, x, xo, D):
 
 
 @njit(inline="always", **_JIT)
+def _rope_row(x, xo, p, cos, sin, neox, dst, do, D):
+    """dst.flat[do : do + D] = x.flat[xo : xo + D] turned by RoPE at position p: the bits of
+    `numpy_kernels.rope` (a*cos - b*sin and b*cos + a*sin, each product and sum rounded)."""
+    xf, df = x.reshape(-1), dst.reshape(-1)
+    half = cos.shape[1]
+    for i in range(half):
+        c, s = cos[p, i], sin[p, i]
+        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        a, b = xf[xo + ia], xf[xo + ib]
+        df[do + ia] = a * c - b * s
+        df[do + ib] = b * c + a * s
+    for j in range(2 * half, D):
+        df[do + j] = xf[xo + j]
+
+
+@njit(inline="always", **_JIT)
 def _convert(blocks, o, n, buf):
     """buf[i, :] = blocks.flat[o + i*D : o + (i+1)*D] as float32 (exact), for i < n."""
     D = buf.shape[1]
@@ -114,6 +131,13 @@ def _convert(blocks, o, n, buf):
             vstore(buf, i * D + d, vload_kv(blocks, o + i * D + d))
         for d in range(dv, D):
             buf[i, d] = load_kv(blocks, o + i * D + d)
+
+
+@njit(inline="always", **_JIT)
+def _prefetch_rows(blocks, o, n, D):
+    """Ask for blocks.flat[o : o + n*D] to be brought into cache, one request per 64 bytes."""
+    for i in range(o, o + n * D, 64 // blocks.itemsize):
+        prefetch(blocks, i)
 
 
 @njit(inline="always", **_JIT)
@@ -235,7 +259,11 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g, first, last, scale, out):
     while p <= last:
         off = p % B
         n = min(B - off, last + 1 - p)
-        _convert(k_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
+        o = ((table[p // B] * G + g) * B + off) * D
+        if p + n <= last:  # the next block's keys, and this block's values for the second pass
+            _prefetch_rows(k_blocks, ((table[(p + n) // B] * G + g) * B) * D, B, D)
+        _prefetch_rows(v_blocks, o, n, D)
+        _convert(k_blocks, o, n, buf)
         if n == LANES and D % LANES == 0:  # a whole block of keys and whole vectors: kept tight
             for j in range(grp):
                 vstore(ef, j * P + p - first, vmul(_scores16(q, (r * H + g * grp + j) * D, buf, 0, D, D), sv))
@@ -264,14 +292,14 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g, first, last, scale, out):
 
 
 @njit(parallel=True, **_JIT)
-def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, out):
+def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, out, rope_on, cos, sin, neox):
     R, H, D = q.shape
     NB, G, B = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[2]
     S, MB = tables.shape
     seen = np.zeros(S, np.bool_)
     for r in range(R):  # check everything before writing anything
         s, p = row_seq[r], row_pos[r]
-        if s < 0 or s >= S or p < 0 or p >= MB * B:
+        if s < 0 or s >= S or p < 0 or p >= MB * B or (rope_on and p >= cos.shape[0]):
             return -1
         if seen[s]:
             return 1
@@ -279,19 +307,33 @@ def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window
         for b in range(p // B + 1):
             if tables[s, b] < 0 or tables[s, b] >= NB:
                 return -2
+    qr = q
+    kr = np.empty(D, np.float32)
+    if rope_on:  # q and k turned here rather than in two more calls
+        qr = np.empty_like(q)
+        for r in range(R):
+            for h in range(H):
+                _rope_row(q, (r * H + h) * D, row_pos[r], cos, sin, neox, qr, (r * H + h) * D, D)
     for r in range(R):
         p = row_pos[r]
         blk = tables[row_seq[r], p // B]
         for g in range(G):
             o = ((blk * G + g) * B + p % B) * D
-            _write_row(k_blocks, o, k, (r * G + g) * D, D)
+            if rope_on:
+                _rope_row(k, (r * G + g) * D, p, cos, sin, neox, kr, 0, D)
+                _write_row(k_blocks, o, kr, 0, D)
+            else:
+                _write_row(k_blocks, o, k, (r * G + g) * D, D)
             _write_row(v_blocks, o, v, (r * G + g) * D, D)
     for task in prange(R * G):
         r, g = task // G, task % G
         last = row_pos[r]
         first = max(0, last - window + 1) if window > 0 else 0
-        _attend_blocks(q, k_blocks, v_blocks, tables[row_seq[r]], r, g, first, last, scale, out)
+        _attend_blocks(qr, k_blocks, v_blocks, tables[row_seq[r]], r, g, first, last, scale, out)
     return 0
+
+
+_NO_ROPE = np.zeros((1, 0), np.float32)
 
 
 def _c(a: np.ndarray, dtype) -> bool:
@@ -300,13 +342,14 @@ def _c(a: np.ndarray, dtype) -> bool:
 
 def paged_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray,
                  tables: np.ndarray, row_seq: np.ndarray, row_pos: np.ndarray, scale: float, out: np.ndarray,
-                 window: int = 0) -> bool:
+                 window: int = 0, rope: tuple[np.ndarray, np.ndarray, bool] | None = None) -> bool:
     """Write k, v f32[R, n_kv, hd] at each row's position (rounded to the store's dtype),
     then attention of q f32[R, H, hd] into out, as `paged_attention` defines it (the same
     bits); True. False, having written nothing, when a sequence has several rows in the
     call. k_blocks, v_blocks [n_blocks, n_kv, B, hd] float16 or float32; tables int32
-    [S, max_blocks]; row_seq, row_pos int32 [R]; all C-contiguous. ValueError for bad
-    rows or tables."""
+    [S, max_blocks]; row_seq, row_pos int32 [R]; all C-contiguous. `rope` = (cos, sin,
+    neox): q and k are first turned as `numpy_kernels.rope` does with those float32 tables
+    [max_pos, rope_dim/2] (q itself is left as it is). ValueError for bad rows or tables."""
     if k_blocks.dtype == np.float16:
         if not HAS_F16C:
             return False  # the caller's numpy write + paged_attention: the same bits
@@ -326,8 +369,12 @@ def paged_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_blocks: np.ndarr
                          f"out{out.shape}")
     if window < 0:
         raise ValueError(f"paged_decode: window must be >= 0, got {window}")
+    cos, sin, neox = (_NO_ROPE, _NO_ROPE, False) if rope is None else rope
+    if rope is not None and not (_c(cos, np.float32) and _c(sin, np.float32) and cos.ndim == 2
+                                 and sin.shape == cos.shape and 2 * cos.shape[1] <= D):
+        raise ValueError(f"paged_decode: RoPE tables must be C-contiguous float32 [max_pos, <= {D // 2}]")
     status = _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, np.float32(scale),
-                     np.int64(window), out)
+                     np.int64(window), out, rope is not None, cos, sin, bool(neox))
     if status == -1:
         raise ValueError("paged_decode: row_seq / row_pos out of range")
     if status == -2:

@@ -144,13 +144,32 @@ class NumpyBackend(ArrayBackend):
             return self.norm_kernels.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def rope(self, x, positions, style, tables):
+    @staticmethod
+    def _rope_kernel_fits(x, style, tables) -> bool:
         cos, sin = tables
-        if (x.dtype == np.float32 and x.ndim == 3 and x.flags.c_contiguous and cos.dtype == np.float32
+        return (x.dtype == np.float32 and x.ndim == 3 and x.flags.c_contiguous and cos.dtype == np.float32
                 and sin.dtype == np.float32 and cos.flags.c_contiguous and sin.flags.c_contiguous
-                and 2 * cos.shape[1] <= x.shape[2] and style in ("neox", "normal")):
+                and 2 * cos.shape[1] <= x.shape[2] and style in ("neox", "normal"))
+
+    def rope(self, x, positions, style, tables):
+        if self._rope_kernel_fits(x, style, tables):
+            cos, sin = tables
             return self.kernels.rope(x, np.asarray(positions, dtype=np.int64), style == "neox", cos, sin)
         return super().rope(x, positions, style, tables)
+
+    def rope_attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window, tables, style, rope_tables):
+        """At decode, RoPE inside the one-call attention (`decode_attention`, the same bits
+        as `rope` then `attend`); otherwise the two `rope` calls, then `attend`."""
+        if self._rope_kernel_fits(q, style, rope_tables) and self._rope_kernel_fits(k, style, rope_tables) \
+                and v.dtype == np.float32 and v.flags.c_contiguous:
+            out = np.empty_like(q)
+            c = np.ascontiguousarray
+            t = c(kv.slot_table if tables is None else tables, np.int32)
+            if self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, c(seqs, np.int32),
+                                                  c(positions, np.int32), scale, out, window,
+                                                  (*rope_tables, style == "neox")):
+                return out
+        return super().rope_attend(kv, layer, q, k, v, seqs, positions, scale, window, tables, style, rope_tables)
 
     def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
         """At decode (every row its own sequence) one numba call writes K and V and attends

@@ -130,3 +130,41 @@ def test_backend_attend_same_bits_for_decode_and_prefill_shaped_calls(dtype):
                         0.125, 0, tables)
         assert np.array_equal(out[0], prefill[t]), t
     assert np.array_equal(kv_a.k[0][:nb], kv_b.k[0][:nb]) and np.array_equal(kv_a.v[0][:nb], kv_b.v[0][:nb])
+
+
+@pytest.mark.parametrize("style,rope_dim", [("neox", 64), ("normal", 64), ("neox", 32), ("normal", 48)])
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_rope_attend_equals_rope_then_attend_rows_1_to_33(style, rope_dim, dtype):
+    """The fused RoPE + KV write + attention (`NumpyBackend.rope_attend`) equals the two
+    `rope` calls and `attend` (the Backend default) bit for bit: output, stored K and V;
+    q is left untouched."""
+    be = NumpyBackend()
+    rng = np.random.default_rng(8)
+    G, H, D, S, nb = 3, 9, 64, 40, 10
+    tabs = be.rope_tables(rope_dim, 10000.0, nb * BLOCK_TOKENS)
+    kv_a, kv_b = be.new_paged_kv(S * nb, 1, G, D, dtype), be.new_paged_kv(S * nb, 1, G, D, dtype)
+    for kv in (kv_a, kv_b):
+        fill = np.random.default_rng(1)
+        kv.k[0][...] = fill.standard_normal(kv.k[0].shape, dtype=np.float32)
+        kv.v[0][...] = fill.standard_normal(kv.v[0].shape, dtype=np.float32)
+    tables = rng.permutation(S * nb).reshape(S, nb).astype(np.int32)
+    for R in range(1, 34):
+        q = rng.standard_normal((R, H, D), dtype=np.float32)
+        k = rng.standard_normal((R, G, D), dtype=np.float32)
+        v = rng.standard_normal((R, G, D), dtype=np.float32)
+        seqs = rng.choice(S, R, replace=False).astype(np.int32)
+        poss = rng.integers(0, nb * BLOCK_TOKENS, R).astype(np.int32)
+        q0 = q.copy()
+        want = be.attend(kv_a, 0, be.rope(q, poss, style, tabs), be.rope(k, poss, style, tabs), v, seqs, poss,
+                         0.125, 0, tables)
+        got = be.rope_attend(kv_b, 0, q, k, v, seqs, poss, 0.125, 0, tables, style, tabs)
+        assert np.array_equal(got, want), R
+        assert np.array_equal(q, q0)
+        assert np.array_equal(kv_a.k[0], kv_b.k[0]) and np.array_equal(kv_a.v[0], kv_b.v[0]), R
+    # a prefill-shaped call (several rows of one sequence) composes and gives the same bits
+    q = rng.standard_normal((5, H, D), dtype=np.float32)
+    k = rng.standard_normal((5, G, D), dtype=np.float32)
+    seqs, poss = np.zeros(5, np.int32), np.arange(20, 25, dtype=np.int32)
+    want = be.attend(kv_a, 0, be.rope(q, poss, style, tabs), be.rope(k, poss, style, tabs), k, seqs, poss, 0.1, 0,
+                     tables)
+    assert np.array_equal(be.rope_attend(kv_b, 0, q, k, k, seqs, poss, 0.1, 0, tables, style, tabs), want)
