@@ -12,7 +12,8 @@ numpy calls. At decode every row belongs to a different sequence, so here one ca
   numpy's float32 -> float16 assignment: IEEE round to nearest even),
 * runs one task per (row, kv head): each block of keys is converted to float32 once into
   a 16-row scratch that stays in L1 and serves every query head of the group (GQA), and
-  likewise each block of values.
+  likewise each block of values (three heads accumulate from each loaded value vector);
+  the next block's keys and this block's values are prefetched while the keys are read.
 
 Every output element's float32 arithmetic is `numpy_kernels.attention`'s, operation for
 operation: the same lane scheme per score (16 keys at a time through `_scores16`, the
@@ -346,7 +347,7 @@ def paged_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_blocks: np.ndarr
     """Write k, v f32[R, n_kv, hd] at each row's position (rounded to the store's dtype),
     then attention of q f32[R, H, hd] into out, as `paged_attention` defines it (the same
     bits); True. False, having written nothing, when a sequence has several rows in the
-    call. k_blocks, v_blocks [n_blocks, n_kv, B, hd] float16 or float32; tables int32
+    call (or the store is float16 and the CPU lacks F16C). k_blocks, v_blocks [n_blocks, n_kv, B, hd] float16 or float32; tables int32
     [S, max_blocks]; row_seq, row_pos int32 [R]; all C-contiguous. `rope` = (cos, sin,
     neox): q and k are first turned as `numpy_kernels.rope` does with those float32 tables
     [max_pos, rope_dim/2] (q itself is left as it is). ValueError for bad rows or tables."""
