@@ -166,6 +166,15 @@ class Backend(ABC):
         and converted to float32 -> [R, n_head, hd]; with a sliding `window` > 0 over keys
         max(0, position - window + 1)..position only."""
 
+    def rope_attend(self, kv: PagedKV, layer: int, q: Array, k: Array, v: Array, seqs: Array, positions: Array,
+                    scale: float, window: int, tables: Array | None, style: str,
+                    rope_tables: tuple[Array, Array]) -> Array:
+        """``attend(kv, layer, rope(q), rope(k), v, ...)``, q and k turned at `positions` by
+        `rope` (style, tables): what the model calls each layer. A backend may fuse the turns
+        into its attention call; the result must be the same bits."""
+        return self.attend(kv, layer, self.rope(q, positions, style, rope_tables),
+                           self.rope(k, positions, style, rope_tables), v, seqs, positions, scale, window, tables)
+
     def unsupported(self, args: Any) -> str | None:
         """Why this backend cannot run a model with these `ModelArgs`, or None."""
         return None

@@ -73,9 +73,11 @@ class NumpyBackend(ArrayBackend):
     name = "numpy"
 
     def __init__(self):
-        from . import numpy_kernels, quant_kernels  # need numba; `cpu_backend()` falls back without it
+        from . import decode_attention, norm_kernels, numpy_kernels, quant_kernels  # numba; else `cpu_backend()`
 
         self.kernels = numpy_kernels
+        self.decode_attention = decode_attention
+        self.norm_kernels = norm_kernels
         self.quant_kernels = quant_kernels
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
@@ -135,20 +137,54 @@ class NumpyBackend(ArrayBackend):
             return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
         return super().linear_many(x, ws)
 
-    def rope(self, x, positions, style, tables):
+    def rms_norm(self, x, weight, eps):
+        """One numba call with the numpy expression's bits (`norm_kernels`)."""
+        if (x.dtype == np.float32 and x.flags.c_contiguous and weight.dtype == np.float32
+                and weight.shape == x.shape[-1:]):
+            return self.norm_kernels.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    @staticmethod
+    def _rope_kernel_fits(x, style, tables) -> bool:
         cos, sin = tables
-        if (x.dtype == np.float32 and x.ndim == 3 and x.flags.c_contiguous and cos.dtype == np.float32
+        return (x.dtype == np.float32 and x.ndim == 3 and x.flags.c_contiguous and cos.dtype == np.float32
                 and sin.dtype == np.float32 and cos.flags.c_contiguous and sin.flags.c_contiguous
-                and 2 * cos.shape[1] <= x.shape[2] and style in ("neox", "normal")):
+                and 2 * cos.shape[1] <= x.shape[2] and style in ("neox", "normal"))
+
+    def rope(self, x, positions, style, tables):
+        if self._rope_kernel_fits(x, style, tables):
+            cos, sin = tables
             return self.kernels.rope(x, np.asarray(positions, dtype=np.int64), style == "neox", cos, sin)
         return super().rope(x, positions, style, tables)
 
+    def rope_attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window, tables, style, rope_tables):
+        """At decode, RoPE inside the one-call attention (`decode_attention`, the same bits
+        as `rope` then `attend`); otherwise the two `rope` calls, then `attend`."""
+        if self._rope_kernel_fits(q, style, rope_tables) and self._rope_kernel_fits(k, style, rope_tables) \
+                and v.dtype == np.float32 and v.flags.c_contiguous:
+            out = np.empty_like(q)
+            c = np.ascontiguousarray
+            t = c(kv.slot_table if tables is None else tables, np.int32)
+            if self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, c(seqs, np.int32),
+                                                  c(positions, np.int32), scale, out, window,
+                                                  (*rope_tables, style == "neox")):
+                return out
+        return super().rope_attend(kv, layer, q, k, v, seqs, positions, scale, window, tables, style, rope_tables)
+
     def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
-        self.write_kv(kv, layer, k, v, seqs, positions, tables)
+        """At decode (every row its own sequence) one numba call writes K and V and attends
+        (`decode_attention`); a call with a prefill chunk writes with numpy and gathers each
+        such sequence once (`paged_attention`). The same bits either way."""
+        c = np.ascontiguousarray
+        q, k, v = c(q, np.float32), c(k, np.float32), c(v, np.float32)
         out = np.empty_like(q)
-        self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], kv.slot_table if tables is None else tables,
-                                     seqs.astype(np.int32), positions.astype(np.int32), np.float32(scale),
-                                     out, window)
+        t = c(kv.slot_table if tables is None else tables, np.int32)
+        seqs, positions = c(seqs, np.int32), c(positions, np.int32)
+        if self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, seqs, positions, scale, out,
+                                              window):
+            return out
+        self.write_kv(kv, layer, k, v, seqs, positions, tables)
+        self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, np.float32(scale), out, window)
         return out
 
 

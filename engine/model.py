@@ -224,9 +224,9 @@ class Model:
                                           (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
             q, k, v = (q.reshape(R, a.n_head, a.head_dim), k.reshape(R, a.n_kv_head, a.head_dim),
                        v.reshape(R, a.n_kv_head, a.head_dim))
-            q = be.rope(_normed(be, q, L.attn_q_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
-            k = be.rope(_normed(be, k, L.attn_k_norm, a.rms_eps), positions, a.rope_style, self.rope[i])
-            o = be.attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i), tables)  # (R, n_head, hd)
+            q, k = _normed(be, q, L.attn_q_norm, a.rms_eps), _normed(be, k, L.attn_k_norm, a.rms_eps)
+            o = be.rope_attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i), tables, a.rope_style,
+                               self.rope[i])  # RoPE on q and k, then attention: (R, n_head, hd)
             x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
                           a.rms_eps)
             gate, up = be.norm_linear_many(x, L.ffn_norm, a.rms_eps, (L.ffn_gate, L.ffn_up))
