@@ -22,6 +22,10 @@ Block layouts (256 weights a super-block, sub-block scales packed in the block):
 
 Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (4 or 8
 bytes per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
+On AVX-512 targets Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K read each weight from a per-block
+table of the block's 16 (32) values, computed by the same expression on iota
+(`block_lut`), and the 32-weight types splat their f16 scales with one vector
+conversion; elsewhere every code is converted and scaled. Both give the same floats.
 Integer codes become floats exactly and are combined by exact float adds, so the only
 roundings in a weight are gguf's (sub-scale product, product with the code, then the
 min), in gguf's order. As for numpy_kernels, the bits do not depend on the ISA:
@@ -40,6 +44,8 @@ from numba.core import config
 from numba.extending import intrinsic
 
 from .block_linear import block_linear_driver
+from .block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
+                        vsplat_f16_pair)
 from .gguf_blocks import KQUANT_BYTES, QK_K
 from .numpy_kernels import (
     _JIT,
@@ -289,7 +295,7 @@ def _q5_codes(w, n, qh_at, qs_at, half):
 # dequantized exactly as gguf does; a block's scales are decoded once for both halves.
 
 @njit(inline="always", **_JIT)
-def _pair_q8_0(w, wd, wdm, n, k):
+def _arith_q8_0(w, wd, wdm, n, k):
     """Q8_0 (34 B: f16 d, i8 q[32]): d * q."""
     rb = (k >> 5) * 34
     base = n * w.shape[1] + rb
@@ -298,7 +304,7 @@ def _pair_q8_0(w, wd, wdm, n, k):
 
 
 @njit(inline="always", **_JIT)
-def _pair_q4_0(w, wd, wdm, n, k):
+def _arith_q4_0(w, wd, wdm, n, k):
     """Q4_0 (18 B: f16 d, u8 qs[16]): d * (q - 8); byte j holds weights j and j + 16."""
     rb = (k >> 5) * 18
     base = n * w.shape[1] + rb + 2
@@ -308,7 +314,7 @@ def _pair_q4_0(w, wd, wdm, n, k):
 
 
 @njit(inline="always", **_JIT)
-def _pair_q4_1(w, wd, wdm, n, k):
+def _arith_q4_1(w, wd, wdm, n, k):
     """Q4_1 (20 B: f16 d, f16 m, u8 qs[16]): d * q + m."""
     rb = (k >> 5) * 20
     base = n * w.shape[1] + rb + 4
@@ -318,7 +324,7 @@ def _pair_q4_1(w, wd, wdm, n, k):
 
 
 @njit(inline="always", **_JIT)
-def _pair_q5_0(w, wd, wdm, n, k):
+def _arith_q5_0(w, wd, wdm, n, k):
     """Q5_0 (22 B: f16 d, u32 qh, u8 qs[16]): d * (q - 16)."""
     rb = (k >> 5) * 22
     d, sixteen = vsplat(_f16_at(w, n, rb)), vsplat(np.float32(-16.0))
@@ -327,12 +333,71 @@ def _pair_q5_0(w, wd, wdm, n, k):
 
 
 @njit(inline="always", **_JIT)
-def _pair_q5_1(w, wd, wdm, n, k):
+def _arith_q5_1(w, wd, wdm, n, k):
     """Q5_1 (24 B: f16 d, f16 m, u32 qh, u8 qs[16]): d * q + m."""
     rb = (k >> 5) * 24
     d, m = vsplat(_f16_at(w, n, rb)), vsplat(_f16_at(w, n, rb + 2))
     return (vadd(vmul(d, _q5_codes(w, n, rb + 4, rb + 8, 0)), m),
             vadd(vmul(d, _q5_codes(w, n, rb + 4, rb + 8, 1)), m))
+
+
+# Lookup-table twins (block_lut): the block's 16 (32) weight values computed once by the
+# expression above on iota, then each 16 weights fetched by their codes with one permute.
+
+@njit(inline="always", **_JIT)
+def _lut_q4_0(w, wd, wdm, n, k):
+    """Q4_0 by table: table[q] = d * (q - 8), as `_arith_q4_0`."""
+    rb = (k >> 5) * 18
+    d = vsplat_f16_pair(w, n * w.shape[1] + rb)[0]  # (d, the first code byte): d
+    table = vmul(vadd(viota(), vsplat(np.float32(-8.0))), d)
+    return vlut16_nibbles(table, w, n * w.shape[1] + rb + 2)
+
+
+@njit(inline="always", **_JIT)
+def _lut_q4_1(w, wd, wdm, n, k):
+    """Q4_1 by table: table[q] = d * q + m, as `_arith_q4_1` (d * q is exact, so the
+    fused multiply-add rounds where the add does)."""
+    rb = (k >> 5) * 20
+    d, m = vsplat_f16_pair(w, n * w.shape[1] + rb)
+    table = vfma_exact(viota(), d, m)
+    return vlut16_nibbles(table, w, n * w.shape[1] + rb + 4)
+
+
+@njit(inline="always", **_JIT)
+def _lut_q5_0(w, wd, wdm, n, k):
+    """Q5_0 by a 32-entry table: d * (q - 16), as `_arith_q5_0` (q - 16 is exact)."""
+    rb = (k >> 5) * 22
+    base = n * w.shape[1] + rb
+    d, iota = vsplat_f16_pair(w, base)[0], viota()  # (d, the low half of qh): d
+    t0, t1 = vmul(d, vadd(iota, vsplat(np.float32(-16.0)))), vmul(d, iota)
+    return vlut32_q5(t0, t1, w, base + 6, base + 2, 0), vlut32_q5(t0, t1, w, base + 6, base + 2, 1)
+
+
+@njit(inline="always", **_JIT)
+def _lut_q5_1(w, wd, wdm, n, k):
+    """Q5_1 by a 32-entry table: d * q + m, as `_arith_q5_1` (d * q exact: fused)."""
+    rb = (k >> 5) * 24
+    base = n * w.shape[1] + rb
+    (d, m), iota = vsplat_f16_pair(w, base), viota()
+    t0, t1 = vfma_exact(d, iota, m), vfma_exact(d, vadd(iota, vsplat(np.float32(16.0))), m)
+    return vlut32_q5(t0, t1, w, base + 8, base + 4, 0), vlut32_q5(t0, t1, w, base + 8, base + 4, 1)
+
+
+@njit(inline="always", **_JIT)
+def _wide_q8_0(w, wd, wdm, n, k):
+    """Q8_0 as `_arith_q8_0`, d splatted by one broadcast load and one vector conversion."""
+    rb = (k >> 5) * 34
+    base = n * w.shape[1] + rb
+    d = vsplat_f16_pair(w, base)[0]  # (d, the first two codes): d
+    return vmul(vload_s8(w, base + 2), d), vmul(vload_s8(w, base + 18), d)
+
+
+# The loaders the kernels use: tables where the permutes exist, arithmetic elsewhere.
+_pair_q8_0 = _wide_q8_0 if HAS_LUT else _arith_q8_0
+_pair_q4_0 = _lut_q4_0 if HAS_LUT else _arith_q4_0
+_pair_q4_1 = _lut_q4_1 if HAS_LUT else _arith_q4_1
+_pair_q5_0 = _lut_q5_0 if HAS_LUT else _arith_q5_0
+_pair_q5_1 = _lut_q5_1 if HAS_LUT else _arith_q5_1
 
 
 @njit(parallel=True, **_JIT)
@@ -458,7 +523,7 @@ def _scale_min(w, n, o, j):
 
 
 @njit(inline="always", **_JIT)
-def _pair_q4_k(w, wd, wdm, n, k):
+def _arith_q4_k(w, wd, wdm, n, k):
     """Q4_K sub-block of 32 at k (wd, wdm: float32 d, dmin per super-block):
     (d * sc) * q - (dmin * m), the 6-bit sc and m unpacked once for the 32 weights."""
     sb, i = k >> 8, k & 255
@@ -472,6 +537,22 @@ def _pair_q4_k(w, wd, wdm, n, k):
 
 
 @njit(inline="always", **_JIT)
+def _lut_q4_k(w, wd, wdm, n, k):
+    """Q4_K sub-block by table: table[q] = (d * sc) * q - (dmin * m), as `_arith_q4_k`."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 144
+    sc, mn = _scale_min(w, n, rb + 4, i >> 5)
+    ds, dm = vsplat(wd[n, sb] * np.float32(sc)), vsplat(wdm[n, sb] * np.float32(mn))
+    table = vsub(vmul(viota(), ds), dm)
+    q = n * w.shape[1] + rb + 16 + (i >> 6) * 32
+    shift = ((i >> 5) & 1) * 4
+    return vlut16_bits(table, w, q, shift), vlut16_bits(table, w, q + 16, shift)
+
+
+_pair_q4_k = _lut_q4_k if HAS_LUT else _arith_q4_k
+
+
+@njit(inline="always", **_JIT)
 def _q5_k_codes(w, base, i):
     """The 5-bit codes of Q5_K weights i..i+15 of the super-block at byte `base` (exact)."""
     lo = vload_bits(w, base + 48 + (i >> 6) * 32 + (i & 31), ((i >> 5) & 1) * 4, 0x0F)
@@ -480,7 +561,7 @@ def _q5_k_codes(w, base, i):
 
 
 @njit(inline="always", **_JIT)
-def _pair_q5_k(w, wd, wdm, n, k):
+def _arith_q5_k(w, wd, wdm, n, k):
     """Q5_K sub-block of 32 at k: as Q4_K with a fifth bit from qh."""
     sb, i = k >> 8, k & 255
     rb = sb * 176
@@ -489,6 +570,24 @@ def _pair_q5_k(w, wd, wdm, n, k):
     ds, dm = vsplat(wd[n, sb] * np.float32(sc)), vsplat(wdm[n, sb] * np.float32(mn))
     return (vsub(vmul(_q5_k_codes(w, base, i), ds), dm),
             vsub(vmul(_q5_k_codes(w, base, i + 16), ds), dm))
+
+
+@njit(inline="always", **_JIT)
+def _lut_q5_k(w, wd, wdm, n, k):
+    """Q5_K sub-block by a 32-entry table: (d * sc) * q - (dmin * m), as `_arith_q5_k`
+    (the codes 16..31 are iota + 16, exactly)."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 176
+    base = n * w.shape[1] + rb
+    sc, mn = _scale_min(w, n, rb + 4, i >> 5)
+    ds, dm, iota = vsplat(wd[n, sb] * np.float32(sc)), vsplat(wdm[n, sb] * np.float32(mn)), viota()
+    t0, t1 = vsub(vmul(iota, ds), dm), vsub(vmul(vadd(iota, vsplat(np.float32(16.0))), ds), dm)
+    lo, shift = base + 48 + (i >> 6) * 32, ((i >> 5) & 1) * 4
+    return (vlut32_bits(t0, t1, w, lo, shift, base + 16, i >> 5),
+            vlut32_bits(t0, t1, w, lo + 16, shift, base + 32, i >> 5))
+
+
+_pair_q5_k = _lut_q5_k if HAS_LUT else _arith_q5_k
 
 
 @njit(inline="always", **_JIT)
