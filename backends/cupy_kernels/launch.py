@@ -99,8 +99,10 @@ class Kernels:
             group = getattr(w, "group", 32)
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
                     i32(group.bit_length() - 1)) + tail
-        elif w.kind == "q4k":
+        elif w.kind in ("q4k", "q5k"):
             args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
+        elif w.kind == "q6k":
+            args = (x, w.w, w.scales, out, i32(M), i32(N), i32(K)) + tail
         elif w.kind == "q80":
             args = (x, w.w, w.scales, out, i32(M), i32(N), i32(K)) + tail
         elif w.kind == "q4":
