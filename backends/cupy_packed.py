@@ -7,7 +7,9 @@ starts 16-byte aligned (an 18-, 20- or 34-byte block would not). 0.5625 (Q4_0) /
 registers with gguf's float32 expressions: w = (q - 8) * d or q * d (exact), q * d + m
 (the product exact, the add rounded once). Q6_K likewise: the first 208 bytes of each
 210-byte super-block as stored (ql, qh, scales; 208 = 13 * 16) and its float16 d split
-off, 0.8203 bytes a weight, the file's size. Host-side numpy, at load.
+off, 0.8203 bytes a weight, the file's size. Q5_0 / Q5_1 as Q4_x with each block's 32
+fifth bits (a uint32 as stored) split off too: 0.6875 / 0.75 bytes a weight, the file's.
+Host-side numpy, at load.
 """
 
 from __future__ import annotations
@@ -48,3 +50,22 @@ def split_q6k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarra
     b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, 210)
     body = np.ascontiguousarray(b[..., 0:208]).reshape(n, nb * 208)
     return body, np.ascontiguousarray(b[..., 208:210]).view(np.float16).reshape(n, nb)
+
+
+Q5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per 32-weight block
+
+
+def can_split_q5(qtype: str, shape: tuple) -> bool:
+    return qtype in Q5_BYTES and len(shape) == 2 and shape[1] % 32 == 0
+
+
+def split_q5(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """Q5_0 / Q5_1 blocks [n, k/32 * 22 or 24] -> (qs uint8 [n, k/2], d float16 [n, k/32],
+    m float16 [n, k/32] or None, qh uint32 [n, k/32]), every byte as the file has it."""
+    nb = k // 32
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, Q5_BYTES[qtype])
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, nb) if qtype == "Q5_1" else None
+    o = 4 if qtype == "Q5_1" else 2
+    qh = np.ascontiguousarray(b[..., o:o + 4]).view("<u4").astype(np.uint32).reshape(n, nb)
+    return np.ascontiguousarray(b[..., o + 4:o + 20]).reshape(n, nb * 16), d, m, qh

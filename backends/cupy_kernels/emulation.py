@@ -87,7 +87,7 @@ def emulate_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
-               mins: np.ndarray | None = None, group: int = QBLOCK) -> np.ndarray:
+               mins: np.ndarray | None = None, group: int = QBLOCK, qh: np.ndarray | None = None) -> np.ndarray:
     """The float32 weights a linear kernel of `kind` multiplies (exactly)."""
     if kind == "f32":
         return np.asarray(w, np.float32)
@@ -101,6 +101,8 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         n, nbytes = np.asarray(w).shape
         q, S, M, g = widen(w, "Q4_K", n, nbytes // 144 * 256)
         return dequantize("q8", q, S, M, g)
+    if kind == "q5":
+        return dequantize_q5(w, scales, mins, qh)
     if kind == "q5k":
         return dequantize_q5k(w)
     if kind == "q6k":
@@ -165,6 +167,28 @@ def dequantize_q6k(b: np.ndarray, d: np.ndarray) -> np.ndarray:
     dd = np.asarray(d).view(np.float16).reshape(N, -1)[:, sb].astype(np.float32)
     S = dd * sc
     return (q.astype(np.float32) * S[..., None]).astype(np.float32).reshape(N, -1)
+
+
+def dequantize_q5(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None, qh: np.ndarray) -> np.ndarray:
+    """The float32 weights of Q5_0 (m None: (q - 16) * d) or Q5_1 (q * d + m) blocks held as
+    the q5 kernels read them (qs uint8 [N, K/2] as stored, qh uint32 [N, K/32], d, m float16
+    [N, K/32]), decoded octet by octet with WQ5's addressing -- part p = g % 4 of block g / 4,
+    low or high nibbles of bytes 8 (p % 2) .., the fifth bit of weight 8p + i bit 8p + i of
+    qh -- and gguf's expressions, written apart from cupy_widen so that the two forms check
+    each other."""
+    d = np.asarray(d).view(np.float16).astype(np.float32)
+    N, nb = d.shape
+    g = np.arange(nb * 4)
+    blk, p, i = g // 4, g % 4, np.arange(8)
+    codes = np.asarray(qs, np.uint8).reshape(N, nb, 16)[:, blk[:, None], (8 * (p % 2))[:, None] + i].astype(np.uint32)
+    bits = np.asarray(qh).view(np.uint32).reshape(N, nb)[:, blk][..., None]
+    q = ((codes >> np.where(p >= 2, 4, 0)[:, None]) & 0xF) | (((bits >> (8 * p[:, None] + i)) & 1) << 4)
+    q = q.astype(np.float32)
+    dd = d[:, blk][..., None]
+    if m is None:
+        return ((q - _F32(16)) * dd).reshape(N, nb * 32)
+    mm = np.asarray(m).view(np.float16).astype(np.float32)[:, blk][..., None]
+    return (q * dd + mm).reshape(N, nb * 32)
 
 
 def dequantize_q4(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
@@ -428,6 +452,10 @@ def _emu_linear(name, grid, args):
     elif kind == "q4k":
         x, b, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize("q4k", b.reshape(int(N), -1))
+    elif kind == "q5":
+        x, qs, d, m, qh, out, M, N, K, has_m, add, add_mode, nw, eps, norm = args
+        w = dequantize_q5(qs.reshape(int(N), -1), d.reshape(int(N), -1), m.reshape(int(N), -1) if has_m else None,
+                          qh.reshape(int(N), -1))
     elif kind == "q5k":
         x, b, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize("q5k", b.reshape(int(N), -1))

@@ -232,6 +232,43 @@ struct WQ4 {
     }
 };
 
+// Q5_0 / Q5_1 in GGUF's block form: qs [N, K/32, 16] bytes exactly as stored (nibbles as
+// Q4_x: byte j = weight j low, weight j + 16 high), and the block's fifth bits qh [N, K/32]
+// (uint32 as stored: bit i is weight i's), d (and m) [N, K/32] float16 as stored -- split off
+// the 22/24-byte blocks so that qs rows stay 16-byte aligned; the file's bytes. Octet g =
+// part p = g % 4 of block g / 4 (as WQ4), weight 8p + i's fifth bit is bit 8p + i of qh.
+// w = (q - 16) * d (Q5_0, exact) or q * d + m (Q5_1, the product exact, + m rounded once):
+// gguf's float32 expressions, as the widened q8 form computes them.
+struct WQ5 {
+    static constexpr int PF1 = 16;
+    const unsigned char* qs;
+    const unsigned short* d;
+    const unsigned short* m;
+    const unsigned int* qh;
+    int K;
+    int has_m;
+    struct Raw { uint2 u; unsigned int h; unsigned short d, m; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        return Raw{__ldg(reinterpret_cast<const uint2*>(qs + 16 * b + 8 * (g & 1))), __ldg(qh + b), __ldg(d + b),
+                   has_m ? __ldg(m + b) : (unsigned short)0};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int sh = (g & 2) ? 4 : 0;  // parts 2, 3: the high nibbles
+        const int hb = 8 * (g & 3);  // the part's first bit in qh
+        const float dd = h2f(r.d), mm = h2f(r.m);
+        const int off = has_m ? 0 : 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int q0 = (int)(((r.u.x >> (8 * j + sh)) & 0xfu) | (((r.h >> (hb + j)) & 1u) << 4)) - off;
+            const int q1 = (int)(((r.u.y >> (8 * j + sh)) & 0xfu) | (((r.h >> (hb + 4 + j)) & 1u) << 4)) - off;
+            const float w0 = __fmul_rn((float)q0, dd), w1 = __fmul_rn((float)q1, dd);
+            o[j] = has_m ? __fadd_rn(w0, mm) : w0;
+            o[4 + j] = has_m ? __fadd_rn(w1, mm) : w1;
+        }
+    }
+};
+
 // Q4_K exactly as stored: 144-byte super-blocks of 256 weights [N, K/256, 144] (16-byte
 // aligned: 144 = 9 * 16): f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins, then
 // qs[128] -- pair p (weights 64p .. 64p+63) in qs[32p .. 32p+31], low nibbles the first 32,
@@ -838,6 +875,8 @@ _LINEAR_SIGNATURES = {
     "q6k": ("const unsigned char* __restrict__ b, const unsigned short* __restrict__ d", "WQ6K ww{b, d, K};"),
     "q4": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
            "const unsigned short* __restrict__ m", "WQ4 ww{qs, d, m, K, has_m};"),
+    "q5": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
+           "const unsigned short* __restrict__ m, const unsigned int* __restrict__ qh", "WQ5 ww{qs, d, m, qh, K, has_m};"),
 }
 
 
@@ -849,7 +888,7 @@ def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
 def _linear_wrappers() -> str:
     out = []
     for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
-        extra = {"q8": ", int has_m, int gshift", "q4": ", int has_m"}.get(kind, "")
+        extra = {"q8": ", int has_m, int gshift", "q4": ", int has_m", "q5": ", int has_m"}.get(kind, "")
         variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
         if kind not in BLOCK_KINDS:  # q8, q4 need K % 32 == 0: always the vector kernels
             variants.append((0, 0))
