@@ -11,9 +11,10 @@ Weights live on the GPU:
   F32               float32, exact.
   F16               float16, exact.
   BF16              as stored (uint16), widened exactly in registers.
-  Q4_K              the 144-byte super-blocks exactly as stored (16-byte aligned).
-  Q5_K, Q6_K,       int8 codes + float32 scale and min per group of 32 (Q6_K: 16) weights
-  Q5_0, Q5_1        (cupy_widen.py): exactly the floats gguf dequantizes.
+  Q4_K, Q5_K        the 144- / 176-byte super-blocks exactly as stored (16-byte aligned).
+  Q6_K              the super-blocks as stored, their f16 d split off (cupy_packed.py).
+  Q5_0, Q5_1        GGUF's blocks as Q4_x, each block's fifth bits (uint32) split off too
+                    (cupy_packed.py): w = (q-16)*d, Q5_1 w = q*d + m, gguf's floats.
   anything else     dequantized on the host, then float16
                     (float32 if a value exceeds float16's range, or when
                     PANECHAT_CUPY_WEIGHTS=f32 asks for exact float32 weights).
@@ -44,7 +45,7 @@ from .cupy_kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule, Kernels, build_m
 from .cupy_kernels.sampling import sampling_table
 from .cupy_mma import build_mma, emulated_mma, mma_requested, with_mma_checks
 from .cupy_step_graphs import GraphCapture, ReplayByRerun, StepGraphs
-from .cupy_packed import can_pack, split_blocks
+from .cupy_packed import can_pack, can_split_q5, can_split_q6k, split_blocks, split_q5, split_q6k
 from .cupy_widen import WIDENED, can_widen, random_blocks, widen
 from .gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
 from .gguf_tensor import GGUFTensor
@@ -61,7 +62,10 @@ class CupyWeight:
     'q4' (Q4_0/Q4_1 blocks, cupy_packed): w is uint8 qs [n, k/2] as stored, scales float16
     [n, k/32], mins float16 [n, k/32] (Q4_1) or None; 'q80' (Q8_0 blocks): w is int8 q
     [n, k] as stored, scales float16 [n, k/32]; 'q4k' (Q4_K): w is the uint8 super-blocks
-    [n, k/256 * 144] exactly as stored."""
+    [n, k/256 * 144] exactly as stored; 'q5k' (Q5_K): the super-blocks [n, k/256 * 176] as
+    stored; 'q6k' (Q6_K): w the first 208 bytes of each super-block [n, k/256 * 208] as
+    stored, scales its float16 d [n, k/256]; 'q5' (Q5_0/Q5_1 blocks): as 'q4' plus qh, the
+    blocks' fifth bits uint32 [n, k/32] as stored."""
 
     kind: str
     n: int
@@ -70,10 +74,11 @@ class CupyWeight:
     scales: Any = None
     mins: Any = None
     group: int = 32  # weights per scale (q8): 32, or 16 for Q6_K
+    qh: Any = None  # 'q5': the blocks' fifth bits, uint32 [n, k/32]
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.w, self.scales, self.mins) if a is not None)
+        return sum(int(a.nbytes) for a in (self.w, self.scales, self.mins, self.qh) if a is not None)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,7 +87,7 @@ class CupyWeight:
 
 def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = False) -> CupyWeight:
     """The host-side form of the weight `t` for the kernels (numpy arrays; see module doc).
-    `widened`: Q8_0/Q4_0/Q4_1/Q4_K as int8 codes + float32 scales (the q8 kernels; the same
+    `widened`: Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K as int8 codes + float32 scales (the q8 kernels; the same
     floats) instead of their block form."""
     n, k = t.shape
     if can_pack(t.qtype, t.shape) and not widened:  # block form, as stored
@@ -90,6 +95,14 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = Fa
         return CupyWeight("q80" if t.qtype == "Q8_0" else "q4", n, k, qs, d, m)
     if t.qtype == "Q4_K" and can_widen(t.qtype, t.shape) and not widened:  # the super-blocks as stored
         return CupyWeight("q4k", n, k, np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, k // 256 * 144))
+    if can_split_q5(t.qtype, t.shape) and not widened:  # block form, the fifth bits split off too
+        qs, d, m, qh = split_q5(t.blocks, t.qtype, n, k)
+        return CupyWeight("q5", n, k, qs, d, m, qh=qh)
+    if t.qtype == "Q5_K" and can_widen(t.qtype, t.shape) and not widened:  # the super-blocks as stored
+        return CupyWeight("q5k", n, k, np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, k // 256 * 176))
+    if can_split_q6k(t.qtype, t.shape) and not widened:  # as stored, the f16 d split off
+        body, d = split_q6k(t.blocks, n, k)
+        return CupyWeight("q6k", n, k, body, d)
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
@@ -222,8 +235,8 @@ class CupyBackend(ArrayBackend):
 
     def describe(self) -> str:
         floats = "float32" if self.float_weights == "f32" else "float16"
-        return (f"cupy on {self._info}; weights: Q8_0/Q4_0/Q4_1/Q4_K in their blocks (codes as stored), "
-                f"Q5_x/Q5_K/Q6_K as int8 + float32 scales, F32 float32, "
+        return (f"cupy on {self._info}; weights: Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K in their blocks (codes as stored), "
+                f"F32 float32, "
                 f"BF16 as stored, others {floats}; own fixed-order CUDA kernels for matmul, attention and norms "
                 "(no cuBLAS), row-invariant" + ("; tensor-core matmuls for F16, BF16 and int8-code weights "
                                                 "(PANECHAT_CUPY_MMA=1, same mode at every batch size)" if self.mma else ""))
@@ -234,7 +247,8 @@ class CupyBackend(ArrayBackend):
         xp = self.xp
         return CupyWeight(h.kind, h.n, h.k, xp.asarray(h.w),
                           None if h.scales is None else xp.asarray(h.scales),
-                          None if h.mins is None else xp.asarray(h.mins), h.group)
+                          None if h.mins is None else xp.asarray(h.mins), h.group,
+                          None if h.qh is None else xp.asarray(h.qh))
 
     def free_memory(self) -> int | None:
         if self.xp is np:  # the emulation on the CPU

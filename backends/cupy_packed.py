@@ -5,7 +5,11 @@ float16 d (and m) as stored, split off into their own arrays so that every row o
 starts 16-byte aligned (an 18-, 20- or 34-byte block would not). 0.5625 (Q4_0) / 0.625
 (Q4_1) / 1.0625 (Q8_0) bytes a weight, the file's size; the kernels dequantize in
 registers with gguf's float32 expressions: w = (q - 8) * d or q * d (exact), q * d + m
-(the product exact, the add rounded once). Host-side numpy, at load.
+(the product exact, the add rounded once). Q6_K likewise: the first 208 bytes of each
+210-byte super-block as stored (ql, qh, scales; 208 = 13 * 16) and its float16 d split
+off, 0.8203 bytes a weight, the file's size. Q5_0 / Q5_1 as Q4_x with each block's 32
+fifth bits (a uint32 as stored) split off too: 0.6875 / 0.75 bytes a weight, the file's.
+Host-side numpy, at load.
 """
 
 from __future__ import annotations
@@ -33,3 +37,35 @@ def split_blocks(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nda
     else:
         m, qs = None, b[..., 2:18]
     return np.ascontiguousarray(qs).reshape(n, nb * 16), d, m
+
+
+def can_split_q6k(qtype: str, shape: tuple) -> bool:
+    return qtype == "Q6_K" and len(shape) == 2 and shape[1] % 256 == 0
+
+
+def split_q6k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [n, k/256 * 210] -> (body uint8 [n, k/256 * 208]: ql[128], qh[64],
+    int8 scales[16] as stored; d float16 [n, k/256] as stored)."""
+    nb = k // 256
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, 210)
+    body = np.ascontiguousarray(b[..., 0:208]).reshape(n, nb * 208)
+    return body, np.ascontiguousarray(b[..., 208:210]).view(np.float16).reshape(n, nb)
+
+
+Q5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per 32-weight block
+
+
+def can_split_q5(qtype: str, shape: tuple) -> bool:
+    return qtype in Q5_BYTES and len(shape) == 2 and shape[1] % 32 == 0
+
+
+def split_q5(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """Q5_0 / Q5_1 blocks [n, k/32 * 22 or 24] -> (qs uint8 [n, k/2], d float16 [n, k/32],
+    m float16 [n, k/32] or None, qh uint32 [n, k/32]), every byte as the file has it."""
+    nb = k // 32
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, Q5_BYTES[qtype])
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, nb) if qtype == "Q5_1" else None
+    o = 4 if qtype == "Q5_1" else 2
+    qh = np.ascontiguousarray(b[..., o:o + 4]).view("<u4").astype(np.uint32).reshape(n, nb)
+    return np.ascontiguousarray(b[..., o + 4:o + 20]).reshape(n, nb * 16), d, m, qh

@@ -11,7 +11,10 @@ gives (and the CPU's quant_kernels read), with gguf's roundings in gguf's order:
 
 The codes are widened to a byte per weight (plus 8 bytes of scale and min per group): more
 than the 4.5-6.6 bits of the file, less than a float16 copy, and exact where float16 was
-not. Host-side numpy, run once at load.
+not. Host-side numpy. Since every one of these types is resident in its block form
+(cupy_packed.py, the q4k / q5k / q6k / q5 kernels), this widened form is what
+`prepare_weight(..., widened=True)` gives: the reference the block-form kernels are tested
+against bit for bit.
 """
 
 from __future__ import annotations

@@ -506,14 +506,19 @@ def host_bandwidth() -> float:
 
 
 # (weight type, N, K): the decode products of the synthetic models (qwen2-1.5B: q/o, gate/up,
-# down, the head; llama-7B: q, gate/up, down) and the block-form Q4 kernels at the same shapes
+# down, the head; llama-7B: q, gate/up, down) and the block-form Q4 kernels at the same shapes;
+# Q6_K (the head and half the down products of a Q4_K_M file), Q5_K, Q5_0 in their block forms
 GEMV = [("Q8_0", 1536, 1536), ("Q8_0", 8960, 1536), ("Q8_0", 1536, 8960), ("Q8_0", 151936, 1536),
         ("F16", 4096, 4096), ("F16", 11008, 4096), ("F16", 4096, 11008),
-        ("Q4_0", 8960, 1536), ("Q4_0", 1536, 8960), ("Q4_1", 8960, 1536), ("Q4_0", 11008, 4096)]
+        ("Q4_0", 8960, 1536), ("Q4_0", 1536, 8960), ("Q4_1", 8960, 1536), ("Q4_0", 11008, 4096),
+        ("Q6_K", 151936, 1536), ("Q6_K", 1536, 8960), ("Q5_K", 8960, 1536), ("Q5_0", 8960, 1536)]
 
 
 def _raw_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
-    """Valid Q8_0 / Q4_0 / Q4_1 blocks [n, k/32 * bytes]: random codes, small f16 d (and m)."""
+    """Valid blocks [n, k / block * bytes]: random codes, small f16 d (and m)."""
+    if qtype not in ("Q8_0", "Q4_0", "Q4_1"):  # Q5_x, K-quants
+        from panechat.backends.cupy_widen import random_blocks
+        return random_blocks(rng, qtype, n, k)
     size, head = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}[qtype]
     raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
     raw[..., :head] = (rng.uniform(0.5, 1.5, (n, k // 32, head // 2)) * 0.01).astype(np.float16).view(np.uint8)

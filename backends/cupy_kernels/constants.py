@@ -15,8 +15,8 @@ COL_TILES = (1, 4)  # NC: output columns per warp in linear
 WIDE_N = 8192  # linear uses NC = 4 when N > WIDE_N (enough blocks either way)
 KSPLIT = 4  # blocks per (row, head) that share the score computation
 MAX_HEAD_DIM = 256  # attention keeps a query row in MAX_HEAD_DIM / WARP registers per lane
-LINEAR_KINDS = ("f32", "f16", "bf16", "q8", "q80", "q4", "q4k")
-BLOCK_KINDS = ("q8", "q80", "q4", "q4k")  # kinds in 32/16-weight groups: K % 32 == 0, vector kernels only
+LINEAR_KINDS = ("f32", "f16", "bf16", "q8", "q80", "q4", "q5", "q4k", "q5k", "q6k")
+BLOCK_KINDS = ("q8", "q80", "q4", "q5", "q4k", "q5k", "q6k")  # kinds in 32/16-weight groups: K % 32 == 0, vector kernels only
 BT = BLOCK_TOKENS  # positions per paged KV block (the attention kernels index blocks with it)
 QBLOCK = 32  # weights per quantisation block (q8 scales)
 

@@ -87,7 +87,7 @@ def emulate_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
-               mins: np.ndarray | None = None, group: int = QBLOCK) -> np.ndarray:
+               mins: np.ndarray | None = None, group: int = QBLOCK, qh: np.ndarray | None = None) -> np.ndarray:
     """The float32 weights a linear kernel of `kind` multiplies (exactly)."""
     if kind == "f32":
         return np.asarray(w, np.float32)
@@ -101,6 +101,12 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
         n, nbytes = np.asarray(w).shape
         q, S, M, g = widen(w, "Q4_K", n, nbytes // 144 * 256)
         return dequantize("q8", q, S, M, g)
+    if kind == "q5":
+        return dequantize_q5(w, scales, mins, qh)
+    if kind == "q5k":
+        return dequantize_q5k(w)
+    if kind == "q6k":
+        return dequantize_q6k(w, scales)
     if kind == "q80":  # Q8_0 blocks: int8 codes, float16 d per 32
         scales = np.asarray(scales).view(np.float16).astype(np.float32)
     N, K = w.shape
@@ -109,6 +115,80 @@ def dequantize(kind: str, w: np.ndarray, scales: np.ndarray | None = None,
     if mins is not None:
         out = out + np.asarray(mins, np.float32)[:, :, None]
     return out.reshape(N, K)
+
+
+def _octets(nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """(super-block [G], first weight j [G]) of the K / 8 octets of a 256-weight super-block row."""
+    g = np.arange(nb * 32)
+    return g // 32, 8 * (g % 32)
+
+
+def dequantize_q5k(b: np.ndarray) -> np.ndarray:
+    """The float32 weights of Q5_K super-blocks as stored (uint8 [N, K/256 * 176]), decoded
+    octet by octet with the q5k kernel's addressing (WQ5K: codes at 48 + 32 (j / 64) + j % 32,
+    the fifth bit is = j / 32 of qh[j % 32], get_scale_min_k4) and gguf's expressions --
+    written apart from cupy_widen so that the two forms check each other."""
+    N = np.asarray(b).shape[0]
+    blk = np.asarray(b, np.uint8).reshape(N, -1, 176)
+    sb, j = _octets(blk.shape[1])
+    i = np.arange(8)
+    isg = j // 32
+    codes = blk[:, sb[:, None], (48 + 32 * (j // 64) + j % 32)[:, None] + i].astype(np.uint32)
+    hbits = blk[:, sb[:, None], (16 + j % 32)[:, None] + i].astype(np.uint32)
+    q = ((codes >> np.where(isg % 2, 4, 0)[:, None]) & 0xF) | (((hbits >> isg[:, None]) & 1) << 4)
+
+    def sbyte(k):  # scales[k] of each octet's super-block
+        return blk[:, sb, 4 + k].astype(np.uint32)
+
+    lo = isg < 4
+    sc = np.where(lo, sbyte(isg) & 63, (sbyte(isg + 4) & 0xF) | ((sbyte(isg - 4) >> 6) << 4))
+    mn = np.where(lo, sbyte(isg + 4) & 63, (sbyte(isg + 4) >> 4) | ((sbyte(isg) >> 6) << 4))
+    d = blk[:, sb, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blk[:, sb, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    S = d * sc.astype(np.float32)
+    Mn = -(dmin * mn.astype(np.float32))
+    return (q.astype(np.float32) * S[..., None] + Mn[..., None]).astype(np.float32).reshape(N, -1)
+
+
+def dequantize_q6k(b: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The float32 weights of Q6_K held as the q6k kernels read them (the first 208 bytes of
+    each super-block as stored, uint8 [N, K/256 * 208], and the f16 d [N, K/256]), decoded
+    octet by octet with WQ6K's addressing and gguf's (d * sc) * (q - 32) -- written apart
+    from cupy_widen so that the two forms check each other."""
+    N = np.asarray(b).shape[0]
+    blk = np.asarray(b, np.uint8).reshape(N, -1, 208)
+    sb, j = _octets(blk.shape[1])
+    i = np.arange(8)
+    hf, r, l0 = j // 128, (j // 32) % 4, j % 32
+    ql = blk[:, sb[:, None], (64 * hf + 32 * (r % 2) + l0)[:, None] + i].astype(np.int32)
+    qh = blk[:, sb[:, None], (128 + 32 * hf + l0)[:, None] + i].astype(np.int32)
+    q = (((ql >> np.where(r >= 2, 4, 0)[:, None]) & 0xF) | (((qh >> (2 * r)[:, None]) & 3) << 4)) - 32
+    sc = blk[:, sb, 192 + 8 * hf + l0 // 16 + 2 * r].view(np.int8).astype(np.float32)
+    dd = np.asarray(d).view(np.float16).reshape(N, -1)[:, sb].astype(np.float32)
+    S = dd * sc
+    return (q.astype(np.float32) * S[..., None]).astype(np.float32).reshape(N, -1)
+
+
+def dequantize_q5(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None, qh: np.ndarray) -> np.ndarray:
+    """The float32 weights of Q5_0 (m None: (q - 16) * d) or Q5_1 (q * d + m) blocks held as
+    the q5 kernels read them (qs uint8 [N, K/2] as stored, qh uint32 [N, K/32], d, m float16
+    [N, K/32]), decoded octet by octet with WQ5's addressing -- part p = g % 4 of block g / 4,
+    low or high nibbles of bytes 8 (p % 2) .., the fifth bit of weight 8p + i bit 8p + i of
+    qh -- and gguf's expressions, written apart from cupy_widen so that the two forms check
+    each other."""
+    d = np.asarray(d).view(np.float16).astype(np.float32)
+    N, nb = d.shape
+    g = np.arange(nb * 4)
+    blk, p, i = g // 4, g % 4, np.arange(8)
+    codes = np.asarray(qs, np.uint8).reshape(N, nb, 16)[:, blk[:, None], (8 * (p % 2))[:, None] + i].astype(np.uint32)
+    bits = np.asarray(qh).view(np.uint32).reshape(N, nb)[:, blk][..., None]
+    q = ((codes >> np.where(p >= 2, 4, 0)[:, None]) & 0xF) | (((bits >> (8 * p[:, None] + i)) & 1) << 4)
+    q = q.astype(np.float32)
+    dd = d[:, blk][..., None]
+    if m is None:
+        return ((q - _F32(16)) * dd).reshape(N, nb * 32)
+    mm = np.asarray(m).view(np.float16).astype(np.float32)[:, blk][..., None]
+    return (q * dd + mm).reshape(N, nb * 32)
 
 
 def dequantize_q4(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
@@ -372,6 +452,16 @@ def _emu_linear(name, grid, args):
     elif kind == "q4k":
         x, b, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize("q4k", b.reshape(int(N), -1))
+    elif kind == "q5":
+        x, qs, d, m, qh, out, M, N, K, has_m, add, add_mode, nw, eps, norm = args
+        w = dequantize_q5(qs.reshape(int(N), -1), d.reshape(int(N), -1), m.reshape(int(N), -1) if has_m else None,
+                          qh.reshape(int(N), -1))
+    elif kind == "q5k":
+        x, b, out, M, N, K, add, add_mode, nw, eps, norm = args
+        w = dequantize("q5k", b.reshape(int(N), -1))
+    elif kind == "q6k":
+        x, b, d, out, M, N, K, add, add_mode, nw, eps, norm = args
+        w = dequantize("q6k", b.reshape(int(N), -1), d.reshape(int(N), -1))
     elif kind == "q80":
         x, q, d, out, M, N, K, add, add_mode, nw, eps, norm = args
         w = dequantize("q80", q.reshape(int(N), int(K)), d.reshape(int(N), -1))

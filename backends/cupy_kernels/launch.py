@@ -99,13 +99,18 @@ class Kernels:
             group = getattr(w, "group", 32)
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None),
                     i32(group.bit_length() - 1)) + tail
-        elif w.kind == "q4k":
+        elif w.kind in ("q4k", "q5k"):
             args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
+        elif w.kind == "q6k":
+            args = (x, w.w, w.scales, out, i32(M), i32(N), i32(K)) + tail
         elif w.kind == "q80":
             args = (x, w.w, w.scales, out, i32(M), i32(N), i32(K)) + tail
         elif w.kind == "q4":
             mins = w.mins if w.mins is not None else w.scales
             args = (x, w.w, w.scales, mins, out, i32(M), i32(N), i32(K), i32(w.mins is not None)) + tail
+        elif w.kind == "q5":
+            mins = w.mins if w.mins is not None else w.scales
+            args = (x, w.w, w.scales, mins, w.qh, out, i32(M), i32(N), i32(K), i32(w.mins is not None)) + tail
         else:
             args = (x, w.w, out, i32(M), i32(N), i32(K)) + tail
         self.launch(linear_kernel_name(w.kind, tm, nc), grid, args)

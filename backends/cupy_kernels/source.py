@@ -232,6 +232,43 @@ struct WQ4 {
     }
 };
 
+// Q5_0 / Q5_1 in GGUF's block form: qs [N, K/32, 16] bytes exactly as stored (nibbles as
+// Q4_x: byte j = weight j low, weight j + 16 high), and the block's fifth bits qh [N, K/32]
+// (uint32 as stored: bit i is weight i's), d (and m) [N, K/32] float16 as stored -- split off
+// the 22/24-byte blocks so that qs rows stay 16-byte aligned; the file's bytes. Octet g =
+// part p = g % 4 of block g / 4 (as WQ4), weight 8p + i's fifth bit is bit 8p + i of qh.
+// w = (q - 16) * d (Q5_0, exact) or q * d + m (Q5_1, the product exact, + m rounded once):
+// gguf's float32 expressions, as the widened q8 form computes them.
+struct WQ5 {
+    static constexpr int PF1 = 16;
+    const unsigned char* qs;
+    const unsigned short* d;
+    const unsigned short* m;
+    const unsigned int* qh;
+    int K;
+    int has_m;
+    struct Raw { uint2 u; unsigned int h; unsigned short d, m; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const size_t b = (size_t)n * (K >> 5) + (g >> 2);
+        return Raw{__ldg(reinterpret_cast<const uint2*>(qs + 16 * b + 8 * (g & 1))), __ldg(qh + b), __ldg(d + b),
+                   has_m ? __ldg(m + b) : (unsigned short)0};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int sh = (g & 2) ? 4 : 0;  // parts 2, 3: the high nibbles
+        const int hb = 8 * (g & 3);  // the part's first bit in qh
+        const float dd = h2f(r.d), mm = h2f(r.m);
+        const int off = has_m ? 0 : 16;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int q0 = (int)(((r.u.x >> (8 * j + sh)) & 0xfu) | (((r.h >> (hb + j)) & 1u) << 4)) - off;
+            const int q1 = (int)(((r.u.y >> (8 * j + sh)) & 0xfu) | (((r.h >> (hb + 4 + j)) & 1u) << 4)) - off;
+            const float w0 = __fmul_rn((float)q0, dd), w1 = __fmul_rn((float)q1, dd);
+            o[j] = has_m ? __fadd_rn(w0, mm) : w0;
+            o[4 + j] = has_m ? __fadd_rn(w1, mm) : w1;
+        }
+    }
+};
+
 // Q4_K exactly as stored: 144-byte super-blocks of 256 weights [N, K/256, 144] (16-byte
 // aligned: 144 = 9 * 16): f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins, then
 // qs[128] -- pair p (weights 64p .. 64p+63) in qs[32p .. 32p+31], low nibbles the first 32,
@@ -271,6 +308,85 @@ struct WQ4K {
         for (int j = 0; j < 4; ++j) {
             o[j] = __fadd_rn(__fmul_rn((float)(int)((r.u.x >> (8 * j + sh)) & 0xfu), S), Mn);
             o[4 + j] = __fadd_rn(__fmul_rn((float)(int)((r.u.y >> (8 * j + sh)) & 0xfu), S), Mn);
+        }
+    }
+};
+
+// Q5_K exactly as stored: 176-byte super-blocks of 256 weights [N, K/256, 176] (16-byte
+// aligned: 176 = 11 * 16): f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins (as
+// Q4_K), qh[32], qs[128] -- pair p (weights 64p .. 64p+63) in qs[48 + 32p ..], low nibbles
+// the first 32, high the next; the fifth bit of weight 32 is + l (group is) is bit is of
+// qh[l]. Octet g: weights j = 8 (g % 32) .. of super-block g / 32, group is = j / 32: one
+// 16-byte header load, one 8-byte code load, one 8-byte qh load.
+// w = q * (d * sc) + (-(dmin * m)), as Q4_K: gguf's (d * sc) * q - dmin * m.
+struct WQ5K {
+    static constexpr int PF1 = 8;
+    const unsigned char* b;
+    int K;
+    struct Raw { uint2 u, hb; uint4 h; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const unsigned char* blk = b + ((size_t)n * (K >> 8) + (g >> 5)) * 176;
+        const int j = (g & 31) * 8;
+        return Raw{__ldg(reinterpret_cast<const uint2*>(blk + 48 + 32 * (j >> 6) + (j & 31))),
+                   __ldg(reinterpret_cast<const uint2*>(blk + 16 + (j & 31))),
+                   __ldg(reinterpret_cast<const uint4*>(blk))};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int is = (g & 31) >> 2;  // the 32-weight group
+        unsigned int sc, mn;
+        if (is < 4) {
+            sc = WQ4K::sbyte(r.h, is) & 63u;
+            mn = WQ4K::sbyte(r.h, is + 4) & 63u;
+        } else {
+            sc = (WQ4K::sbyte(r.h, is + 4) & 0xfu) | ((WQ4K::sbyte(r.h, is - 4) >> 6) << 4);
+            mn = (WQ4K::sbyte(r.h, is + 4) >> 4) | ((WQ4K::sbyte(r.h, is) >> 6) << 4);
+        }
+        const float S = __fmul_rn(h2f((unsigned short)(r.h.x & 0xffffu)), (float)sc);
+        const float Mn = -__fmul_rn(h2f((unsigned short)(r.h.x >> 16)), (float)mn);
+        const int sh = (is & 1) ? 4 : 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned int q0 = ((r.u.x >> (8 * j + sh)) & 0xfu) | (((r.hb.x >> (8 * j + is)) & 1u) << 4);
+            const unsigned int q1 = ((r.u.y >> (8 * j + sh)) & 0xfu) | (((r.hb.y >> (8 * j + is)) & 1u) << 4);
+            o[j] = __fadd_rn(__fmul_rn((float)(int)q0, S), Mn);
+            o[4 + j] = __fadd_rn(__fmul_rn((float)(int)q1, S), Mn);
+        }
+    }
+};
+
+// Q6_K as stored with its f16 d split off: the first 208 bytes of every 210-byte
+// super-block exactly as stored -- ql[128], qh[64], int8 scales[16] -- [N, K/256, 208]
+// (16-byte aligned: 208 = 13 * 16; a 210-byte block would not be), d [N, K/256] float16 as
+// stored: the file's bytes. Half h (weights 128h ..) has ql[64h ..], qh[32h ..],
+// scales[8h ..]; quarter r of a half (32 weights, l = 0..31): low (r < 2) or high nibbles of
+// ql[64h + 32 (r & 1) + l], bits 2r, 2r+1 of qh[32h + l], scale scales[8h + l / 16 + 2r].
+// Octet g: weights j = 8 (g % 32) .. of super-block g / 32 (one 16-weight group): one
+// 8-byte ql load, one 8-byte qh load, one scale byte and d.
+// w = (q - 32) * (d * sc): gguf's (d * sc) * q, as the widened q8 form computes it.
+struct WQ6K {
+    static constexpr int PF1 = 8;
+    const unsigned char* b;
+    const unsigned short* d;
+    int K;
+    struct Raw { uint2 l, h; int sc; unsigned short d; };
+    __device__ __forceinline__ Raw load(int n, int g) const {
+        const size_t s = (size_t)n * (K >> 8) + (g >> 5);
+        const unsigned char* blk = b + s * 208;
+        const int j = (g & 31) * 8, hf = j >> 7, r = (j >> 5) & 3, l0 = j & 31;
+        return Raw{__ldg(reinterpret_cast<const uint2*>(blk + 64 * hf + 32 * (r & 1) + l0)),
+                   __ldg(reinterpret_cast<const uint2*>(blk + 128 + 32 * hf + l0)),
+                   (int)(signed char)__ldg(blk + 192 + 8 * hf + (l0 >> 4) + 2 * r), __ldg(d + s)};
+    }
+    __device__ __forceinline__ void decode(const Raw& r, int g, float* o) const {
+        const int q4 = ((g & 31) >> 2) & 3;  // the quarter of the half
+        const int shl = q4 >= 2 ? 4 : 0, shh = 2 * q4;
+        const float S = __fmul_rn(h2f(r.d), (float)r.sc);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int q0 = (int)(((r.l.x >> (8 * j + shl)) & 0xfu) | (((r.h.x >> (8 * j + shh)) & 3u) << 4)) - 32;
+            const int q1 = (int)(((r.l.y >> (8 * j + shl)) & 0xfu) | (((r.h.y >> (8 * j + shh)) & 3u) << 4)) - 32;
+            o[j] = __fmul_rn((float)q0, S);
+            o[4 + j] = __fmul_rn((float)q1, S);
         }
     }
 };
@@ -755,8 +871,12 @@ _LINEAR_SIGNATURES = {
            "WQ8 ww{q, d, m, K, has_m, gshift};"),
     "q80": ("const signed char* __restrict__ q, const unsigned short* __restrict__ d", "WQ80 ww{q, d, K};"),
     "q4k": ("const unsigned char* __restrict__ b", "WQ4K ww{b, K};"),
+    "q5k": ("const unsigned char* __restrict__ b", "WQ5K ww{b, K};"),
+    "q6k": ("const unsigned char* __restrict__ b, const unsigned short* __restrict__ d", "WQ6K ww{b, d, K};"),
     "q4": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
            "const unsigned short* __restrict__ m", "WQ4 ww{qs, d, m, K, has_m};"),
+    "q5": ("const unsigned char* __restrict__ qs, const unsigned short* __restrict__ d, "
+           "const unsigned short* __restrict__ m, const unsigned int* __restrict__ qh", "WQ5 ww{qs, d, m, qh, K, has_m};"),
 }
 
 
@@ -768,7 +888,7 @@ def linear_kernel_name(kind: str, tm: int, nc: int) -> str:
 def _linear_wrappers() -> str:
     out = []
     for kind, (wparams, make) in _LINEAR_SIGNATURES.items():
-        extra = {"q8": ", int has_m, int gshift", "q4": ", int has_m"}.get(kind, "")
+        extra = {"q8": ", int has_m, int gshift", "q4": ", int has_m", "q5": ", int has_m"}.get(kind, "")
         variants = [(tm, nc) for tm in ROW_TILES for nc in COL_TILES]
         if kind not in BLOCK_KINDS:  # q8, q4 need K % 32 == 0: always the vector kernels
             variants.append((0, 0))

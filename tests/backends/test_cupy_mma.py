@@ -220,8 +220,11 @@ def test_mma_tiles_and_which_weights():
     kinds["BF16"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "BF16", 16, 64)))
     kinds["BF16 K=48"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "BF16", 16, 48)))
     kinds["F16 K=40"] = be.mma.handles(be.linear_weight(mma_tensor(rng, "F16", 16, 40)))
+    for q in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"):  # block forms it does not know: the CUDA-core kernels
+        kinds[q] = be.mma.handles(be.linear_weight(mma_tensor(rng, q, 16, 256)))
     assert kinds == {"F16": True, "Q8_0": True, "Q4_1": True, "F32": False, "BF16": True, "BF16 K=48": False,
-                     "F16 K=40": False}
+                     "F16 K=40": False, "Q4_K": False, "Q5_K": False, "Q6_K": False, "Q5_0": False,
+                     "Q5_1": False}
 
 
 # -- invariance through the backend's host code ----------------------------------------------
