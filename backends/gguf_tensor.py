@@ -94,4 +94,7 @@ class GGUFTensor:
         from gguf import GGMLQuantizationType, quants
 
         w = np.ascontiguousarray(w, dtype=np.float32)
-        return cls(name, tuple(w.shape), qtype, quants.quantize(w, GGMLQuantizationType[qtype]))
+        stored = quants.quantize(w, GGMLQuantizationType[qtype])
+        if stored is not w:  # read-only like a file's mapped bytes: one array type, one numba build
+            stored.flags.writeable = False  # of each kernel (a writable array would compile another)
+        return cls(name, tuple(w.shape), qtype, stored)

@@ -107,7 +107,19 @@ def raw_blocks(rng, qtype, N, K):
     """The bytes of an [N, K] `qtype` tensor as a GGUF file stores it, uint8 [N, bytes per
     row]: K-quants with random codes and packed scales, small random positive f16 d (and
     dmin) or d and m of either sign; F16/BF16 with random values over 12 decades and
-    both signs."""
+    both signs. Read-only, as the loader hands them over (a view of the file's read-only
+    memory map): the kernels get the array type they get in a model, so the tests run,
+    and numba compiles once, the build the model path uses (a writable array is another
+    numba type, another build of every kernel)."""
+    return _read_only(_raw_blocks(rng, qtype, N, K))
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _raw_blocks(rng, qtype, N, K):
     from panechat.backends.gguf_blocks import KQUANT_BYTES, QK_K
 
     if qtype in ("F16", "BF16"):
