@@ -25,8 +25,10 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/panechat
 
+TEST_JOBS ?= 2  # pytest-xdist processes (a test file runs whole in one of them)
+
 test: setup
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 
 test-slow: setup
 	$(VENV)/bin/pytest -q -ra -m slow

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +37,32 @@ def gemma_path() -> Path:
     if not is_installed(gemma):
         pytest.skip(f"gemma3 test model not installed ({gemma.install})")
     try:
-        return assemble(gemma)
+        with _user_cache():
+            return assemble(gemma)
     except ModelFileError as e:
         pytest.skip(str(e))
+
+
+_USER_XDG_CACHE = os.environ.get("XDG_CACHE_HOME")  # read at import, before any fixture points it elsewhere
+
+
+def _set_cache_home(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = value
+
+
+@contextlib.contextmanager
+def _user_cache():
+    """The user's XDG_CACHE_HOME while inside (tests/server points it at a session folder
+    once a server test has run; the 253 MB gemma file is assembled once, in the real one)."""
+    now = os.environ.get("XDG_CACHE_HOME")
+    _set_cache_home(_USER_XDG_CACHE)
+    try:
+        yield
+    finally:
+        _set_cache_home(now)
 
 
 @pytest.fixture(scope="session")
