@@ -578,7 +578,7 @@ extern "C" __global__ void __launch_bounds__(NT) rope(
 // turned and v [R, G, D] stored straight into one layer's paged store kc, vc [NB, G, BT, D]
 // at block tab[seq[r] * nb + pos[r] / BT], offset pos[r] % BT (what the CuPy scatter did).
 // T = float16 bits (cvt.rn.f16.f32: rounded once, to nearest even, like the scatter's
-// __float2half_rn and numpy's astype) or float32 (stored as is). Elements e < nq are q's,
+// float32 -> float16 assignment and numpy's astype) or float32 (stored as is). Elements e < nq are q's,
 // the others k's and v's (e - nq); every element is written by one thread from its own
 // inputs, so nothing depends on R.
 __device__ __forceinline__ void kv_st(float* p, size_t i, float x) { p[i] = x; }
