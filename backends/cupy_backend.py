@@ -25,9 +25,9 @@ the block tables (float16 converted exactly); activations and all arithmetic are
 
 Kernel policy: no cuBLAS (its algorithm, and so a row's rounding, depends on the number
 of rows). `linear`, `attend`, `rms_norm` and `silu_mul` run the kernels of `cupy_kernels`,
-whose per-element arithmetic is fixed by the source; rope, residual adds and bias adds
-are single elementwise CuPy operations (one IEEE operation per element, so nothing to
-reorder). Logits come back to the host for sampling.
+whose per-element arithmetic is fixed by the source, and so do rope and the KV write
+(`rope_attend`: one `rope_kv_write` launch); what is left elementwise on CuPy arrays is
+one IEEE operation per element, so nothing to reorder. Logits come back to the host for sampling.
 """
 
 from __future__ import annotations
@@ -360,6 +360,23 @@ class CupyBackend(ArrayBackend):
         return self.kernels.rope(x, out, tables[0], tables[1], xp.ascontiguousarray(positions, dtype=xp.int32),
                                  style == "neox")
 
+    def rope_attend(self, kv: PagedKV, layer: int, q: Any, k: Any, v: Any, seqs: Any, positions: Any,
+                    scale: float, window: int, tables: Any, style: str, rope_tables: tuple[Any, Any]) -> Any:
+        """RoPE + KV write in one `rope_kv_write` launch (q turned into a new array; k turned
+        and v stored straight into their blocks, no CuPy scatter), then the two attention
+        launches: the bits of `rope`, `rope`, `attend` (Backend.rope_attend), KV included."""
+        xp = self.xp
+        q, k, v = self._f32(q), self._f32(k), self._f32(v)
+        if q.shape[-1] > MAX_HEAD_DIM:
+            raise ValueError(f"the CuPy backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
+        seqs = xp.ascontiguousarray(seqs, dtype=xp.int32)
+        positions = xp.ascontiguousarray(positions, dtype=xp.int32)
+        t = xp.ascontiguousarray(kv.slot_table if tables is None else tables, dtype=xp.int32)
+        qr = self.kernels.rope_kv_write(q, k, v, xp.empty_like(q), kv.k[layer], kv.v[layer], rope_tables[0],
+                                        rope_tables[1], t, seqs, positions, style == "neox")
+        out = xp.empty_like(q)
+        return self.kernels.attention(qr, kv.k[layer], kv.v[layer], t, seqs, positions, scale, out, window)
+
     def gelu_mul(self, gate: Any, up: Any) -> Any:
         gate, up = self._f32(gate), self._f32(up)
         out = self.xp.empty_like(gate)
@@ -395,8 +412,8 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> int:
 
 def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[str]:
     """Run every kernel (each linear variant: row tiles 1..16, 1 and 4 columns per warp,
-    the any-K kernel, the q4 block-form kernels, the fused RMS norm; RMS norm; SiLU; GELU; the KV write; attention, also with a sliding
-    window; device sampling) on `backend` and on the
+    the any-K kernel, the q4 block-form kernels, the fused RMS norm; RMS norm; SiLU; GELU; rope; the KV write; attention, also with a sliding
+    window; RoPE + KV write in one launch (rope_attend) with its attention; device sampling) on `backend` and on the
     numpy emulation with the same inputs; return one line per result that is not bit for
     bit identical (empty: the device computes exactly the documented contract)."""
     emu = CupyBackend.emulated_on_cpu(backend.float_weights)
@@ -486,6 +503,33 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
         got = backend.attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
                              backend.asarray(slots), backend.asarray(poss), D ** -0.5, W)
         want = emu.attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W)
+        same(name, got, want)
+        same(name + " K cache", kvs[0].k[0].astype(np.float32), kvs[1].k[0].astype(np.float32))
+        same(name + " V cache", kvs[0].v[0].astype(np.float32), kvs[1].v[0].astype(np.float32))
+    # RoPE + KV write in one launch (rope_attend), then attention: the output and both stores
+    for S, G, C, D, H, R, W, dt, style, rd in ((3, 2, 96, 64, 4, 5, 0, "f16", "neox", 64),
+                                               (2, 1, 64, 128, 2, 3, 0, "f32", "normal", 64),
+                                               (3, 2, 96, 40, 6, 7, 21, "f16", "neox", 32),
+                                               (2, 2, 48, 64, 4, 4, 0, "f32", "neox", 48)):
+        kvs = [be.new_kv(S, 1, G, C, D, dt) for be in (backend, emu)]
+        for name in ("k", "v"):
+            init = rng.standard_normal(getattr(kvs[1], name)[0].shape, dtype=np.float32)
+            init = init.astype(getattr(kvs[1], name)[0].dtype)
+            getattr(kvs[0], name)[0][...] = backend.asarray(init)
+            getattr(kvs[1], name)[0][...] = init
+        order = rng.permutation(kvs[1].n_blocks).astype(np.int32).reshape(S, -1)  # shuffled tables
+        kvs[0].slot_table, kvs[1].slot_table = backend.asarray(order), order
+        pairs = rng.choice(S * C, R, replace=False)
+        slots, poss = (pairs // C).astype(np.int32), (pairs % C).astype(np.int32)
+        poss[0] = C - 1
+        q = rng.standard_normal((R, H, D), dtype=np.float32) * 2
+        k = rng.standard_normal((R, G, D), dtype=np.float32) * 3
+        v = rng.standard_normal((R, G, D), dtype=np.float32)
+        tabs, etabs = backend.rope_tables(rd, 10000.0, C), emu.rope_tables(rd, 10000.0, C)
+        name = f"rope_attend {style} rope_dim={rd} S={S} G={G} C={C} D={D} H={H} R={R} window={W} kv={dt}"
+        got = backend.rope_attend(kvs[0], 0, backend.asarray(q), backend.asarray(k), backend.asarray(v),
+                                  backend.asarray(slots), backend.asarray(poss), D ** -0.5, W, None, style, tabs)
+        want = emu.rope_attend(kvs[1], 0, q, k, v, slots, poss, D ** -0.5, W, None, style, etabs)
         same(name, got, want)
         same(name + " K cache", kvs[0].k[0].astype(np.float32), kvs[1].k[0].astype(np.float32))
         same(name + " V cache", kvs[0].v[0].astype(np.float32), kvs[1].v[0].astype(np.float32))

@@ -61,6 +61,10 @@ directly -- see ``build.build_module``). Float32 throughout, subnormals kept.
   (expf_pc(min(2 i, 88)) + 1) (tanh); y = ((0.5 * g) * (1 + t)) * u, elementwise.
 * ``attention`` with a sliding window W > 0 (gemma3's local layers): keys t0 = max(0, P - W)
   .. P - 1 only, the threads' and key subsets' strides counted from t0.
+* ``rope_kv_write_f16`` / ``_f32`` (one launch a layer): q turned by ``rope``'s arithmetic
+  (``rope_one``, shared), k turned the same way and v stored straight into the paged KV
+  blocks (block table -> block, position % 16 -> offset); float16 by ``cvt.rn.f16.f32``
+  (round to nearest even, as numpy's astype and the CuPy scatter it replaces).
 * ``sample_rows`` (one block per row): see the comment above the kernel in source.py.
 
 Rows, the row's position in the batch, other rows' slots and positions, and the number of
@@ -79,6 +83,7 @@ from .emulation import (
     emulate_gelu_mul,
     emulate_linear,
     emulate_rms_norm,
+    emulate_rope_kv_write,
     emulate_silu_mul,
     expf_pc,
     fma_f32,
@@ -90,6 +95,6 @@ from .source import KERNEL_NAMES, OPTIONS, SOURCE, kernel_signatures
 __all__ = [
     "SOURCE", "OPTIONS", "KERNEL_NAMES", "NT", "KSPLIT", "MAX_HEAD_DIM", "WIDE_N", "Kernels", "EmulatedModule",
     "fma_f32", "tree32", "block_sum256", "emulate_linear", "emulate_rms_norm", "emulate_attention",
-    "emulate_silu_mul", "emulate_gelu_mul", "expf_pc", "dequantize", "row_tile", "col_tile", "compile_ptx", "build_module",
+    "emulate_silu_mul", "emulate_gelu_mul", "emulate_rope_kv_write", "expf_pc", "dequantize", "row_tile", "col_tile", "compile_ptx", "build_module",
     "kernel_signatures",
 ]

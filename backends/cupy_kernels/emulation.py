@@ -536,6 +536,36 @@ def _emu_rope(name, grid, args):
                                            pos.reshape(-1)[:R], bool(neox)).reshape(-1)
 
 
+def emulate_rope_kv_write(q, k, v, kc, vc, cos, sin, tables, seqs, pos, neox: bool) -> np.ndarray:
+    """The rope_kv_write kernel: q [R, H, D] turned (returned), k turned and v written into
+    the paged store kc, vc [NB, G, BT, D] at (tables[seqs[r], pos[r] // BT], :, pos[r] % BT)
+    -- emulate_rope, then the scatter with numpy's rounding to the store's dtype (nearest
+    even): by construction rope, rope and ArrayBackend.write_kv."""
+    q_out = emulate_rope(q, cos, sin, pos, neox)
+    k_rot = emulate_rope(k, cos, sin, pos, neox)
+    blocks, offs = tables[seqs, pos // BLOCK_TOKENS], pos % BLOCK_TOKENS
+    kc[blocks, :, offs, :] = k_rot
+    vc[blocks, :, offs, :] = v
+    return q_out
+
+
+def _emu_rope_kv_write(name, grid, args):
+    q, k, v, qo, kc, vc, cs, sn, tab, nb, seq, pos, nq, nk, HD, G, D, half, neox = args
+    nq, nk, HD, G, D, half, nb = int(nq), int(nk), int(HD), int(G), int(D), int(half), int(nb)
+    R = nq // HD
+    if nk != R * G * D or (int(grid[0]) < min(cdiv(nq + nk, NT), 4096)):
+        raise ValueError(f"{name}: grid {grid} for {nq} + {nk} elements")
+    store = np.float16 if name.endswith("_f16") else np.float32
+    kcv = kc.view(store).reshape(-1, G, BLOCK_TOKENS, D)
+    vcv = vc.view(store).reshape(-1, G, BLOCK_TOKENS, D)
+    pos_r = pos.reshape(-1)[:R].astype(np.int64)
+    seq_r = seq.reshape(-1)[:R].astype(np.int64)
+    qo.reshape(-1)[:nq] = emulate_rope_kv_write(
+        q.reshape(-1)[:nq].reshape(R, HD // D, D), k.reshape(-1)[:nk].reshape(R, G, D),
+        v.reshape(-1)[:nk].reshape(R, G, D), kcv, vcv, cs.reshape(-1, half), sn.reshape(-1, half),
+        tab.reshape(-1, nb), seq_r, pos_r, bool(neox)).reshape(-1)
+
+
 def gather_keys(store: np.ndarray, table: np.ndarray, g: int, t0: int, P: int) -> np.ndarray:
     """Keys (or values) t0 .. P-1 of kv head g of one sequence (its block table row) from a
     paged store [NB, G, BT, D], in position order, as float32 (an exact conversion): what
@@ -595,6 +625,8 @@ _EMULATORS = {
     "gelu_mul": _emu_gelu,
     "rope": _emu_rope,
     "kv_write": _emu_kv_write,
+    "rope_kv_write_f16": _emu_rope_kv_write,
+    "rope_kv_write_f32": _emu_rope_kv_write,
     "attn_scores_f16": _emu_scores,
     "attn_scores_f32": _emu_scores,
     "attn_softmax_v_f16": _emu_softmax_v,

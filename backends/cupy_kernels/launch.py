@@ -145,6 +145,33 @@ class Kernels:
                          np.int32(bool(neox))))
         return out
 
+    def rope_kv_write(self, q: Any, k: Any, v: Any, q_out: Any, kc: Any, vc: Any, cos: Any, sin: Any,
+                      tables: Any, seqs: Any, pos: Any, neox: bool) -> Any:
+        """One launch: q [R, H, D] turned by RoPE into q_out, k [R, G, D] turned and v
+        [R, G, D] written into one layer's paged store kc, vc [NB, G, BT, D] (float16,
+        rounded to nearest even, or float32) at block tables[seqs[r], pos[r] / BT], offset
+        pos[r] % BT -- the bits of rope(q), rope(k), then the store's scatter. Returns q_out."""
+        R, H, D = q.shape
+        NB, G, bt, D2 = kc.shape
+        S, nb = tables.shape
+        if (tuple(k.shape) != (R, G, D) or tuple(v.shape) != (R, G, D) or D2 != D or bt != BLOCK_TOKENS
+                or q_out.shape != q.shape or vc.shape != kc.shape):
+            raise ValueError(f"rope_kv_write: q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} "
+                             f"store{tuple(kc.shape)}")
+        if kc.dtype != vc.dtype or np.dtype(str(kc.dtype)) not in (np.float16, np.float32):
+            raise ValueError(f"rope_kv_write: a float16 or float32 store, got {kc.dtype}")
+        half = int(cos.shape[1])
+        if 2 * half > D:
+            raise ValueError(f"rope_kv_write: rope tables of {2 * half} dims for head_dim {D}")
+        kind = "f16" if np.dtype(str(kc.dtype)) == np.float16 else "f32"
+        nq, nk = R * H * D, R * G * D
+        if nq + nk:
+            i32 = np.int32
+            self.launch(f"rope_kv_write_{kind}", (min(cdiv(nq + nk, NT), 4096),),
+                        (q, k, v, q_out, kc, vc, cos, sin, tables, i32(nb), seqs, pos, np.int64(nq), np.int64(nk),
+                         i32(H * D), i32(G), i32(D), i32(half), i32(bool(neox))))
+        return q_out
+
     def kv_write(self, k: Any, v: Any, kc: Any, vc: Any, slots: Any, pos: Any) -> None:
         R, G, D = k.shape
         S, G2, C, D2 = kc.shape
