@@ -78,8 +78,10 @@ class LocalBackend(ChatBackend):
     profile = "local"
 
     def __init__(self, engine: Engine | ModelSet | None = None, *,
-                 build: Callable[[], Engine | ModelSet] | None = None, own_engine: bool = False):
+                 build: Callable[[], Engine | ModelSet] | None = None, own_engine: bool = False,
+                 clock: Callable[[], float] = since_start):
         self.models: ModelSet | None = None
+        self.clock = clock  # seconds since the process started, read once the engine serves
         if engine is not None:
             self._hold(engine)
         self._build = build
@@ -104,7 +106,7 @@ class LocalBackend(ChatBackend):
         self.info = BackendInfo(kind="local", model=self.models.default or e.lm.name, backend=be.name,
                                 detail=be.describe(), ctx=e.ctx, max_concurrent=e.cfg.max_concurrent,
                                 batching=e.batching,
-                                chat_template=e.lm.template.kind, ready_s=since_start())
+                                chat_template=e.lm.template.kind, ready_s=self.clock())
         return self.info
 
     async def close(self) -> None:

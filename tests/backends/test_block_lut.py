@@ -49,13 +49,14 @@ def _weights(load2, blocks, qtype, K):
 def _adversarial(rng, qtype, N, K):
     """Random codes; every f16 scale field drawn from ADVERSARIAL_F16 (and, for one row in
     four, random f16 bits of any kind)."""
-    b = raw_blocks(rng, qtype, N, K)
+    b = raw_blocks(rng, qtype, N, K).copy()  # raw_blocks are read-only, as a model's; written here
     size = qk.KQUANT_BYTES[qtype] if qtype in qk.KQUANT_BYTES else qk.BLOCK32_BYTES[qtype]
     v = b.reshape(N, -1, size)
     for o in _F16_AT[qtype]:
         bits = rng.choice(ADVERSARIAL_F16, v.shape[:2])
         bits[::4] = rng.integers(0, 1 << 16, bits[::4].shape)
         v[..., o:o + 2] = bits.astype("<u2")[..., None].view(np.uint8)
+    b.setflags(write=False)  # then read-only again: the kernels' build for a model's blocks
     return b
 
 
@@ -95,13 +96,14 @@ def test_loader_weights_are_gguf_dequantize(qtype, table):
         pytest.skip("the table loaders need AVX-512 permutes")
     rng = np.random.default_rng(5)
     N, K = 16, 512
-    blocks = _adversarial(rng, qtype, N, K)
+    blocks = _adversarial(rng, qtype, N, K).copy()
     size = qk.KQUANT_BYTES[qtype] if qtype in qk.KQUANT_BYTES else qk.BLOCK32_BYTES[qtype]
     v = blocks.reshape(N, -1, size)
     for o in _F16_AT[qtype]:  # finite only: gguf's NaN payloads are numpy's business
         h = v[..., o:o + 2].copy().view("<u2")
         h[(h & 0x7C00) == 0x7C00] = 0x7BFF
         v[..., o:o + 2] = h.view(np.uint8)
+    blocks.setflags(write=False)
     want = np.asarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]), np.float32).reshape(N, K)
     got = _weights(LOADERS[qtype][table], blocks, qtype, K)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), qtype

@@ -2,13 +2,18 @@
 
 Deterministic: nothing is generated; the engine is a fresh one (no conversation cached in
 its KV slots, which the dashboard would count), idle (empty sparklines, no streams), and
-the pane figures come from the stored replies' metadata. Update with --snapshot-update."""
+the pane figures come from the stored replies' metadata, and the start-up time the
+dashboard shows is pinned (`clock`). Update with --snapshot-update."""
 
 from __future__ import annotations
 
 import pytest
 
+from panechat.app.clients.local import LocalBackend
+
 from .conftest import make_app, running_engine, wait_engine_idle
+
+READY_S = 0.9  # what the dashboard's "ready in" shows in the snapshots
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,7 @@ def test_four_pane_layout(snap_compare, fresh_engine, store):
         pilot.app.main.panes[0].focus_input()
         await no_blink(pilot)
 
-    assert snap_compare(make_app(fresh_engine, store), terminal_size=(160, 45), run_before=settle)
+    assert snap_compare(make_app(LocalBackend(fresh_engine, clock=lambda: READY_S), store), terminal_size=(160, 45), run_before=settle)
 
 
 def test_light_theme_maximized(snap_compare, fresh_engine, store):
@@ -70,4 +75,4 @@ def test_light_theme_maximized(snap_compare, fresh_engine, store):
         await pilot.press("ctrl+o")
         await no_blink(pilot)
 
-    assert snap_compare(make_app(fresh_engine, store), terminal_size=(120, 36), run_before=settle)
+    assert snap_compare(make_app(LocalBackend(fresh_engine, clock=lambda: READY_S), store), terminal_size=(120, 36), run_before=settle)
