@@ -418,9 +418,12 @@ class EmulatedModule:
         def call(grid, block, args, shared_mem=0):
             _check_args(name, sig, grid, block, args)
             self.launches.append((name, tuple(grid)))
-            _EMULATORS["linear" if name.startswith("linear_") else name](name, grid, args)
+            self._emulate(name, grid, args)
 
         return call
+
+    def _emulate(self, name: str, grid: tuple, args: tuple) -> None:
+        _EMULATORS["linear" if name.startswith("linear_") else name](name, grid, args)
 
 
 def _check_args(name, sig, grid, block, args) -> None:

@@ -34,9 +34,11 @@ def _ptr(a: Any) -> int:
     return int(a.ctypes.data)
 
 
-class Kernels:
-    """Launches the kernels of `module` (a cupy.RawModule, or EmulatedModule) on arrays
-    of `xp` (cupy, or numpy for the emulation). Arrays must be C-contiguous."""
+class ModuleKernels:
+    """The kernels of `module` (a cupy.RawModule, or an emulated one), each looked up once,
+    launched on arrays of `xp` (cupy, or numpy for the emulation); `NAMES` lists them."""
+
+    NAMES: tuple = ()
 
     def __init__(self, module: Any, xp: Any):
         self.module = module
@@ -51,8 +53,15 @@ class Kernels:
 
     def compile_all(self) -> None:
         """Compile and load every kernel now (errors surface at start-up, not mid-answer)."""
-        for name in KERNEL_NAMES:
+        for name in self.NAMES:
             self.fn(name)
+
+
+class Kernels(ModuleKernels):
+    """Launches the kernels of `module` (a cupy.RawModule, or EmulatedModule) on arrays
+    of `xp` (cupy, or numpy for the emulation). Arrays must be C-contiguous."""
+
+    NAMES = tuple(KERNEL_NAMES)
 
     def launch(self, name: str, grid: tuple, args: tuple) -> None:
         self.fn(name)(grid, (NT,), args)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .emulation import fma_f32
+from .emulation import EmulatedModule, fma_f32
 from .mma_source import MMA_CHUNK, MMA_SOURCE, MMA_WARPS
 
 _F32 = np.float32
@@ -141,10 +141,6 @@ def mma_error_bound(x: np.ndarray, w_abs: np.ndarray, group: int = 32) -> np.nda
 
 # -- a stand-in for the compiled MMA module --------------------------------------------------
 
-_NP_OF_CTYPE = {"float": (np.float32,), "unsigned short": (np.float16, np.uint16), "signed char": (np.int8,),
-                "unsigned char": (np.uint8,), "int": (np.int32,)}
-
-
 def block_codes(qs: np.ndarray, n: int, k: int, has_m: bool) -> np.ndarray:
     """Q4 block form (16 bytes per 32 weights: byte j = weight j low nibble, j + 16 high)
     -> the codes the kernel multiplies [n, k]: q - 8 (Q4_0) or q (Q4_1, with a min)."""
@@ -153,44 +149,15 @@ def block_codes(qs: np.ndarray, n: int, k: int, has_m: bool) -> np.ndarray:
     return (q if has_m else q - 8).astype(np.int8)
 
 
-class EmulatedMmaModule:
+class EmulatedMmaModule(EmulatedModule):
     """get_function() like cupy.RawModule for the MMA module, running the model above after
     checking every launch's arguments against the kernel's C signature and its grid."""
 
     def __init__(self) -> None:
-        from .source import kernel_signatures
+        super().__init__(MMA_SOURCE)
 
-        self.signatures = kernel_signatures(MMA_SOURCE)
-        self.launches: list[tuple[str, tuple]] = []
-
-    def get_function(self, name: str):
-        if name not in self.signatures:
-            raise KeyError(f"no kernel named {name}")
-        sig = self.signatures[name]
-
-        def call(grid, block, args, shared_mem=0):
-            _check(name, sig, grid, block, args)
-            self.launches.append((name, tuple(grid)))
-            (_emu_split if name == "mma_split_x" else _emu_linear)(name, tuple(int(g) for g in grid), args)
-
-        return call
-
-
-def _check(name: str, sig: list, grid: tuple, block: tuple, args: tuple) -> None:
-    from .constants import NT
-
-    if tuple(block) != (NT,):
-        raise ValueError(f"{name}: block {block}, kernels assume ({NT},)")
-    if not 1 <= len(grid) <= 3 or any(int(g) < 1 for g in grid) or any(int(g) > 65535 for g in grid[1:]):
-        raise ValueError(f"{name}: bad grid {grid}")
-    if len(args) != len(sig):
-        raise TypeError(f"{name}: {len(args)} arguments for {len(sig)} parameters")
-    for i, (a, (ctype, is_ptr)) in enumerate(zip(args, sig)):
-        ok = _NP_OF_CTYPE[ctype]
-        if is_ptr and not (isinstance(a, np.ndarray) and a.dtype.type in ok and a.flags.c_contiguous):
-            raise TypeError(f"{name}: argument {i} must be a C-contiguous {ctype} array")
-        if not is_ptr and not (isinstance(a, np.generic) and type(a) in ok):
-            raise TypeError(f"{name}: argument {i} must be a numpy {ok[0].__name__} scalar")
+    def _emulate(self, name: str, grid: tuple, args: tuple) -> None:
+        (_emu_split if name == "mma_split_x" else _emu_linear)(name, tuple(int(g) for g in grid), args)
 
 
 def _emu_split(name: str, grid: tuple, args: Any) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .constants import NT, cdiv
+from .launch import ModuleKernels
 from .mma_source import MMA_CHUNK, MMA_KERNEL_NAMES, MMA_TILES, mma_kernel_name
 
 
@@ -21,26 +22,13 @@ def mma_tile(m: int) -> tuple[int, int]:
     return MMA_TILES[-1]
 
 
-class MmaKernels:
+class MmaKernels(ModuleKernels):
     """out = x @ W.T on tensor cores for f16 and bf16 weights, q8 codes (int8 + float32
     scale, optional min, groups of 32 or 16 weights), and Q8_0 / Q4_x in block form (q80:
     int8 + float16 d; q4: nibbles as stored + float16 d, m) with K % 32 == 0; `handles` says which
     weights (a property of the weight, never of the batch)."""
 
-    def __init__(self, module: Any, xp: Any):
-        self.module = module
-        self.xp = xp
-        self._fns: dict[str, Any] = {}
-
-    def fn(self, name: str) -> Any:
-        f = self._fns.get(name)
-        if f is None:
-            f = self._fns[name] = self.module.get_function(name)
-        return f
-
-    def compile_all(self) -> None:
-        for name in MMA_KERNEL_NAMES:
-            self.fn(name)
+    NAMES = tuple(MMA_KERNEL_NAMES)
 
     @staticmethod
     def handles(w: Any) -> bool:
