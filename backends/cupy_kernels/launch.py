@@ -34,6 +34,18 @@ def _ptr(a: Any) -> int:
     return int(a.ctypes.data)
 
 
+def add_arguments(kernel: str, add: Any, out: Any, M: int, N: int) -> tuple:
+    """The linear kernels' (add, add_mode) arguments: nothing to add (0; `out` stands in
+    for the pointer), a residual [M, N] (1) or a bias [N] (2)."""
+    if add is None:
+        return out, np.int32(0)
+    if tuple(add.shape) == (M, N):
+        return add, np.int32(1)
+    if tuple(add.shape) == (N,):
+        return add, np.int32(2)
+    raise ValueError(f"{kernel}: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
+
+
 class ModuleKernels:
     """The kernels of `module` (a cupy.RawModule, or an emulated one), each looked up once,
     launched on arrays of `xp` (cupy, or numpy for the emulation); `NAMES` lists them."""
@@ -89,14 +101,7 @@ class Kernels(ModuleKernels):
         if grid[1] > 65535:
             raise ValueError(f"linear: N={N} too large for one launch")
         i32 = np.int32
-        if add is None:
-            tail = (out, i32(0))
-        elif tuple(add.shape) == (M, N):
-            tail = (add, i32(1))
-        elif tuple(add.shape) == (N,):
-            tail = (add, i32(2))
-        else:
-            raise ValueError(f"linear: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
+        tail = add_arguments("linear", add, out, M, N)
         if norm is None:
             tail += (x, np.float32(0.0), i32(0))
         else:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .constants import NT, cdiv
-from .launch import ModuleKernels
+from .launch import ModuleKernels, add_arguments
 from .mma_source import MMA_CHUNK, MMA_KERNEL_NAMES, MMA_TILES, mma_kernel_name
 
 
@@ -65,14 +65,7 @@ class MmaKernels(ModuleKernels):
         has_m = q8 and w.mins is not None
         parts, xinv, xsum = self.split(x, m_pad, gshift, has_m, w.kind == "bf16")
         i32 = np.int32
-        if add is None:
-            tail = (out, i32(0))
-        elif tuple(add.shape) == (M, N):
-            tail = (add, i32(1))
-        elif tuple(add.shape) == (N,):
-            tail = (add, i32(2))
-        else:
-            raise ValueError(f"mma linear: add{tuple(add.shape)} is neither [{M}, {N}] nor [{N}]")
+        tail = add_arguments("mma linear", add, out, M, N)
         grid = (m_pad // (8 * tt), cdiv(N, 16 * wt))
         if grid[1] > 65535:
             raise ValueError(f"mma linear: N={N} too large for one launch")
