@@ -15,6 +15,8 @@ from panechat.backends.base import Backend
 from panechat.backends.cupy_backend import CupyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
+from .decode_rows import decode_rows
+
 STYLES = [("neox", 64), ("normal", 64), ("neox", 32), ("normal", 48)]
 
 
@@ -81,11 +83,7 @@ def test_rope_attend_is_rope_rope_attend_at_every_row_count(style, rope_dim, dty
     tabs = be.rope_tables(rope_dim, 10000.0, nb * BLOCK_TOKENS)
     mod = be.kernels.module
     for R in range(1, 34):
-        q = rng.standard_normal((R, H, D), dtype=np.float32)
-        k = rng.standard_normal((R, G, D), dtype=np.float32)
-        v = rng.standard_normal((R, G, D), dtype=np.float32)
-        seqs = rng.choice(S, R, replace=False).astype(np.int32)
-        poss = rng.integers(0, nb * BLOCK_TOKENS, R).astype(np.int32)
+        q, k, v, seqs, poss = decode_rows(rng, R, H, G, D, S, nb)
         poss[0] = nb * BLOCK_TOKENS - 1  # the longest key range
         want = Backend.rope_attend(be, kv_a, 0, q, k, v, seqs, poss, D ** -0.5, window, tables, style, tabs)
         mod.launches.clear()

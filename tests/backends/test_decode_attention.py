@@ -14,6 +14,8 @@ from panechat.backends import numpy_kernels as nk
 from panechat.backends.numpy_backend import NumpyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
+from .decode_rows import decode_rows
+
 
 def _store(rng, n_blocks, G, D, dtype):
     kb = rng.standard_normal((n_blocks, G, BLOCK_TOKENS, D), dtype=np.float32).astype(dtype)
@@ -149,11 +151,7 @@ def test_rope_attend_equals_rope_then_attend_rows_1_to_33(style, rope_dim, dtype
         kv.v[0][...] = fill.standard_normal(kv.v[0].shape, dtype=np.float32)
     tables = rng.permutation(S * nb).reshape(S, nb).astype(np.int32)
     for R in range(1, 34):
-        q = rng.standard_normal((R, H, D), dtype=np.float32)
-        k = rng.standard_normal((R, G, D), dtype=np.float32)
-        v = rng.standard_normal((R, G, D), dtype=np.float32)
-        seqs = rng.choice(S, R, replace=False).astype(np.int32)
-        poss = rng.integers(0, nb * BLOCK_TOKENS, R).astype(np.int32)
+        q, k, v, seqs, poss = decode_rows(rng, R, H, G, D, S, nb)
         q0 = q.copy()
         want = be.attend(kv_a, 0, be.rope(q, poss, style, tabs), be.rope(k, poss, style, tabs), v, seqs, poss,
                          0.125, 0, tables)
