@@ -162,14 +162,21 @@ class NumpyBackend(ArrayBackend):
         as `rope` then `attend`); otherwise the two `rope` calls, then `attend`."""
         if self._rope_kernel_fits(q, style, rope_tables) and self._rope_kernel_fits(k, style, rope_tables) \
                 and v.dtype == np.float32 and v.flags.c_contiguous:
-            out = np.empty_like(q)
-            c = np.ascontiguousarray
-            t = c(kv.slot_table if tables is None else tables, np.int32)
-            if self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, c(seqs, np.int32),
-                                                  c(positions, np.int32), scale, out, window,
-                                                  (*rope_tables, style == "neox")):
+            out = self._decode(kv, layer, q, k, v, seqs, positions, scale, window, tables,
+                               (*rope_tables, style == "neox"))
+            if out is not None:
                 return out
         return super().rope_attend(kv, layer, q, k, v, seqs, positions, scale, window, tables, style, rope_tables)
+
+    def _decode(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window, tables, rope=None):
+        """`decode_attention.paged_decode`'s output (the K/V written, RoPE applied first when
+        `rope` is given), or None, having written nothing, when a sequence has several rows."""
+        c = np.ascontiguousarray
+        out = np.empty_like(q)
+        t = c(kv.slot_table if tables is None else tables, np.int32)
+        done = self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, c(seqs, np.int32),
+                                                  c(positions, np.int32), scale, out, window, rope)
+        return out if done else None
 
     def attend(self, kv: PagedKV, layer, q, k, v, seqs, positions, scale, window=0, tables=None):
         """At decode (every row its own sequence) one numba call writes K and V and attends
@@ -177,12 +184,12 @@ class NumpyBackend(ArrayBackend):
         such sequence once (`paged_attention`). The same bits either way."""
         c = np.ascontiguousarray
         q, k, v = c(q, np.float32), c(k, np.float32), c(v, np.float32)
+        out = self._decode(kv, layer, q, k, v, seqs, positions, scale, window, tables)
+        if out is not None:
+            return out
         out = np.empty_like(q)
         t = c(kv.slot_table if tables is None else tables, np.int32)
         seqs, positions = c(seqs, np.int32), c(positions, np.int32)
-        if self.decode_attention.paged_decode(q, k, v, kv.k[layer], kv.v[layer], t, seqs, positions, scale, out,
-                                              window):
-            return out
         self.write_kv(kv, layer, k, v, seqs, positions, tables)
         self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, np.float32(scale), out, window)
         return out
