@@ -87,6 +87,21 @@ class Backend(ABC):
         return body(kv, x, self.asarray(slots), self.asarray(positions),
                     None if tables is None else self.asarray(tables))
 
+    def prepare_decoder(self, layers: list[dict], output_norm: Array, output: Any, rope: list,
+                        windows: list[int], n_head: int, n_kv: int, head_dim: int, eps: float, scale: float,
+                        rope_style: str, ffn_act: str) -> Any:
+        """A plan for `run_decoder`: the whole decode step of this model in one call (the
+        layers' prepared weights and vectors as dicts keyed by GGUF names, as `Model`
+        holds them), or None (the default): the model runs op by op."""
+        return None
+
+    def run_decoder(self, plan: Any, kv: Any, x: Array, slots: np.ndarray, positions: np.ndarray,
+                    tables: np.ndarray | None) -> Array | None:
+        """`run_decode_step`'s logits for a plan from `prepare_decoder`, bit for bit the
+        op-by-op layers and head; None, having changed nothing, where the plan cannot
+        run these rows (the caller then runs op by op)."""
+        return None
+
     def embed(self, table: GGUFTensor, ids: np.ndarray) -> Array:
         """Rows of the embedding `table` [V, D] (as stored) for host token ids [R] -> float32
         [R, D] on the device; only those rows are dequantized."""

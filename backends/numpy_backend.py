@@ -28,7 +28,7 @@ from .array_backend import ArrayBackend
 from .cpu_threads import ThreadGovernor
 from .gguf_blocks import kept_in_blocks
 from .gguf_tensor import GGUFTensor
-from .paged_kv import PagedKV
+from .paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
 
 
 @dataclass
@@ -73,16 +73,22 @@ class NumpyBackend(ArrayBackend):
     name = "numpy"
 
     def __init__(self):
-        from . import decode_attention, norm_kernels, numpy_kernels, quant_kernels  # numba; else `cpu_backend()`
+        from . import (activation_kernels, cpu_decoder, decode_attention, norm_kernels,  # numba; else `cpu_backend()`
+                       numpy_kernels, quant_kernels, step_threads)
 
         self.kernels = numpy_kernels
         self.decode_attention = decode_attention
         self.norm_kernels = norm_kernels
         self.quant_kernels = quant_kernels
+        self.activation_kernels = activation_kernels
+        self.cpu_decoder = cpu_decoder
+        self.crew = step_threads.StepCrew()
+        self._sync = step_threads.new_sync()
+        import numba
+
+        self._threads = numba.get_num_threads
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
-            import numba
-
             self.governor = ThreadGovernor(numba.get_num_threads(), numba.set_num_threads)
             self.governor.prime()  # the first step knows the load (start-up: the model loads meanwhile)
 
@@ -136,6 +142,74 @@ class NumpyBackend(ArrayBackend):
         if same and isinstance(first, StoredWeight) and first.qtype in _BLOCK32:
             return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
         return super().linear_many(x, ws)
+
+    def silu_mul(self, gate, up):
+        """silu(gate) * up in numba (`activation_kernels`: the one-call step's bits)."""
+        return self.activation_kernels.gated(gate, up, False)
+
+    def gelu_mul(self, gate, up):
+        return self.activation_kernels.gated(gate, up, True)
+
+    def new_paged_kv(self, n_blocks, n_layer, n_kv, head_dim, dtype="f16") -> PagedKV:
+        """Each layer's K and V a view of one array per store (`PagedKV.stacked`), which the
+        one-call decode step takes whole."""
+        dt = np.float16 if kv_dtype_bytes(dtype) == 2 else np.float32
+        shape = (n_layer, n_blocks, n_kv, BLOCK_TOKENS, head_dim)
+        k_all, v_all = np.zeros(shape, dt), np.zeros(shape, dt)
+        kv = PagedKV(list(k_all), list(v_all), n_blocks, n_kv, head_dim, dtype)
+        kv.stacked = (k_all, v_all)
+        return kv
+
+    @staticmethod
+    def _stored(w):
+        """(qtype, blocks, d, dmin) of a weight kept in GGUF blocks, else None."""
+        if isinstance(w, KQuantWeight):
+            return w.qtype, w.blocks, w.d, w.dmin
+        if isinstance(w, StoredWeight) and w.qtype in _BLOCK32:
+            return w.qtype, w.data, None, None
+        return None
+
+    def prepare_decoder(self, layers, output_norm, output, rope, windows, n_head, n_kv, head_dim, eps, scale,
+                        rope_style, ffn_act):
+        """The one-call decode step's plan (`cpu_decoder`), unless PANECHAT_CPU_STEP=ops."""
+        if os.environ.get("PANECHAT_CPU_STEP", "one-call") == "ops":
+            return None
+        return self.cpu_decoder.build_plan(layers, output_norm, output, rope, windows, n_head, n_kv, head_dim,
+                                           eps, scale, rope_style, ffn_act, self._stored)
+
+    def run_decoder(self, plan, kv, x, slots, positions, tables):
+        """The decode step on the crew (`cpu_decoder.decode_step`); None when a sequence has
+        several rows, the store is not stacked, or f16 KV without F16C."""
+        if kv.stacked is None or (kv.stacked[0].dtype == np.float16 and not self.decode_attention.HAS_F16C):
+            return None
+        c = np.ascontiguousarray
+        t = c(kv.slot_table if tables is None else tables, np.int32)
+        seqs, pos = c(slots, np.int32), c(positions, np.int32)
+        max_pos = min(cs.shape[0] for cs in plan.cos)
+        status = self.cpu_decoder.check_rows(t, seqs, pos, kv.n_blocks, BLOCK_TOKENS, max_pos)
+        if status == 1:
+            return None
+        if status:
+            raise ValueError("decode step: a row's sequence or position, or a block table entry, is out of range")
+        k_all, v_all = kv.stacked
+        if k_all.dtype == np.float16:
+            k_all, v_all = k_all.view(np.uint16), v_all.view(np.uint16)
+        x = np.array(x, np.float32, order="C", copy=True)
+        R, D = x.shape
+        n = self._threads()  # the governor's count for this step
+        H, G, hd, F = plan.n_head, plan.n_kv, plan.head_dim, plan.n_ff
+        e = np.empty
+        logits = e((R, plan.vocab), np.float32)
+        self._sync[:] = 0
+        self.crew.run(self.cpu_decoder.decode_step,
+                      (x, plan.blocks, plan.d, plan.dmin, plan.codes, plan.vectors, plan.has, plan.cos, plan.sin,
+                       plan.windows, k_all, v_all, t, seqs, pos, H, G, np.float32(plan.eps),
+                       np.float32(plan.scale), plan.neox, plan.gelu, e((n, R, D), np.float32),
+                       e((R, H * hd), np.float32), e((R, G * hd), np.float32), e((R, G * hd), np.float32),
+                       e((R, H, hd), np.float32), e((R, H * hd), np.float32), e((R, D), np.float32),
+                       e((R, F), np.float32), e((R, F), np.float32), e((R, F), np.float32), e((n, hd), np.float32),
+                       logits, self._sync), n)
+        return logits
 
     def rms_norm(self, x, weight, eps):
         """One numba call with the numpy expression's bits (`norm_kernels`)."""

@@ -42,6 +42,9 @@ class PagedKV:
         self.bytes_per_block = bytes_per_block(len(k), n_kv, head_dim, dtype)
         self.slot_table: Any = None
         self.slot_blocks = 0
+        # (K, V) as [n_layer, n_blocks, n_kv, B, hd] arrays whose layers `k` and `v` are
+        # views of, where the backend allocated them so (numpy: the one-call decode step)
+        self.stacked: tuple[Any, Any] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ sequences (prefill chunks and decode tokens alike) share one pass.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,7 @@ class Model:
     rope: list = ()  # per layer, (cos, sin) tables on the backend (shared between layers)
     load_seconds: float = 0.0
     weight_bytes: int = 0
+    decoder: Any = None  # the backend's whole-decode-step plan (`Backend.prepare_decoder`), if any
 
     @classmethod
     def load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None = None) -> "Model":
@@ -164,8 +165,13 @@ class Model:
         nbytes += embd.nbytes
         max_pos = max_positions or args.context_length
         rope = _rope_per_layer(args, backend, max_pos, _rope_freq_factors(gf, args, max_pos))
-        return cls(args, backend, embd, vec("output_norm.weight"), output, layers,
-                   rope=rope, load_seconds=time.perf_counter() - t0, weight_bytes=nbytes)
+        output_norm = vec("output_norm.weight")
+        decoder = backend.prepare_decoder(
+            [{f.name: getattr(L, f.name) for f in fields(L)} for L in layers], output_norm, output, rope,
+            [args.window(i) for i in range(args.n_layer)], args.n_head, args.n_kv_head, args.head_dim,
+            args.rms_eps, args.scale, args.rope_style, args.ffn_act)
+        return cls(args, backend, embd, output_norm, output, layers, rope=rope,
+                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, decoder=decoder)
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
         """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`.
@@ -200,6 +206,10 @@ class Model:
             x = x * np.float32(a.embed_scale)
         rows = np.asarray(batch.logit_rows, dtype=np.int64)
         if len(rows) == R and np.array_equal(rows, np.arange(R)):
+            if self.decoder is not None:  # the whole step in one backend call, where it can
+                out = be.run_decoder(self.decoder, kv, x, batch.slots, batch.positions, batch.block_tables)
+                if out is not None:
+                    return out
             return be.run_decode_step(kv, self, self._all_rows, x, batch.slots, batch.positions, batch.block_tables)
         tables = None if batch.block_tables is None else be.asarray(batch.block_tables)
         return self.layers_and_head(kv, x, be.asarray(batch.slots), be.asarray(batch.positions),

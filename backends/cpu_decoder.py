@@ -1,0 +1,230 @@
+"""The numpy backend's decode step in one numba call: every layer and the head, run by a
+crew of threads that meet at spinning barriers (`step_threads`), as llama.cpp's CPU
+backend runs its graph.
+
+Op by op, a decode step of SmolLM2-135M is about 240 kernel calls, each a Python call,
+argument checks and a fork-join, which cost about 2 ms of an 11.6 ms step on 2 cores
+(docs/benchmarks.md). Here each thread takes its share of each phase and waits at a
+barrier before the next one reads what it wrote:
+
+  1. RMS norm of x (every thread its own copy: no barrier), then its columns of q, k, v
+  2. per (row, kv head): biases, q/k norms, RoPE, the K/V write, attention
+  3. its columns of the output product, added into x (or normed first, gemma3)
+  4. norm, its columns of gate and up, act(gate) * up for those columns
+  5. its columns of the down product, added into x
+  6. the output norm and its columns of the logits
+
+Every element is computed by the functions the op-by-op path calls (`block_tasks` for the
+products, `norm_kernels._rms_norm`, `decode_attention`'s RoPE, K/V write and attention,
+`activation_kernels`), in the same order, so the step equals `Model.layers_and_head` bit
+for bit (tests/backends/test_cpu_decoder.py) and a row's bits never depend on the batch
+or on the thread count. A plan (`build_plan`) holds the model's weights as numba typed
+lists; models it cannot hold (F16/BF16/F32 matrices, other RoPE styles) keep the
+op-by-op path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit, types
+from numba.typed import List
+
+from .activation_kernels import gated_columns
+from .block_tasks import QTYPE_CODES, product_range, share
+from .decode_attention import _attend_blocks, _rope_row, _write_row
+from .norm_kernels import _rms_norm
+from .numpy_kernels import _JIT
+from .step_threads import barrier
+
+# per-layer vectors, in this order in the plan's list (absent ones are empty arrays)
+VECTORS = ("attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm",
+           "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_NV, _NM = len(VECTORS), len(MATRICES)
+_RO_BLOCKS = types.Array(types.uint8, 2, "C", readonly=True)
+_NO_SCALES = np.zeros((1, 1), np.float32)
+
+
+@dataclass
+class DecoderPlan:
+    """A model's weights and shape as the one-call step takes them."""
+
+    blocks: Any  # typed List of uint8 [N, bytes] (read-only views): L*7 matrices, then the head
+    d: Any  # typed List of float32 [N, K/256] (K-quants' d; a 1x1 placeholder for the others)
+    dmin: Any
+    codes: np.ndarray  # int64 [L*7 + 1]: QTYPE_CODES of each matrix
+    vectors: Any  # typed List of float32 [n]: L*9 (VECTORS order), then the output norm
+    has: np.ndarray  # int64 [9]: which of VECTORS the layers have
+    cos: Any  # typed List of float32 [max_pos, rope_dim/2] per layer
+    sin: Any
+    windows: np.ndarray  # int64 [L]
+    n_head: int
+    n_kv: int
+    head_dim: int
+    n_ff: int
+    vocab: int
+    eps: float
+    scale: float
+    neox: bool
+    gelu: bool
+
+
+def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: list, windows: list[int],
+               n_head: int, n_kv: int, head_dim: int, eps: float, scale: float, rope_style: str,
+               ffn_act: str, stored: Any) -> DecoderPlan | None:
+    """The plan for these weights (numpy backend forms: `stored(w)` -> (qtype, blocks, d,
+    dmin) or None), or None when some part is not one the step computes."""
+    if rope_style not in ("neox", "normal") or ffn_act not in ("silu", "gelu_tanh") or not layers:
+        return None
+    blocks, ds, dmins = List.empty_list(_RO_BLOCKS), List(), List()
+    codes = []
+    for w in [L[name] for L in layers for name in MATRICES] + [output]:
+        s = stored(w)
+        if s is None or s[0] not in QTYPE_CODES:
+            return None
+        qtype, b, d, dmin = s
+        ro = b.view()
+        ro.flags.writeable = False
+        blocks.append(ro)
+        ds.append(_NO_SCALES if d is None else np.ascontiguousarray(d, np.float32))
+        dmins.append(_NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32))
+        codes.append(QTYPE_CODES[qtype])
+    has = np.array([all(L[n] is not None for L in layers) for n in VECTORS], np.int64)
+    if any(any(L[n] is not None for L in layers) != bool(h) for n, h in zip(VECTORS, has)):
+        return None  # some layers have a vector others lack
+    vectors = List()
+    empty = np.zeros(0, np.float32)
+    for L in layers:
+        for n in VECTORS:
+            v = L[n]
+            vectors.append(empty if v is None else np.array(v, np.float32, copy=True).reshape(-1))
+    vectors.append(np.array(output_norm, np.float32, copy=True).reshape(-1))
+    cos, sin = List(), List()
+    for c, s in rope:
+        if c.dtype != np.float32 or s.dtype != np.float32 or c.ndim != 2 or 2 * c.shape[1] > head_dim:
+            return None
+        cos.append(np.ascontiguousarray(c))
+        sin.append(np.ascontiguousarray(s))
+    n_ff = stored(layers[0]["ffn_gate"])[1].shape[0]
+    return DecoderPlan(blocks, ds, dmins, np.array(codes, np.int64), vectors, has, cos, sin,
+                       np.array(windows, np.int64), n_head, n_kv, head_dim, n_ff, stored(output)[1].shape[0],
+                       eps, scale, rope_style == "neox", ffn_act == "gelu_tanh")
+
+
+@njit(**_JIT)
+def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
+    """0 if the step can run: every row its own sequence, positions and table entries in
+    range; else -1 (row out of range), -2 (table entry out of range), 1 (a sequence
+    with several rows: the op-by-op path)."""
+    S, MB = tables.shape
+    seen = np.zeros(S, np.bool_)
+    for r in range(seqs.shape[0]):
+        s, p = seqs[r], pos[r]
+        if s < 0 or s >= S or p < 0 or p >= MB * block_tokens or p >= max_pos:
+            return -1
+        if seen[s]:
+            return 1
+        seen[s] = True
+        for b in range(p // block_tokens + 1):
+            if tables[s, b] < 0 or tables[s, b] >= n_blocks:
+                return -2
+    return 0
+
+
+@njit(inline="always", **_JIT)
+def _product(plan_blocks, plan_d, plan_dmin, codes, j, x, out, tid, n):
+    c0, c1 = share(out.shape[1], x.shape[0], tid, n)
+    product_range(codes[j], x, plan_blocks[j], plan_d[j], plan_dmin[j], out, c0, c1)
+    return c0, c1
+
+
+@njit(inline="always", **_JIT)
+def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
+    """x += p (columns c0..c1 of this thread), or x += rms_norm(p, vec) by rows after a barrier."""
+    if has_post:
+        barrier(sync, n)
+        R, D = x.shape
+        for r in range(tid, R, n):
+            _rms_norm(p[r:r + 1], vec, eps, p[r:r + 1])
+            for d in range(D):
+                x[r, d] = x[r, d] + p[r, d]
+    else:
+        for r in range(x.shape[0]):
+            for c in range(c0, c1):
+                x[r, c] = p[r, c] + x[r, c]
+
+
+@njit(**_JIT)
+def decode_step(x, blocks, d, dmin, codes, vectors, has, cos, sin, windows, k_all, v_all, tables, seqs, pos,
+                n_head, n_kv, eps, scale, neox, gelu, hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits,
+                sync, tid, n):
+    """One decode step for rows x [R, D] (embedded tokens; updated in place), thread tid of
+    n: see the module docstring. Buffers: hbuf [n, R, D], q [R, H*hd], k, v [R, G*hd],
+    qr [R, H, hd], att [R, H*hd], p [R, D], gate, up, act [R, F], kr [n, hd],
+    logits [R, V]; sync int64 [2] zeroed. The rows were checked by `check_rows`."""
+    R, D = x.shape
+    L = windows.shape[0]
+    hd = q.shape[1] // n_head
+    grp = n_head // n_kv
+    B = k_all.shape[3]
+    h = hbuf[tid]
+    q3, att3 = q.reshape((R, n_head, hd)), att.reshape((R, n_head, hd))
+    for i in range(L):
+        mi, vi = i * 7, i * 9
+        _rms_norm(x, vectors[vi], eps, h)
+        _product(blocks, d, dmin, codes, mi, h, q, tid, n)
+        _product(blocks, d, dmin, codes, mi + 1, h, k, tid, n)
+        _product(blocks, d, dmin, codes, mi + 2, h, v, tid, n)
+        barrier(sync, n)
+        kb, vb = k_all[i], v_all[i]
+        c, s, window = cos[i], sin[i], windows[i]
+        for task in range(tid, R * n_kv, n):
+            r, g = task // n_kv, task % n_kv
+            ko = r * k.shape[1] + g * hd
+            kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
+            if has[3]:
+                bk = vectors[vi + 3]
+                for e in range(hd):
+                    kg[e] = kg[e] + bk[g * hd + e]
+            if has[4]:
+                bv = vectors[vi + 4]
+                for e in range(hd):
+                    vg[e] = vg[e] + bv[g * hd + e]
+            if has[6]:
+                _rms_norm(kg.reshape((1, hd)), vectors[vi + 6], eps, kg.reshape((1, hd)))
+            pr = pos[r]
+            blk = tables[seqs[r], pr // B]
+            o = ((blk * n_kv + g) * B + pr % B) * hd
+            kt = kr[tid]
+            _rope_row(k, ko, pr, c, s, neox, kt, 0, hd)
+            _write_row(kb, o, kt, 0, hd)
+            _write_row(vb, o, v, r * v.shape[1] + g * hd, hd)
+            for j in range(grp):
+                hh = g * grp + j
+                qh = q3[r, hh]
+                if has[2]:
+                    bq = vectors[vi + 2]
+                    for e in range(hd):
+                        qh[e] = qh[e] + bq[hh * hd + e]
+                if has[5]:
+                    _rms_norm(qh.reshape((1, hd)), vectors[vi + 5], eps, qh.reshape((1, hd)))
+                _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
+            first = max(0, pr - window + 1) if window > 0 else 0
+            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g, first, pr, scale, att3)
+        barrier(sync, n)
+        c0, c1 = _product(blocks, d, dmin, codes, mi + 3, att, p, tid, n)
+        _residual(x, p, vectors[vi + 7], has[7], eps, c0, c1, sync, tid, n)
+        barrier(sync, n)
+        _rms_norm(x, vectors[vi + 1], eps, h)
+        g0, g1 = _product(blocks, d, dmin, codes, mi + 4, h, gate, tid, n)
+        _product(blocks, d, dmin, codes, mi + 5, h, up, tid, n)  # the same columns: same N
+        gated_columns(gate, up, act, g0, g1, gelu)
+        barrier(sync, n)
+        c0, c1 = _product(blocks, d, dmin, codes, mi + 6, act, p, tid, n)
+        _residual(x, p, vectors[vi + 8], has[8], eps, c0, c1, sync, tid, n)
+        barrier(sync, n)
+    _rms_norm(x, vectors[L * 9], eps, h)
+    _product(blocks, d, dmin, codes, L * 7, h, logits, tid, n)

@@ -1,0 +1,128 @@
+"""The one-call decode step (backends/cpu_decoder.py) equals the op-by-op layers and head
+bit for bit: logits and every layer's stored K and V, on the default model, a K-quant
+copy of it and tiny models of every architecture (biases, q/k norms, post norms, gelu,
+sliding windows, fused QKV), at 1..5 rows with shuffled block tables, f16 and f32 KV,
+on one thread and on two."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.paged_kv import BLOCK_TOKENS
+from panechat.engine.gguf_file import GGUFFile
+from panechat.engine.model import Batch, Model
+
+from .kquant_model import write_kquant_copy
+
+TINY = [("llama", "Q8_0"), ("qwen2", "Q5_1"), ("qwen3", "Q4_0"), ("gemma3", "Q8_0"), ("phi3", "Q4_1")]
+
+
+def _prefilled(model: Model, lengths: list[int], kv_dtype: str, seed: int):
+    """A paged store whose sequences (one per length) own shuffled blocks, each prefilled
+    op by op with random tokens: (kv, tables, next positions)."""
+    a, be = model.args, model.backend
+    rng = np.random.default_rng(seed)
+    per = max(lengths) // BLOCK_TOKENS + 2
+    n_blocks = per * len(lengths) + 3
+    kv = be.new_paged_kv(n_blocks, a.n_layer, a.n_kv_head, a.head_dim, kv_dtype)
+    tables = rng.permutation(n_blocks)[:per * len(lengths)].reshape(len(lengths), per).astype(np.int32)
+    for s, n in enumerate(lengths):
+        toks = rng.integers(0, a.vocab_size, n).astype(np.int32)
+        model.forward(kv, Batch(toks, np.full(n, s, np.int32), np.arange(n, dtype=np.int32), np.array([n - 1]),
+                                tables))
+    return kv, tables, np.array(lengths, np.int32)
+
+
+def _copy(be: NumpyBackend, kv, model: Model):
+    a = model.args
+    twin = be.new_paged_kv(kv.n_blocks, a.n_layer, a.n_kv_head, a.head_dim, kv.dtype)
+    for mine, theirs in zip(twin.stacked, kv.stacked):
+        mine[...] = theirs
+    return twin
+
+
+def _step_both_ways(model: Model, lengths: list[int], kv_dtype: str, seed: int):
+    """(one-call logits, op-by-op logits, one-call KV, op-by-op KV) of one decode step."""
+    kv, tables, pos = _prefilled(model, lengths, kv_dtype, seed)
+    twin = _copy(model.backend, kv, model)
+    R = len(lengths)
+    order = np.random.default_rng(seed + 1).permutation(R).astype(np.int32)  # rows in any order
+    toks = np.random.default_rng(seed + 2).integers(0, model.args.vocab_size, R).astype(np.int32)
+    batch = Batch(toks, order, pos[order], np.arange(R), tables)
+    assert model.decoder is not None
+    fused = model.forward(kv, batch)
+    plan, model.decoder = model.decoder, None
+    try:
+        ops = model.forward(twin, batch)
+    finally:
+        model.decoder = plan
+    return fused, ops, kv, twin
+
+
+def _assert_same(fused, ops, kv, twin):
+    assert np.array_equal(fused.view(np.uint32), ops.view(np.uint32))
+    for mine, theirs in zip(kv.stacked, twin.stacked):
+        assert np.array_equal(mine.view(np.uint8), theirs.view(np.uint8))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_default_model_one_call_equals_ops(loaded_model, rows, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("one core")
+    model = loaded_model.model
+    was = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        _assert_same(*_step_both_ways(model, [9, 33, 17, 1, 40][:rows], "f16", seed=rows))
+    finally:
+        numba.set_num_threads(was)
+
+
+def test_f32_store(loaded_model):
+    _assert_same(*_step_both_ways(loaded_model.model, [5, 20, 16], "f32", seed=7))
+
+
+@pytest.mark.parametrize("arch,qtype", TINY)
+def test_tiny_architectures_one_call_equals_ops(tiny, arch, qtype):
+    path, _ = tiny(arch, qtype)
+    model = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
+    for rows in (1, 4):
+        _assert_same(*_step_both_ways(model, [7, 12, 3, 9][:rows], "f16", seed=rows))
+
+
+def test_kquant_model(model_path, tmp_path):
+    path = tmp_path / "kquant.gguf"
+    write_kquant_copy(model_path, path)
+    model = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
+    _assert_same(*_step_both_ways(model, [30, 8], "f16", seed=3))
+
+
+def test_a_sequence_with_two_rows_runs_op_by_op(loaded_model):
+    """run_decoder declines (None) when a sequence has two rows, having written nothing."""
+    model = loaded_model.model
+    kv, tables, pos = _prefilled(model, [6], "f16", seed=1)
+    before = [a.copy() for a in kv.stacked]
+    x = np.zeros((2, model.args.n_embd), np.float32)
+    out = model.backend.run_decoder(model.decoder, kv, x, np.array([0, 0], np.int32), np.array([6, 7], np.int32),
+                                    tables)
+    assert out is None
+    assert all(np.array_equal(b, a) for b, a in zip(before, kv.stacked))
+
+
+def test_out_of_range_rows_are_refused(loaded_model):
+    model = loaded_model.model
+    kv, tables, pos = _prefilled(model, [6], "f16", seed=1)
+    x = np.zeros((1, model.args.n_embd), np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        model.backend.run_decoder(model.decoder, kv, x, np.array([0], np.int32),
+                                  np.array([tables.shape[1] * BLOCK_TOKENS], np.int32), tables)
+
+
+def test_ops_env_keeps_the_op_by_op_path(monkeypatch, tiny):
+    monkeypatch.setenv("PANECHAT_CPU_STEP", "ops")
+    path, _ = tiny("llama", "Q8_0")
+    assert Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=64).decoder is None
