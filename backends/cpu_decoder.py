@@ -28,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 from numba import njit, types
-from numba.typed import List
+from numba.extending import intrinsic
 
 from .activation_kernels import gated_columns
 from .block_tasks import QTYPE_CODES, product_range, share
@@ -44,28 +45,49 @@ VECTORS = ("attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias",
            "attn_k_norm", "post_attention_norm", "post_ffw_norm")
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _NV, _NM = len(VECTORS), len(MATRICES)
-_RO_BLOCKS = types.Array(types.uint8, 2, "C", readonly=True)
 _NO_SCALES = np.zeros((1, 1), np.float32)
+_NO_VECTOR = np.zeros(1, np.float32)
+
+
+def _pointer_codegen(context, builder, sig, args):
+    return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+
+@intrinsic
+def _u8_at(typingctx, address):
+    """The int64 `address` as a uint8 pointer (for numba.carray)."""
+    if not isinstance(address, types.Integer):
+        return None
+    return types.CPointer(types.uint8)(address), _pointer_codegen
+
+
+@intrinsic
+def _f32_at(typingctx, address):
+    """The int64 `address` as a float32 pointer (for numba.carray)."""
+    if not isinstance(address, types.Integer):
+        return None
+    return types.CPointer(types.float32)(address), _pointer_codegen
 
 
 @dataclass
 class DecoderPlan:
-    """A model's weights and shape as the one-call step takes them."""
+    """A model's weights and shape as the one-call step takes them: each array by its
+    address and shape in int64 tables (a numba typed list would compile its methods at
+    every start, ~1 s), the arrays themselves held in `keep`."""
 
-    blocks: Any  # typed List of uint8 [N, bytes] (read-only views): L*7 matrices, then the head
-    d: Any  # typed List of float32 [N, K/256] (K-quants' d; a 1x1 placeholder for the others)
-    dmin: Any
-    codes: np.ndarray  # int64 [L*7 + 1]: QTYPE_CODES of each matrix
-    vectors: Any  # typed List of float32 [n]: L*9 (VECTORS order), then the output norm
+    mats: np.ndarray  # int64 [L*7 + 1, 8]: blocks address, N, bytes a row, QTYPE_CODES, d address,
+    #                   dmin address, d rows, d columns (the head last; d: K-quants' per-super-block scales)
+    vectors: np.ndarray  # int64 [L*9 + 1, 2]: address, length (0: absent), VECTORS order; the output norm last
     has: np.ndarray  # int64 [9]: which of VECTORS the layers have
-    cos: Any  # typed List of float32 [max_pos, rope_dim/2] per layer
-    sin: Any
+    rope: np.ndarray  # int64 [L, 4]: cos address, sin address, rows, columns
     windows: np.ndarray  # int64 [L]
+    keep: list  # every array the tables point into
     n_head: int
     n_kv: int
     head_dim: int
     n_ff: int
     vocab: int
+    max_pos: int
     eps: float
     scale: float
     neox: bool
@@ -79,39 +101,42 @@ def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: l
     dmin) or None), or None when some part is not one the step computes."""
     if rope_style not in ("neox", "normal") or ffn_act not in ("silu", "gelu_tanh") or not layers:
         return None
-    blocks, ds, dmins = List.empty_list(_RO_BLOCKS), List(), List()
-    codes = []
+    keep, mats = [], []
+
+    def address(a: np.ndarray) -> int:
+        keep.append(a)
+        return a.ctypes.data
+
     for w in [L[name] for L in layers for name in MATRICES] + [output]:
         s = stored(w)
-        if s is None or s[0] not in QTYPE_CODES:
+        if s is None or s[0] not in QTYPE_CODES or s[1].dtype != np.uint8 or not s[1].flags.c_contiguous:
             return None
         qtype, b, d, dmin = s
-        ro = b.view()
-        ro.flags.writeable = False
-        blocks.append(ro)
-        ds.append(_NO_SCALES if d is None else np.ascontiguousarray(d, np.float32))
-        dmins.append(_NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32))
-        codes.append(QTYPE_CODES[qtype])
+        d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
+        dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
+        if d.shape != dmin.shape:
+            return None
+        mats.append((address(b), *b.shape, QTYPE_CODES[qtype], address(d), address(dmin), *d.shape))
     has = np.array([all(L[n] is not None for L in layers) for n in VECTORS], np.int64)
     if any(any(L[n] is not None for L in layers) != bool(h) for n, h in zip(VECTORS, has)):
         return None  # some layers have a vector others lack
-    vectors = List()
-    empty = np.zeros(0, np.float32)
-    for L in layers:
-        for n in VECTORS:
-            v = L[n]
-            vectors.append(empty if v is None else np.array(v, np.float32, copy=True).reshape(-1))
-    vectors.append(np.array(output_norm, np.float32, copy=True).reshape(-1))
-    cos, sin = List(), List()
+    vectors = []
+    for v in [L[n] for L in layers for n in VECTORS] + [output_norm]:
+        if v is None:
+            vectors.append((address(_NO_VECTOR), 0))
+        else:
+            v = np.ascontiguousarray(v, np.float32).reshape(-1)
+            vectors.append((address(v), v.size))
+    rope_rows = []
     for c, s in rope:
-        if c.dtype != np.float32 or s.dtype != np.float32 or c.ndim != 2 or 2 * c.shape[1] > head_dim:
+        if not (c.dtype == s.dtype == np.float32 and c.ndim == 2 and c.shape == s.shape and 2 * c.shape[1] <= head_dim):
             return None
-        cos.append(np.ascontiguousarray(c))
-        sin.append(np.ascontiguousarray(s))
-    n_ff = stored(layers[0]["ffn_gate"])[1].shape[0]
-    return DecoderPlan(blocks, ds, dmins, np.array(codes, np.int64), vectors, has, cos, sin,
-                       np.array(windows, np.int64), n_head, n_kv, head_dim, n_ff, stored(output)[1].shape[0],
-                       eps, scale, rope_style == "neox", ffn_act == "gelu_tanh")
+        c, s = np.ascontiguousarray(c), np.ascontiguousarray(s)
+        rope_rows.append((address(c), address(s), *c.shape))
+    n_ff, vocab = stored(layers[0]["ffn_gate"])[1].shape[0], stored(output)[1].shape[0]
+    return DecoderPlan(np.array(mats, np.int64), np.array(vectors, np.int64), has, np.array(rope_rows, np.int64),
+                       np.array(windows, np.int64), keep, n_head, n_kv, head_dim, n_ff, vocab,
+                       min(r[2] for r in rope_rows), eps, scale, rope_style == "neox", ffn_act == "gelu_tanh")
 
 
 @njit(**_JIT)
@@ -135,9 +160,18 @@ def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
 
 
 @njit(inline="always", **_JIT)
-def _product(plan_blocks, plan_d, plan_dmin, codes, j, x, out, tid, n):
+def _vector(vectors, j):
+    return numba.carray(_f32_at(vectors[j, 0]), vectors[j, 1])
+
+
+@njit(inline="always", **_JIT)
+def _product(mats, j, x, out, tid, n):
+    """This thread's columns of x @ W.T for matrix j of the plan; returns them (c0, c1)."""
+    m = mats[j]
+    w = numba.carray(_u8_at(m[0]), (m[1], m[2]))
+    d, dmin = numba.carray(_f32_at(m[4]), (m[6], m[7])), numba.carray(_f32_at(m[5]), (m[6], m[7]))
     c0, c1 = share(out.shape[1], x.shape[0], tid, n)
-    product_range(codes[j], x, plan_blocks[j], plan_d[j], plan_dmin[j], out, c0, c1)
+    product_range(m[3], x, w, d, dmin, out, c0, c1)
     return c0, c1
 
 
@@ -158,13 +192,13 @@ def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
 
 
 @njit(**_JIT)
-def decode_step(x, blocks, d, dmin, codes, vectors, has, cos, sin, windows, k_all, v_all, tables, seqs, pos,
-                n_head, n_kv, eps, scale, neox, gelu, hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits,
-                sync, tid, n):
+def decode_step(x, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs, pos, n_head, n_kv, eps, scale,
+                neox, gelu, hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits, sync, tid, n):
     """One decode step for rows x [R, D] (embedded tokens; updated in place), thread tid of
     n: see the module docstring. Buffers: hbuf [n, R, D], q [R, H*hd], k, v [R, G*hd],
     qr [R, H, hd], att [R, H*hd], p [R, D], gate, up, act [R, F], kr [n, hd],
-    logits [R, V]; sync int64 [2] zeroed. The rows were checked by `check_rows`."""
+    logits [R, V]; sync int64 [2] zeroed; the rest from a `DecoderPlan`. The rows were
+    checked by `check_rows`."""
     R, D = x.shape
     L = windows.shape[0]
     hd = q.shape[1] // n_head
@@ -174,27 +208,29 @@ def decode_step(x, blocks, d, dmin, codes, vectors, has, cos, sin, windows, k_al
     q3, att3 = q.reshape((R, n_head, hd)), att.reshape((R, n_head, hd))
     for i in range(L):
         mi, vi = i * 7, i * 9
-        _rms_norm(x, vectors[vi], eps, h)
-        _product(blocks, d, dmin, codes, mi, h, q, tid, n)
-        _product(blocks, d, dmin, codes, mi + 1, h, k, tid, n)
-        _product(blocks, d, dmin, codes, mi + 2, h, v, tid, n)
+        _rms_norm(x, _vector(vectors, vi), eps, h)
+        _product(mats, mi, h, q, tid, n)
+        _product(mats, mi + 1, h, k, tid, n)
+        _product(mats, mi + 2, h, v, tid, n)
         barrier(sync, n)
         kb, vb = k_all[i], v_all[i]
-        c, s, window = cos[i], sin[i], windows[i]
+        c = numba.carray(_f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
+        s = numba.carray(_f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
+        window = windows[i]
         for task in range(tid, R * n_kv, n):
             r, g = task // n_kv, task % n_kv
             ko = r * k.shape[1] + g * hd
             kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
             if has[3]:
-                bk = vectors[vi + 3]
+                bk = _vector(vectors, vi + 3)
                 for e in range(hd):
                     kg[e] = kg[e] + bk[g * hd + e]
             if has[4]:
-                bv = vectors[vi + 4]
+                bv = _vector(vectors, vi + 4)
                 for e in range(hd):
                     vg[e] = vg[e] + bv[g * hd + e]
             if has[6]:
-                _rms_norm(kg.reshape((1, hd)), vectors[vi + 6], eps, kg.reshape((1, hd)))
+                _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + 6), eps, kg.reshape((1, hd)))
             pr = pos[r]
             blk = tables[seqs[r], pr // B]
             o = ((blk * n_kv + g) * B + pr % B) * hd
@@ -206,25 +242,25 @@ def decode_step(x, blocks, d, dmin, codes, vectors, has, cos, sin, windows, k_al
                 hh = g * grp + j
                 qh = q3[r, hh]
                 if has[2]:
-                    bq = vectors[vi + 2]
+                    bq = _vector(vectors, vi + 2)
                     for e in range(hd):
                         qh[e] = qh[e] + bq[hh * hd + e]
                 if has[5]:
-                    _rms_norm(qh.reshape((1, hd)), vectors[vi + 5], eps, qh.reshape((1, hd)))
+                    _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + 5), eps, qh.reshape((1, hd)))
                 _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
             first = max(0, pr - window + 1) if window > 0 else 0
             _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g, first, pr, scale, att3)
         barrier(sync, n)
-        c0, c1 = _product(blocks, d, dmin, codes, mi + 3, att, p, tid, n)
-        _residual(x, p, vectors[vi + 7], has[7], eps, c0, c1, sync, tid, n)
+        c0, c1 = _product(mats, mi + 3, att, p, tid, n)
+        _residual(x, p, _vector(vectors, vi + 7), has[7], eps, c0, c1, sync, tid, n)
         barrier(sync, n)
-        _rms_norm(x, vectors[vi + 1], eps, h)
-        g0, g1 = _product(blocks, d, dmin, codes, mi + 4, h, gate, tid, n)
-        _product(blocks, d, dmin, codes, mi + 5, h, up, tid, n)  # the same columns: same N
+        _rms_norm(x, _vector(vectors, vi + 1), eps, h)
+        g0, g1 = _product(mats, mi + 4, h, gate, tid, n)
+        _product(mats, mi + 5, h, up, tid, n)  # the same columns: same N
         gated_columns(gate, up, act, g0, g1, gelu)
         barrier(sync, n)
-        c0, c1 = _product(blocks, d, dmin, codes, mi + 6, act, p, tid, n)
-        _residual(x, p, vectors[vi + 8], has[8], eps, c0, c1, sync, tid, n)
+        c0, c1 = _product(mats, mi + 6, act, p, tid, n)
+        _residual(x, p, _vector(vectors, vi + 8), has[8], eps, c0, c1, sync, tid, n)
         barrier(sync, n)
-    _rms_norm(x, vectors[L * 9], eps, h)
-    _product(blocks, d, dmin, codes, L * 7, h, logits, tid, n)
+    _rms_norm(x, _vector(vectors, L * 9), eps, h)
+    _product(mats, L * 7, h, logits, tid, n)

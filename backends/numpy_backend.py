@@ -19,6 +19,7 @@ comparison in benchmarks; `PANECHAT_NUMPY_KERNELS=gemv` selects it (`cpu_backend
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ class NumpyBackend(ArrayBackend):
         one-call decode step takes whole."""
         dt = np.float16 if kv_dtype_bytes(dtype) == 2 else np.float32
         shape = (n_layer, n_blocks, n_kv, BLOCK_TOKENS, head_dim)
-        k_all, v_all = np.zeros(shape, dt), np.zeros(shape, dt)
+        k_all, v_all = _lazy_zeros(shape, dt), _lazy_zeros(shape, dt)
         kv = PagedKV(list(k_all), list(v_all), n_blocks, n_kv, head_dim, dtype)
         kv.stacked = (k_all, v_all)
         return kv
@@ -185,8 +186,7 @@ class NumpyBackend(ArrayBackend):
         c = np.ascontiguousarray
         t = c(kv.slot_table if tables is None else tables, np.int32)
         seqs, pos = c(slots, np.int32), c(positions, np.int32)
-        max_pos = min(cs.shape[0] for cs in plan.cos)
-        status = self.cpu_decoder.check_rows(t, seqs, pos, kv.n_blocks, BLOCK_TOKENS, max_pos)
+        status = self.cpu_decoder.check_rows(t, seqs, pos, kv.n_blocks, BLOCK_TOKENS, plan.max_pos)
         if status == 1:
             return None
         if status:
@@ -198,17 +198,18 @@ class NumpyBackend(ArrayBackend):
         R, D = x.shape
         n = self._threads()  # the governor's count for this step
         H, G, hd, F = plan.n_head, plan.n_kv, plan.head_dim, plan.n_ff
-        e = np.empty
-        logits = e((R, plan.vocab), np.float32)
+        f32 = np.float32
+
+        def e(*shape):
+            return np.empty(shape, f32)
+
+        logits = e(R, plan.vocab)
         self._sync[:] = 0
         self.crew.run(self.cpu_decoder.decode_step,
-                      (x, plan.blocks, plan.d, plan.dmin, plan.codes, plan.vectors, plan.has, plan.cos, plan.sin,
-                       plan.windows, k_all, v_all, t, seqs, pos, H, G, np.float32(plan.eps),
-                       np.float32(plan.scale), plan.neox, plan.gelu, e((n, R, D), np.float32),
-                       e((R, H * hd), np.float32), e((R, G * hd), np.float32), e((R, G * hd), np.float32),
-                       e((R, H, hd), np.float32), e((R, H * hd), np.float32), e((R, D), np.float32),
-                       e((R, F), np.float32), e((R, F), np.float32), e((R, F), np.float32), e((n, hd), np.float32),
-                       logits, self._sync), n)
+                      (x, plan.mats, plan.vectors, plan.has, plan.rope, plan.windows, k_all, v_all, t, seqs, pos,
+                       H, G, f32(plan.eps), f32(plan.scale), plan.neox, plan.gelu,
+                       e(n, R, D), e(R, H * hd), e(R, G * hd), e(R, G * hd), e(R, H, hd), e(R, H * hd), e(R, D),
+                       e(R, F), e(R, F), e(R, F), e(n, hd), logits, self._sync), n)
         return logits
 
     def rms_norm(self, x, weight, eps):
@@ -267,6 +268,14 @@ class NumpyBackend(ArrayBackend):
         self.write_kv(kv, layer, k, v, seqs, positions, tables)
         self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, np.float32(scale), out, window)
         return out
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros whose pages become resident only when written: an anonymous memory map.
+    (np.zeros would do the same but asks for transparent huge pages on large arrays, and
+    the KV store is written a 2 KB block at a time: 2 MB resident per block touched.)"""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 class StackedGemvBackend(ArrayBackend):
