@@ -18,9 +18,13 @@ Every element is computed by the functions the op-by-op path calls (`block_tasks
 products, `norm_kernels._rms_norm`, `decode_attention`'s RoPE, K/V write and attention,
 `activation_kernels`), in the same order, so the step equals `Model.layers_and_head` bit
 for bit (tests/backends/test_cpu_decoder.py) and a row's bits never depend on the batch
-or on the thread count. A plan (`build_plan`) holds the model's weights as numba typed
-lists; models it cannot hold (F16/BF16/F32 matrices, other RoPE styles) keep the
-op-by-op path.
+or on the thread count. A plan (`build_plan`) holds the model's weights, vectors and RoPE
+tables by address; models it cannot hold (F16/BF16/F32 matrices, other RoPE styles) keep the
+op-by-op path, as do steps where a sequence has several rows (prefill chunks).
+
+numba's cache keys `decode_step` on this file only, yet it inlines code from
+decode_attention, norm_kernels, activation_kernels, step_threads and block_tasks: after
+editing one of those, delete backends/__pycache__/cpu_decoder.*.nbi and *.nbc.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ disjoint output elements, so which thread computes an element never changes its 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -87,9 +88,25 @@ def spin_pause(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def sched_yield(typingctx):
+    """POSIX sched_yield(): give the core to another runnable thread."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+SPINS = 2000  # pauses (tens of microseconds) before a waiting thread starts yielding its core
+
+
 @njit(inline="always", **_JIT)
 def barrier(sync, n):
-    """Wait until all `n` threads of the crew have arrived (sync: int64 [2], zeroed once)."""
+    """Wait until all `n` threads of the crew have arrived (sync: int64 [2], zeroed once).
+    A waiting thread spins, then yields its core between looks, so that a crew sharing
+    cores with other threads (more threads than cores) still moves on."""
     if n == 1:
         return
     gen = atomic_load(sync, 1)
@@ -97,8 +114,13 @@ def barrier(sync, n):
         atomic_store(sync, 0, 0)
         atomic_add(sync, 1, 1)
     else:
+        spins = 0
         while atomic_load(sync, 1) == gen:
-            spin_pause()
+            if spins < SPINS:
+                spin_pause()
+                spins += 1
+            else:
+                sched_yield()
 
 
 def new_sync() -> np.ndarray:
@@ -114,17 +136,22 @@ class StepCrew:
 
     def __init__(self):
         self._workers: list[_Worker] = []
+        self._lock = threading.Lock()  # one run at a time: the workers and a barrier serve one
+        self._pid = os.getpid()
 
     def run(self, fn, args: tuple, n: int):
-        while len(self._workers) < n - 1:
-            self._workers.append(_Worker(len(self._workers) + 1))
-        for w in self._workers[:n - 1]:
-            w.start(fn, args, n)
-        try:
-            return fn(*args, 0, n)
-        finally:
+        with self._lock:
+            if os.getpid() != self._pid:  # a forked child has none of the parent's threads
+                self._workers, self._pid = [], os.getpid()
+            while len(self._workers) < n - 1:
+                self._workers.append(_Worker(len(self._workers) + 1))
             for w in self._workers[:n - 1]:
-                w.wait()
+                w.start(fn, args, n)
+            try:
+                return fn(*args, 0, n)
+            finally:
+                for w in self._workers[:n - 1]:
+                    w.wait()
 
 
 class _Worker:

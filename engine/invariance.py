@@ -2,7 +2,8 @@
 
 Runs a sequence alone, then the same sequence inside a mixed batch (other sequences'
 prefill and decode rows around it, at another row position), and compares the logits
-bit for bit. The engine turns batching off when this fails.
+bit for bit; a decode row also beside another sequence's prefill chunk, which takes the
+op-by-op path where a decode-only step may run in one call. The engine turns batching off when this fails.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def check_model_invariance(model: Model, kv: Any) -> str | None:
                                      (0, nxt, len(seq))]))[2]
     if not np.array_equal(alone, mixed):
         return f"decode logits differ alone vs batched (max |diff| {np.abs(alone - mixed).max():.3g})"
+    # beside another sequence's two-row chunk the step runs op by op (a decode-only step
+    # may run in one backend call: Backend.run_decoder): the same bits either way
+    beside = model.forward(kv, _rows([(1, others[0][:2], 4), (0, nxt, len(seq))]))[1]
+    if not np.array_equal(alone, beside):
+        return ("decode logits differ beside a prefill chunk from a decode-only step "
+                f"(max |diff| {np.abs(alone - beside).max():.3g})")
     return None
 
 

@@ -80,7 +80,22 @@ def test_inverse_gemm_kernel_breaks_invariance(model_path):
 
 
 def test_startup_self_check_passes(model):
+    assert model.decoder is not None  # the one-call decode step is what the decode checks run
     assert check_model_invariance(model, new_kv(model, 3)) is None
+
+
+def test_startup_self_check_notices_a_one_call_step_unlike_op_by_op(model, monkeypatch):
+    """A one-call decode step one ulp off the op-by-op path passes the alone-vs-batched
+    checks (both run in one call) and is caught by the check beside a prefill chunk."""
+    real = model.backend.run_decoder
+
+    def one_ulp_off(*args):
+        out = real(*args)
+        return None if out is None else np.nextafter(out, np.float32(np.inf))
+
+    monkeypatch.setattr(model.backend, "run_decoder", one_ulp_off)
+    problem = check_model_invariance(model, new_kv(model, 3))
+    assert problem is not None and "beside a prefill chunk" in problem
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3", "phi3", *ROPE_VARIANTS])
