@@ -4,9 +4,11 @@ x @ W.T, for the crew threads of the one-call decode step (`cpu_decoder`).
 The columns are computed by `block_linear`'s own paths (register tiles up to
 REG_MAX_ROWS rows, dequantized float32 panels above), so every output element has the
 bits `quant_kernels.linear_block32` / `linear_kquant` give it: which thread computes a
-column, and with which neighbours, never changes its arithmetic. `product_range` picks
-the block type by a small integer code (`QTYPE_CODES`), so one compiled step serves a
-file of mixed types (Q4_K_M mixes Q4_K and Q6_K); each type is its own cached function.
+column, and with which neighbours, never changes its arithmetic. Each block type is its
+own C-callable function (`range_function`), compiled on first use and cached; the step
+calls them through a table of pointers indexed by a small integer code (`QTYPE_CODES`),
+so one compiled step serves a file of mixed types (Q4_K_M mixes Q4_K and Q6_K), and a
+model compiles only the types it holds (each takes ~20 s of CPU the first time).
 
 numba's cache keys a function on its own module's file only: after editing
 `block_linear` or `quant_kernels`, delete backends/__pycache__/block_tasks.*.nbi/.nbc too.
@@ -14,9 +16,13 @@ numba's cache keys a function on its own module's file only: after editing
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import functools
 
+import numba
+import numpy as np
+from numba import cfunc, njit, types
+
+from .addresses import f32_at, u8_at
 from .block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from .numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
 from .quant_kernels import (_pair_q4_0, _pair_q4_1, _pair_q4_k, _pair_q5_0, _pair_q5_1, _pair_q5_k, _pair_q6_k,
@@ -57,64 +63,62 @@ def _range(x, w, wd, wdm, out, c0, c1, load2):
         _column_panel(x, buf, n0, n0, out, n0, n1, _load_panel, False)
 
 
-@njit(**_JIT)
-def _range_q8_0(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q8_0)
+@njit(inline="always", **_JIT)
+def _range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_out, c0, c1, load2):
+    """`_range` on arrays given by address and shape (a C-callable function's arguments)."""
+    x, out = numba.carray(f32_at(x_at), (M, K)), numba.carray(f32_at(out_at), (M, n_out))
+    w = numba.carray(u8_at(w_at), (N, rb))
+    d, dmin = numba.carray(f32_at(d_at), (d_rows, d_cols)), numba.carray(f32_at(dmin_at), (d_rows, d_cols))
+    _range(x, w, d, dmin, out, c0, c1, load2)
 
 
-@njit(**_JIT)
-def _range_q4_0(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q4_0)
+def _range_q8_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q8_0)
 
 
-@njit(**_JIT)
-def _range_q4_1(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q4_1)
+def _range_q4_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q4_0)
 
 
-@njit(**_JIT)
-def _range_q5_0(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q5_0)
+def _range_q4_1(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q4_1)
 
 
-@njit(**_JIT)
-def _range_q5_1(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q5_1)
+def _range_q5_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q5_0)
 
 
-@njit(**_JIT)
-def _range_q4_k(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q4_k)
+def _range_q5_1(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q5_1)
 
 
-@njit(**_JIT)
-def _range_q5_k(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q5_k)
+def _range_q4_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q4_k)
 
 
-@njit(**_JIT)
-def _range_q6_k(x, w, wd, wdm, out, c0, c1):
-    _range(x, w, wd, wdm, out, c0, c1, _pair_q6_k)
+def _range_q5_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q5_k)
 
 
-@njit(**_JIT)
-def product_range(code, x, w, wd, wdm, out, c0, c1):
-    """out[:, c0:c1] = (x @ W.T)[:, c0:c1] for W of block type `code` (QTYPE_CODES): `w` its
-    stored bytes [N, bytes per row]; `wd`, `wdm` the K-quants' float32 d and dmin
-    (`quant_kernels.superblock_scales`; any float32 2-d array for the other types)."""
-    if code == 0:
-        _range_q8_0(x, w, wd, wdm, out, c0, c1)
-    elif code == 1:
-        _range_q4_0(x, w, wd, wdm, out, c0, c1)
-    elif code == 2:
-        _range_q4_1(x, w, wd, wdm, out, c0, c1)
-    elif code == 3:
-        _range_q5_0(x, w, wd, wdm, out, c0, c1)
-    elif code == 4:
-        _range_q5_1(x, w, wd, wdm, out, c0, c1)
-    elif code == 5:
-        _range_q4_k(x, w, wd, wdm, out, c0, c1)
-    elif code == 6:
-        _range_q5_k(x, w, wd, wdm, out, c0, c1)
-    else:
-        _range_q6_k(x, w, wd, wdm, out, c0, c1)
+def _range_q6_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q6_k)
+
+
+_RANGES = (_range_q8_0, _range_q4_0, _range_q4_1, _range_q5_0, _range_q5_1, _range_q4_k, _range_q5_k, _range_q6_k)
+RANGE_SIGNATURE = types.void(*[types.int64] * 14)
+
+
+@functools.cache
+def range_function(code: int):
+    """The C-callable product over columns c0..c1 for block type `code`, compiled (or read
+    from numba's cache) on first use: a model compiles only the types it holds. Arguments,
+    all int64: x address, M, K; the blocks' address, N, bytes a row; d and dmin addresses,
+    their rows and columns; out's address and columns; c0, c1."""
+    return cfunc(RANGE_SIGNATURE, **_JIT)(_RANGES[code])
+
+
+def range_functions(codes) -> np.ndarray:
+    """int64 [len(QTYPE_CODES)]: the address of each type's range function, for
+    `decode_step` (`addresses.call_void`); compiled for the codes used, 0 for the rest."""
+    used = set(int(c) for c in codes)
+    return np.array([range_function(c).address if c in used else 0 for c in range(len(QTYPE_CODES))], np.int64)

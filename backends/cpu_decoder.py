@@ -34,11 +34,11 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from .activation_kernels import gated_columns
-from .block_tasks import QTYPE_CODES, product_range, share
+from .addresses import call_void, f32_at
+from .block_tasks import QTYPE_CODES, range_functions, share
 from .decode_attention import _attend_blocks, _rope_row, _write_row
 from .norm_kernels import _rms_norm
 from .numpy_kernels import _JIT
@@ -53,26 +53,6 @@ _NO_SCALES = np.zeros((1, 1), np.float32)
 _NO_VECTOR = np.zeros(1, np.float32)
 
 
-def _pointer_codegen(context, builder, sig, args):
-    return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-
-@intrinsic
-def _u8_at(typingctx, address):
-    """The int64 `address` as a uint8 pointer (for numba.carray)."""
-    if not isinstance(address, types.Integer):
-        return None
-    return types.CPointer(types.uint8)(address), _pointer_codegen
-
-
-@intrinsic
-def _f32_at(typingctx, address):
-    """The int64 `address` as a float32 pointer (for numba.carray)."""
-    if not isinstance(address, types.Integer):
-        return None
-    return types.CPointer(types.float32)(address), _pointer_codegen
-
-
 @dataclass
 class DecoderPlan:
     """A model's weights and shape as the one-call step takes them: each array by its
@@ -85,6 +65,7 @@ class DecoderPlan:
     has: np.ndarray  # int64 [9]: which of VECTORS the layers have
     rope: np.ndarray  # int64 [L, 4]: cos address, sin address, rows, columns
     windows: np.ndarray  # int64 [L]
+    fns: np.ndarray  # int64: block_tasks.range_functions of the matrices' types
     keep: list  # every array the tables point into
     n_head: int
     n_kv: int
@@ -138,8 +119,9 @@ def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: l
         c, s = np.ascontiguousarray(c), np.ascontiguousarray(s)
         rope_rows.append((address(c), address(s), *c.shape))
     n_ff, vocab = stored(layers[0]["ffn_gate"])[1].shape[0], stored(output)[1].shape[0]
-    return DecoderPlan(np.array(mats, np.int64), np.array(vectors, np.int64), has, np.array(rope_rows, np.int64),
-                       np.array(windows, np.int64), keep, n_head, n_kv, head_dim, n_ff, vocab,
+    mats = np.array(mats, np.int64)
+    return DecoderPlan(mats, np.array(vectors, np.int64), has, np.array(rope_rows, np.int64),
+                       np.array(windows, np.int64), range_functions(mats[:, 3]), keep, n_head, n_kv, head_dim, n_ff, vocab,
                        min(r[2] for r in rope_rows), eps, scale, rope_style == "neox", ffn_act == "gelu_tanh")
 
 
@@ -165,17 +147,17 @@ def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
 
 @njit(inline="always", **_JIT)
 def _vector(vectors, j):
-    return numba.carray(_f32_at(vectors[j, 0]), vectors[j, 1])
+    return numba.carray(f32_at(vectors[j, 0]), vectors[j, 1])
 
 
 @njit(inline="always", **_JIT)
-def _product(mats, j, x, out, tid, n):
+def _product(fns, mats, j, x, out, tid, n):
     """This thread's columns of x @ W.T for matrix j of the plan; returns them (c0, c1)."""
     m = mats[j]
-    w = numba.carray(_u8_at(m[0]), (m[1], m[2]))
-    d, dmin = numba.carray(_f32_at(m[4]), (m[6], m[7])), numba.carray(_f32_at(m[5]), (m[6], m[7]))
     c0, c1 = share(out.shape[1], x.shape[0], tid, n)
-    product_range(m[3], x, w, d, dmin, out, c0, c1)
+    if c0 < c1:
+        call_void(fns[m[3]], (np.int64(x.ctypes.data), x.shape[0], x.shape[1], m[0], m[1], m[2], m[4], m[5],
+                              m[6], m[7], np.int64(out.ctypes.data), out.shape[1], c0, c1))
     return c0, c1
 
 
@@ -196,12 +178,14 @@ def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
 
 
 @njit(**_JIT)
-def decode_step(x, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs, pos, n_head, n_kv, eps, scale,
+def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs, pos, n_head, n_kv, eps, scale,
                 neox, gelu, hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits, sync, tid, n):
     """One decode step for rows x [R, D] (embedded tokens; updated in place), thread tid of
     n: see the module docstring. Buffers: hbuf [n, R, D], q [R, H*hd], k, v [R, G*hd],
     qr [R, H, hd], att [R, H*hd], p [R, D], gate, up, act [R, F], kr [n, hd],
-    logits [R, V]; sync int64 [2] zeroed; the rest from a `DecoderPlan`. The rows were
+    logits [R, V]; sync int64 [2] zeroed; fns: `block_tasks.range_functions`
+    (addresses); the rest
+    from a `DecoderPlan`. The rows were
     checked by `check_rows`."""
     R, D = x.shape
     L = windows.shape[0]
@@ -213,13 +197,13 @@ def decode_step(x, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs
     for i in range(L):
         mi, vi = i * 7, i * 9
         _rms_norm(x, _vector(vectors, vi), eps, h)
-        _product(mats, mi, h, q, tid, n)
-        _product(mats, mi + 1, h, k, tid, n)
-        _product(mats, mi + 2, h, v, tid, n)
+        _product(fns, mats, mi, h, q, tid, n)
+        _product(fns, mats, mi + 1, h, k, tid, n)
+        _product(fns, mats, mi + 2, h, v, tid, n)
         barrier(sync, n)
         kb, vb = k_all[i], v_all[i]
-        c = numba.carray(_f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
-        s = numba.carray(_f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
+        c = numba.carray(f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
+        s = numba.carray(f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
         window = windows[i]
         for task in range(tid, R * n_kv, n):
             r, g = task // n_kv, task % n_kv
@@ -255,16 +239,16 @@ def decode_step(x, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs
             first = max(0, pr - window + 1) if window > 0 else 0
             _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g, first, pr, scale, att3)
         barrier(sync, n)
-        c0, c1 = _product(mats, mi + 3, att, p, tid, n)
+        c0, c1 = _product(fns, mats, mi + 3, att, p, tid, n)
         _residual(x, p, _vector(vectors, vi + 7), has[7], eps, c0, c1, sync, tid, n)
         barrier(sync, n)
         _rms_norm(x, _vector(vectors, vi + 1), eps, h)
-        g0, g1 = _product(mats, mi + 4, h, gate, tid, n)
-        _product(mats, mi + 5, h, up, tid, n)  # the same columns: same N
+        g0, g1 = _product(fns, mats, mi + 4, h, gate, tid, n)
+        _product(fns, mats, mi + 5, h, up, tid, n)  # the same columns: same N
         gated_columns(gate, up, act, g0, g1, gelu)
         barrier(sync, n)
-        c0, c1 = _product(mats, mi + 6, act, p, tid, n)
+        c0, c1 = _product(fns, mats, mi + 6, act, p, tid, n)
         _residual(x, p, _vector(vectors, vi + 8), has[8], eps, c0, c1, sync, tid, n)
         barrier(sync, n)
     _rms_norm(x, _vector(vectors, L * 9), eps, h)
-    _product(mats, L * 7, h, logits, tid, n)
+    _product(fns, mats, L * 7, h, logits, tid, n)

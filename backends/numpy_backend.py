@@ -206,7 +206,7 @@ class NumpyBackend(ArrayBackend):
         logits = e(R, plan.vocab)
         self._sync[:] = 0
         self.crew.run(self.cpu_decoder.decode_step,
-                      (x, plan.mats, plan.vectors, plan.has, plan.rope, plan.windows, k_all, v_all, t, seqs, pos,
+                      (x, plan.fns, plan.mats, plan.vectors, plan.has, plan.rope, plan.windows, k_all, v_all, t, seqs, pos,
                        H, G, f32(plan.eps), f32(plan.scale), plan.neox, plan.gelu,
                        e(n, R, D), e(R, H * hd), e(R, G * hd), e(R, G * hd), e(R, H, hd), e(R, H * hd), e(R, D),
                        e(R, F), e(R, F), e(R, F), e(n, hd), logits, self._sync), n)
