@@ -72,6 +72,8 @@ def _range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_
     _range(x, w, d, dmin, out, c0, c1, load2)
 
 
+# One named function per type, not made by a factory: numba's cache keys a function on its
+# name and line, so closures from one factory would share (and overwrite) one cache entry.
 def _range_q8_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
     _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q8_0)
 

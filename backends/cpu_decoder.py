@@ -39,16 +39,18 @@ from numba import njit
 from .activation_kernels import gated_columns
 from .addresses import call_void, f32_at
 from .block_tasks import QTYPE_CODES, range_functions, share
+from .gguf_blocks import KQUANT_BYTES, QK_K
+from .quant_kernels import BLOCK32_BYTES
 from .decode_attention import _attend_blocks, _rope_row, _write_row
+from .decode_attention import check_rows as decode_check_rows
 from .norm_kernels import _rms_norm
 from .numpy_kernels import _JIT
 from .step_threads import barrier
 
-# per-layer vectors, in this order in the plan's list (absent ones are empty arrays)
+# per-layer vectors, in this order in the plan's table (absent ones: length 0)
 VECTORS = ("attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm",
            "attn_k_norm", "post_attention_norm", "post_ffw_norm")
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_NV, _NM = len(VECTORS), len(MATRICES)
 _NO_SCALES = np.zeros((1, 1), np.float32)
 _NO_VECTOR = np.zeros(1, np.float32)
 
@@ -67,6 +69,7 @@ class DecoderPlan:
     windows: np.ndarray  # int64 [L]
     fns: np.ndarray  # int64: block_tasks.range_functions of the matrices' types
     keep: list  # every array the tables point into
+    n_embd: int
     n_head: int
     n_kv: int
     head_dim: int
@@ -92,57 +95,73 @@ def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: l
         keep.append(a)
         return a.ctypes.data
 
-    for w in [L[name] for L in layers for name in MATRICES] + [output]:
+    D, hd, q_rows, kv_rows = np.size(output_norm), head_dim, n_head * head_dim, n_kv * head_dim
+    gate = stored(layers[0]["ffn_gate"])
+    if gate is None:
+        return None
+    F = gate[1].shape[0]
+    want = dict(zip(MATRICES, [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, q_rows), (F, D), (F, D), (D, F)]))
+    # every shape checked once here: the step reads by address and would not notice
+    for w, shape in [(L[name], want[name]) for L in layers for name in MATRICES] + [(output, (None, D))]:
         s = stored(w)
-        if s is None or s[0] not in QTYPE_CODES or s[1].dtype != np.uint8 or not s[1].flags.c_contiguous:
+        if s is None or s[0] not in QTYPE_CODES or not _blocks_fit(*s, shape):
             return None
         qtype, b, d, dmin = s
         d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
         dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
-        if d.shape != dmin.shape:
-            return None
         mats.append((address(b), *b.shape, QTYPE_CODES[qtype], address(d), address(dmin), *d.shape))
     has = np.array([all(L[n] is not None for L in layers) for n in VECTORS], np.int64)
     if any(any(L[n] is not None for L in layers) != bool(h) for n, h in zip(VECTORS, has)):
         return None  # some layers have a vector others lack
+    sizes = dict(zip(VECTORS, (D, D, q_rows, kv_rows, kv_rows, hd, hd, D, D)))
     vectors = []
-    for v in [L[n] for L in layers for n in VECTORS] + [output_norm]:
+    for v, size in [(L[n], sizes[n]) for L in layers for n in VECTORS] + [(output_norm, D)]:
         if v is None:
             vectors.append((address(_NO_VECTOR), 0))
-        else:
-            v = np.ascontiguousarray(v, np.float32).reshape(-1)
-            vectors.append((address(v), v.size))
+            continue
+        v = np.ascontiguousarray(v, np.float32).reshape(-1)
+        if v.size != size:
+            return None
+        vectors.append((address(v), v.size))
     rope_rows = []
     for c, s in rope:
         if not (c.dtype == s.dtype == np.float32 and c.ndim == 2 and c.shape == s.shape and 2 * c.shape[1] <= head_dim):
             return None
         c, s = np.ascontiguousarray(c), np.ascontiguousarray(s)
         rope_rows.append((address(c), address(s), *c.shape))
-    n_ff, vocab = stored(layers[0]["ffn_gate"])[1].shape[0], stored(output)[1].shape[0]
+    if len(rope_rows) != len(layers) or len(windows) != len(layers):
+        return None
     mats = np.array(mats, np.int64)
     return DecoderPlan(mats, np.array(vectors, np.int64), has, np.array(rope_rows, np.int64),
-                       np.array(windows, np.int64), range_functions(mats[:, 3]), keep, n_head, n_kv, head_dim, n_ff, vocab,
-                       min(r[2] for r in rope_rows), eps, scale, rope_style == "neox", ffn_act == "gelu_tanh")
+                       np.array(windows, np.int64), range_functions(mats[:, 3]), keep, D, n_head, n_kv, head_dim, F,
+                       int(mats[-1, 1]), min(r[2] for r in rope_rows), eps, scale, rope_style == "neox",
+                       ffn_act == "gelu_tanh")
+
+
+def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
+    """Whether `blocks` hold a [N, K] matrix of `qtype` (N None: any) and d, dmin its scales."""
+    N, K = shape
+    if blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous or N not in (None, blocks.shape[0]):
+        return False
+    if qtype in KQUANT_BYTES:
+        sb = (blocks.shape[0], K // QK_K)
+        return (K % QK_K == 0 and blocks.shape[1] == K // QK_K * KQUANT_BYTES[qtype] and d is not None
+                and dmin is not None and d.shape == sb and dmin.shape == sb)
+    return K % 32 == 0 and blocks.shape[1] == K // 32 * BLOCK32_BYTES[qtype]
 
 
 @njit(**_JIT)
 def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
-    """0 if the step can run: every row its own sequence, positions and table entries in
-    range; else -1 (row out of range), -2 (table entry out of range), 1 (a sequence
-    with several rows: the op-by-op path)."""
-    S, MB = tables.shape
-    seen = np.zeros(S, np.bool_)
-    for r in range(seqs.shape[0]):
-        s, p = seqs[r], pos[r]
-        if s < 0 or s >= S or p < 0 or p >= MB * block_tokens or p >= max_pos:
-            return -1
-        if seen[s]:
-            return 1
-        seen[s] = True
-        for b in range(p // block_tokens + 1):
-            if tables[s, b] < 0 or tables[s, b] >= n_blocks:
-                return -2
-    return 0
+    """`decode_attention.check_rows`: 0 when the step can run these rows, 1 when a sequence
+    has several (op by op), negative when a row or table entry is out of range."""
+    return decode_check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos)
+
+
+@njit(inline="always", **_JIT)
+def _add(x, b, o):
+    """x += b[o : o + len(x)] (a bias on one head's slice)."""
+    for e in range(x.shape[0]):
+        x[e] = x[e] + b[o + e]
 
 
 @njit(inline="always", **_JIT)
@@ -210,13 +229,9 @@ def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables,
             ko = r * k.shape[1] + g * hd
             kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
             if has[3]:
-                bk = _vector(vectors, vi + 3)
-                for e in range(hd):
-                    kg[e] = kg[e] + bk[g * hd + e]
+                _add(kg, _vector(vectors, vi + 3), g * hd)
             if has[4]:
-                bv = _vector(vectors, vi + 4)
-                for e in range(hd):
-                    vg[e] = vg[e] + bv[g * hd + e]
+                _add(vg, _vector(vectors, vi + 4), g * hd)
             if has[6]:
                 _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + 6), eps, kg.reshape((1, hd)))
             pr = pos[r]
@@ -230,9 +245,7 @@ def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables,
                 hh = g * grp + j
                 qh = q3[r, hh]
                 if has[2]:
-                    bq = _vector(vectors, vi + 2)
-                    for e in range(hd):
-                        qh[e] = qh[e] + bq[hh * hd + e]
+                    _add(qh, _vector(vectors, vi + 2), hh * hd)
                 if has[5]:
                     _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + 5), eps, qh.reshape((1, hd)))
                 _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)

@@ -292,22 +292,33 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g, first, last, scale, out):
             out[r, g * grp + j, d] = acc[j, d] * inv
 
 
-@njit(parallel=True, **_JIT)
-def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, out, rope_on, cos, sin, neox):
-    R, H, D = q.shape
-    NB, G, B = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[2]
+@njit(inline="always", **_JIT)
+def check_rows(tables, seqs, pos, n_blocks, B, max_pos):
+    """0 if a decode call can run: every row its own sequence, positions below max_pos and
+    within the table, table entries valid; else -1 (row out of range), -2 (table entry out
+    of range), 1 (a sequence with several rows: a prefill chunk)."""
     S, MB = tables.shape
     seen = np.zeros(S, np.bool_)
-    for r in range(R):  # check everything before writing anything
-        s, p = row_seq[r], row_pos[r]
-        if s < 0 or s >= S or p < 0 or p >= MB * B or (rope_on and p >= cos.shape[0]):
+    for r in range(seqs.shape[0]):
+        s, p = seqs[r], pos[r]
+        if s < 0 or s >= S or p < 0 or p >= MB * B or p >= max_pos:
             return -1
         if seen[s]:
             return 1
         seen[s] = True
         for b in range(p // B + 1):
-            if tables[s, b] < 0 or tables[s, b] >= NB:
+            if tables[s, b] < 0 or tables[s, b] >= n_blocks:
                 return -2
+    return 0
+
+
+@njit(parallel=True, **_JIT)
+def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, out, rope_on, cos, sin, neox):
+    R, H, D = q.shape
+    NB, G, B = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[2]
+    status = check_rows(tables, row_seq, row_pos, NB, B, cos.shape[0] if rope_on else tables.shape[1] * B)
+    if status:  # checked before anything is written
+        return status
     qr = q
     kr = np.empty(D, np.float32)
     if rope_on:  # q and k turned here rather than in two more calls

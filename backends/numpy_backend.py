@@ -181,7 +181,9 @@ class NumpyBackend(ArrayBackend):
     def run_decoder(self, plan, kv, x, slots, positions, tables):
         """The decode step on the crew (`cpu_decoder.decode_step`); None when a sequence has
         several rows, the store is not stacked, or f16 KV without F16C."""
-        if kv.stacked is None or (kv.stacked[0].dtype == np.float16 and not self.decode_attention.HAS_F16C):
+        if (kv.stacked is None or (kv.stacked[0].dtype == np.float16 and not self.decode_attention.HAS_F16C)
+                or kv.n_kv != plan.n_kv or kv.head_dim != plan.head_dim or len(kv.k) != len(plan.windows)
+                or x.shape[-1] != plan.n_embd):
             return None
         c = np.ascontiguousarray
         t = c(kv.slot_table if tables is None else tables, np.int32)
