@@ -37,7 +37,8 @@ Integer codes become floats exactly and are combined by exact float adds, so the
 roundings in a weight are gguf's (sub-scale product, product with the code, then the
 min), in gguf's order. As for numpy_kernels, the bits do not depend on the ISA:
 all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and generic
-(checked 2026-11-30).
+(checked 2026-11-30); IQ4_NL and IQ4_XS gave gguf's products (M 1, 3, 5, 33) on AVX-512 and
+with AVX-512 off (haswell, and generic without F16C: the lane-by-lane lookup), 2026-12-01.
 """
 
 from __future__ import annotations
