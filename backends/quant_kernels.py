@@ -1,5 +1,6 @@
 """Batch-invariant linear kernels reading GGUF weights as stored: K-quant blocks (Q4_K,
-Q5_K, Q6_K), Q5_0/Q5_1 blocks and 16-bit floats (F16, BF16).
+Q5_K, Q6_K), IQ4_XS super-blocks, Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL blocks and 16-bit
+floats (F16, BF16).
 
 The weights stay in ggml's block layout (ggml-common.h; one row of blocks per output
 row, read from the file's memory map): each kernel dequantizes 16 weights in registers
@@ -18,19 +19,26 @@ Block layouts (256 weights a super-block, sub-block scales packed in the block):
       w = (d * sc[i // 16]) * (ql | qh << 4 - 32)
   Q5_0 (22 B, 32 weights): f16 d, u32 qh, u8 qs[16]; w = d * (q - 16)
   Q5_1 (24 B, 32 weights): f16 d, f16 m, u32 qh, u8 qs[16]; w = d * q + m
+  IQ4_NL (18 B, 32 weights): f16 d, u8 qs[16] (as Q4_0); w = d * kvalues[q], kvalues
+      llama.cpp's fixed non-linear table of 16 int8 values (KVALUES)
+  IQ4_XS (136 B): f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; sub-block j of 32 has
+      the 6-bit ls = (nibble j of scales_l) | (bits 2j, 2j+1 of scales_h) << 4 and its 16
+      bytes qs[16j:] as IQ4_NL's; w = (d * (ls - 32)) * kvalues[q]
   F16 / BF16: widened exactly (integer bit moves; F16 by a 2**112 scaling of the bits)
 
 Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (4 or 8
 bytes per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
-On AVX-512 targets Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K read each weight from a per-block
+On AVX-512 targets Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL and IQ4_XS read each weight from a per-block
 table of the block's 16 (32) values, computed by the same expression on iota
 (`block_lut`), and the 32-weight types splat their f16 scales with one vector
-conversion; elsewhere every code is converted and scaled. Both give the same floats.
+conversion; elsewhere every code is converted and scaled (an IQ4 code looked up in
+KVALUES lane by lane, then scaled). Both give the same floats.
 Integer codes become floats exactly and are combined by exact float adds, so the only
 roundings in a weight are gguf's (sub-scale product, product with the code, then the
 min), in gguf's order. As for numpy_kernels, the bits do not depend on the ISA:
 all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and generic
-(checked 2026-11-30).
+(checked 2026-11-30); IQ4_NL and IQ4_XS gave gguf's products (M 1, 3, 5, 33) on AVX-512 and
+with AVX-512 off (haswell, and generic without F16C: the lane-by-lane lookup), 2026-12-01.
 """
 
 from __future__ import annotations
@@ -132,6 +140,46 @@ def vsub(typingctx, a, b):
         return builder.fsub(args[0], args[1])
 
     return f32vec(f32vec, f32vec), codegen
+
+
+#: llama.cpp's kvalues_iq4nl (ggml-common.h; gguf.quants.IQ4_NL.kvalues): the 16 weight
+#: levels of IQ4_NL and IQ4_XS codes.
+KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+@intrinsic
+def vkvalues(typingctx):
+    """The float32 vector KVALUES (lane q: the level of code q; exact)."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VEC, [float(v) for v in KVALUES])
+
+    return f32vec(), codegen
+
+
+@intrinsic
+def vtable16_bits(typingctx, table, arr, i, shift):
+    """table[(b >> shift) & 15] for the bytes b of ``arr.flat[i : i + 16]`` (uint8 C-array),
+    lane by lane (a variable-index extract each: any ISA; `block_lut.vlut16_bits` is the
+    one-permute AVX-512 form)."""
+    if not (table == f32vec and _is_c_array(arr, types.uint8) and isinstance(i, types.Integer)
+            and isinstance(shift, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2])
+        q = builder.zext(builder.load(builder.bitcast(p, _U8VEC.as_pointer()), align=1, typ=_U8VEC), _I32VEC)
+        s = context.cast(builder, args[3], sig.args[3], types.int32)
+        sv = builder.insert_element(ir.Constant(_I32VEC, None), s, ir.Constant(ir.IntType(32), 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(_I32VEC, [0] * LANES))
+        idx = builder.and_(builder.lshr(q, sv), _splat32(0x0F))
+        out = ir.Constant(_VEC, None)
+        for lane in range(LANES):
+            at = ir.Constant(ir.IntType(32), lane)
+            out = builder.insert_element(out, builder.extract_element(args[0], builder.extract_element(idx, at)), at)
+        return out
+
+    return f32vec(table, arr, i, shift), codegen
 
 
 _I16VEC = ir.VectorType(ir.IntType(16), LANES)
@@ -392,12 +440,30 @@ def _wide_q8_0(w, wd, wdm, n, k):
     return vmul(vload_s8(w, base + 2), d), vmul(vload_s8(w, base + 18), d)
 
 
+@njit(inline="always", **_JIT)
+def _arith_iq4_nl(w, wd, wdm, n, k):
+    """IQ4_NL (18 B: f16 d, u8 qs[16], bytes as Q4_0's): d * kvalues[q]."""
+    rb = (k >> 5) * 18
+    base = n * w.shape[1] + rb + 2
+    d, kv = vsplat(_f16_at(w, n, rb)), vkvalues()
+    return vmul(d, vtable16_bits(kv, w, base, 0)), vmul(d, vtable16_bits(kv, w, base, 4))
+
+
+@njit(inline="always", **_JIT)
+def _lut_iq4_nl(w, wd, wdm, n, k):
+    """IQ4_NL by table: table[q] = d * kvalues[q], as `_arith_iq4_nl`."""
+    rb = (k >> 5) * 18
+    d = vsplat_f16_pair(w, n * w.shape[1] + rb)[0]  # (d, the first code byte): d
+    return vlut16_nibbles(vmul(d, vkvalues()), w, n * w.shape[1] + rb + 2)
+
+
 # The loaders the kernels use: tables where the permutes exist, arithmetic elsewhere.
 _pair_q8_0 = _wide_q8_0 if HAS_LUT else _arith_q8_0
 _pair_q4_0 = _lut_q4_0 if HAS_LUT else _arith_q4_0
 _pair_q4_1 = _lut_q4_1 if HAS_LUT else _arith_q4_1
 _pair_q5_0 = _lut_q5_0 if HAS_LUT else _arith_q5_0
 _pair_q5_1 = _lut_q5_1 if HAS_LUT else _arith_q5_1
+_pair_iq4_nl = _lut_iq4_nl if HAS_LUT else _arith_iq4_nl
 
 
 @njit(parallel=True, **_JIT)
@@ -423,6 +489,11 @@ def _linear_q5_0(x, ws, outs, count):
 @njit(parallel=True, **_JIT)
 def _linear_q5_1(x, ws, outs, count):
     block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_iq4_nl(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_iq4_nl)
 
 
 # The same drivers compiled without `parallel`: prange runs as a plain loop, so each
@@ -457,16 +528,21 @@ def _serial_q5_1(x, ws, outs, count):
     block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
 
 
+@njit(**_JIT)
+def _serial_iq4_nl(x, ws, outs, count):
+    block_linear_driver(x, ws, ws, ws, outs, count, _pair_iq4_nl)
+
+
 def _pick(kernels: dict, serial: dict, qtype: str):
     """The parallel kernel for `qtype`, or its serial twin when numba runs one thread."""
     return serial[qtype] if numba.get_num_threads() == 1 else kernels[qtype]
 
 
-BLOCK32_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}  # bytes per 32 weights
+BLOCK32_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18}  # bytes per 32 weights
 _BLOCK32_KERNELS = {"Q8_0": _linear_q8_0, "Q4_0": _linear_q4_0, "Q4_1": _linear_q4_1,
-                    "Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1}
+                    "Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1, "IQ4_NL": _linear_iq4_nl}
 _BLOCK32_SERIAL = {"Q8_0": _serial_q8_0, "Q4_0": _serial_q4_0, "Q4_1": _serial_q4_1,
-                   "Q5_0": _serial_q5_0, "Q5_1": _serial_q5_1}
+                   "Q5_0": _serial_q5_0, "Q5_1": _serial_q5_1, "IQ4_NL": _serial_iq4_nl}
 
 
 def _check_block32(x, blocks, qtype, out):
@@ -481,7 +557,7 @@ def _check_block32(x, blocks, qtype, out):
 
 def linear_block32(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
     """out[M, N] = x[M, K] @ W.T for W stored as 32-weight blocks of `qtype` (Q4_0, Q4_1,
-    Q8_0, Q5_0, Q5_1), uint8 [N, K/32 * bytes] (C-contiguous; a memory-map view is fine);
+    Q8_0, Q5_0, Q5_1, IQ4_NL), uint8 [N, K/32 * bytes] (C-contiguous; a memory-map view is fine);
     the f16 scales are widened in the kernel. Bit-identical to
     ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
     _check_block32(x, blocks, qtype, out)
@@ -610,6 +686,38 @@ def _pair_q6_k(w, wd, wdm, n, k):
     return _q6_k_half(w, wd, n, sb, rb, i), _q6_k_half(w, wd, n, sb, rb, i + 16)
 
 
+@njit(inline="always", **_JIT)
+def _iq4_xs_scale(w, wd, n, sb, rb, j):
+    """d * (ls - 32) of IQ4_XS sub-block j (float32, gguf's one rounding): ls = nibble j of
+    scales_l | (bits 2j, 2j+1 of the little-endian u16 scales_h) << 4."""
+    low = (np.int64(w[n, rb + 4 + (j >> 1)]) >> ((j & 1) * 4)) & 0x0F
+    high = ((np.int64(w[n, rb + 2]) | (np.int64(w[n, rb + 3]) << 8)) >> (2 * j)) & 0x03
+    return wd[n, sb] * np.float32((low | (high << 4)) - 32)
+
+
+@njit(inline="always", **_JIT)
+def _arith_iq4_xs(w, wd, wdm, n, k):
+    """IQ4_XS sub-block of 32 at k (wd: float32 d per super-block): (d * (ls - 32)) *
+    kvalues[q], the scale decoded once for the 32 weights."""
+    sb, j = k >> 8, (k & 255) >> 5
+    rb = sb * 136
+    dl, kv = vsplat(_iq4_xs_scale(w, wd, n, sb, rb, j)), vkvalues()
+    q = n * w.shape[1] + rb + 8 + j * 16
+    return vmul(dl, vtable16_bits(kv, w, q, 0)), vmul(dl, vtable16_bits(kv, w, q, 4))
+
+
+@njit(inline="always", **_JIT)
+def _lut_iq4_xs(w, wd, wdm, n, k):
+    """IQ4_XS sub-block by table: table[q] = (d * (ls - 32)) * kvalues[q], as `_arith_iq4_xs`."""
+    sb, j = k >> 8, (k & 255) >> 5
+    rb = sb * 136
+    table = vmul(vsplat(_iq4_xs_scale(w, wd, n, sb, rb, j)), vkvalues())
+    return vlut16_nibbles(table, w, n * w.shape[1] + rb + 8 + j * 16)
+
+
+_pair_iq4_xs = _lut_iq4_xs if HAS_LUT else _arith_iq4_xs
+
+
 @njit(parallel=True, **_JIT)
 def _linear_q4_k(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q4_k)
@@ -623,6 +731,11 @@ def _linear_q5_k(x, ws, wds, wdms, outs, count):
 @njit(parallel=True, **_JIT)
 def _linear_q6_k(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_iq4_xs(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_iq4_xs)
 
 
 @njit(**_JIT)
@@ -640,21 +753,27 @@ def _serial_q6_k(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
 
 
-_KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k}
-_SERIAL = {"Q4_K": _serial_q4_k, "Q5_K": _serial_q5_k, "Q6_K": _serial_q6_k}  # one thread: see _pick
+@njit(**_JIT)
+def _serial_iq4_xs(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_iq4_xs)
+
+
+_KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k, "IQ4_XS": _linear_iq4_xs}
+_SERIAL = {"Q4_K": _serial_q4_k, "Q5_K": _serial_q5_k, "Q6_K": _serial_q6_k,  # one thread: see _pick
+           "IQ4_XS": _serial_iq4_xs}
 
 
 def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The f16 d and dmin of every super-block as float32 [N, K/256] each, exactly (f16 ->
-    f32 is exact); Q6_K has no dmin and returns its d array twice."""
+    f32 is exact); Q6_K and IQ4_XS have no dmin and return their d array twice."""
     n = blocks.shape[0]
     b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, KQUANT_BYTES[qtype])
 
     def f16_at(o):
         return b[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    if qtype == "Q6_K":
-        d = f16_at(208)
+    if qtype in ("Q6_K", "IQ4_XS"):
+        d = f16_at(208 if qtype == "Q6_K" else 0)
         return d, d
     return f16_at(0), f16_at(2)
 

@@ -98,9 +98,9 @@ def test_linear_q8_row_invariant(rng):
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 BLOCK_TYPES = KQUANTS + ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "F16", "BF16")
 _F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
-           "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}  # f16 d (m)
+           "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # f16 d (m)
 _SUPER = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_0": (32, 18), "Q4_1": (32, 20),
-          "Q8_0": (32, 34)}  # 32-weight types: (weights, bytes) a block
+          "Q8_0": (32, 34), "IQ4_NL": (32, 18)}  # 32-weight types: (weights, bytes) a block
 
 
 def raw_blocks(rng, qtype, N, K):
