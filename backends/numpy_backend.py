@@ -180,8 +180,9 @@ class NumpyBackend(ArrayBackend):
                                            eps, scale, rope_style, ffn_act, self._stored)
 
     def run_decoder(self, plan, kv, x, slots, positions, tables):
-        """The decode step on the crew (`cpu_decoder.decode_step`); None when a sequence has
-        several rows, the store is not stacked, or f16 KV without F16C."""
+        """The decode step on the crew (`cpu_decoder.decode_step`); None, having written
+        nothing, when a sequence has several rows, the store is not stacked or does not
+        match the plan's shape, or the KV is float16 and the CPU lacks F16C."""
         if (kv.stacked is None or (kv.stacked[0].dtype == np.float16 and not self.decode_attention.HAS_F16C)
                 or kv.n_kv != plan.n_kv or kv.head_dim != plan.head_dim or len(kv.k) != len(plan.windows)
                 or x.shape[-1] != plan.n_embd):
