@@ -8,7 +8,8 @@ argument checks and a fork-join, which cost about 2 ms of an 11.6 ms step on 2 c
 barrier before the next one reads what it wrote:
 
   1. RMS norm of x (every thread its own copy: no barrier), then its columns of q, k, v
-  2. per (row, kv head): biases, q/k norms, RoPE, the K/V write, attention
+  2. per (row, kv head): biases, q/k norms, RoPE, the K/V write, attention (a thread's
+     tasks in runs of whole rows where it can: `decode_attention.share_tasks`)
   3. its columns of the output product, added into x (or normed first, gemma3)
   4. norm, its columns of gate and up, act(gate) * up for those columns
   5. its columns of the down product, added into x
@@ -41,7 +42,7 @@ from .addresses import call_void, f32_at
 from .block_tasks import QTYPE_CODES, range_functions, share
 from .gguf_blocks import KQUANT_BYTES, QK_K
 from .quant_kernels import BLOCK32_BYTES
-from .decode_attention import _attend_blocks, _rope_row, _write_row
+from .decode_attention import _attend_blocks, _rope_row, _write_row, first_position, share_tasks
 from .decode_attention import check_rows as decode_check_rows
 from .norm_kernels import _rms_norm
 from .numpy_kernels import _JIT
@@ -223,34 +224,33 @@ def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables,
         kb, vb = k_all[i], v_all[i]
         c = numba.carray(f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
         s = numba.carray(f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
-        window = windows[i]
-        for task in range(tid, R * n_kv, n):
-            r, g = task // n_kv, task % n_kv
-            ko = r * k.shape[1] + g * hd
-            kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
-            if has[3]:
-                _add(kg, _vector(vectors, vi + 3), g * hd)
-            if has[4]:
-                _add(vg, _vector(vectors, vi + 4), g * hd)
-            if has[6]:
-                _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + 6), eps, kg.reshape((1, hd)))
+        for task in share_tasks(pos, windows[i], n_kv, tid, n):
+            r, g0, g1 = task[0], task[1], task[2]
             pr = pos[r]
             blk = tables[seqs[r], pr // B]
-            o = ((blk * n_kv + g) * B + pr % B) * hd
-            kt = kr[tid]
-            _rope_row(k, ko, pr, c, s, neox, kt, 0, hd)
-            _write_row(kb, o, kt, 0, hd)
-            _write_row(vb, o, v, r * v.shape[1] + g * hd, hd)
-            for j in range(grp):
-                hh = g * grp + j
-                qh = q3[r, hh]
-                if has[2]:
-                    _add(qh, _vector(vectors, vi + 2), hh * hd)
-                if has[5]:
-                    _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + 5), eps, qh.reshape((1, hd)))
-                _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
-            first = max(0, pr - window + 1) if window > 0 else 0
-            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g, first, pr, scale, att3)
+            for g in range(g0, g1):
+                ko = r * k.shape[1] + g * hd
+                kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
+                if has[3]:
+                    _add(kg, _vector(vectors, vi + 3), g * hd)
+                if has[4]:
+                    _add(vg, _vector(vectors, vi + 4), g * hd)
+                if has[6]:
+                    _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + 6), eps, kg.reshape((1, hd)))
+                o = ((blk * n_kv + g) * B + pr % B) * hd
+                kt = kr[tid]
+                _rope_row(k, ko, pr, c, s, neox, kt, 0, hd)
+                _write_row(kb, o, kt, 0, hd)
+                _write_row(vb, o, v, r * v.shape[1] + g * hd, hd)
+                for j in range(grp):
+                    hh = g * grp + j
+                    qh = q3[r, hh]
+                    if has[2]:
+                        _add(qh, _vector(vectors, vi + 2), hh * hd)
+                    if has[5]:
+                        _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + 5), eps, qh.reshape((1, hd)))
+                    _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
+            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g0, g1, first_position(pr, windows[i]), pr, scale, att3)
         barrier(sync, n)
         c0, c1 = _product(fns, mats, mi + 3, att, p, tid, n)
         _residual(x, p, _vector(vectors, vi + 7), has[7], eps, c0, c1, sync, tid, n)

@@ -166,3 +166,54 @@ def test_rope_attend_equals_rope_then_attend_rows_1_to_33(style, rope_dim, dtype
     want = be.attend(kv_a, 0, be.rope(q, poss, style, tabs), be.rope(k, poss, style, tabs), k, seqs, poss, 0.1, 0,
                      tables)
     assert np.array_equal(be.rope_attend(kv_b, 0, q, k, k, seqs, poss, 0.1, 0, tables, style, tabs), want)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_share_tasks_gives_every_row_and_kv_head_to_one_thread_in_balanced_runs(window):
+    """The threads' (row, kv heads) runs cover each (row, kv head) once, in row-major order,
+    and no thread's cost exceeds an even share by more than one task."""
+    rng = np.random.default_rng(12)
+    for R in range(1, 34):
+        pos = rng.integers(0, 300, R).astype(np.int32)
+        cost = [p + 1 - (max(0, p - window + 1) if window else 0) + da._TASK_COST for p in pos]
+        for G in (1, 2, 3, 4):
+            for n in (1, 2, 3, 4, 7):
+                seen, loads = [], []
+                for tid in range(n):
+                    runs = da.share_tasks(pos, window, G, tid, n)
+                    tasks = [(int(r), g) for r, g0, g1 in runs for g in range(g0, g1)]
+                    assert all(0 <= g0 < g1 <= G for _, g0, g1 in runs)
+                    seen += tasks
+                    loads.append(sum(cost[r] for r, _ in tasks))
+                assert seen == [(r, g) for r in range(R) for g in range(G)], (R, G, n)
+                assert max(loads) <= sum(loads) / n + max(cost), (R, G, n, loads)
+
+
+def test_paged_decode_same_bits_at_any_thread_count_and_block_order():
+    """Rows attended by one thread (whole rows) or four (split rows), over tables whose
+    blocks run in order, jump, or are shuffled, give the same bits as the composed ops."""
+    import numba
+    rng = np.random.default_rng(13)
+    G, H, D, S, nb = 3, 9, 64, 8, 12
+    n_blocks = S * nb
+    kb, vb = _store(rng, n_blocks, G, D, np.float16)
+    runs = np.arange(n_blocks, dtype=np.int32).reshape(S, nb)
+    jumps = runs.copy()
+    jumps[:, nb // 2:] = runs[::-1, nb // 2:]  # half in order, then another sequence's blocks
+    shuffled = rng.permutation(n_blocks).reshape(S, nb).astype(np.int32)
+    before = numba.get_num_threads()
+    try:
+        for tables in (runs, jumps, shuffled):
+            for R in (1, 2, 5, 8):
+                seqs = rng.choice(S, R, replace=False).astype(np.int32)
+                poss = rng.integers(0, nb * BLOCK_TOKENS, R).astype(np.int32)
+                q = rng.standard_normal((R, H, D), dtype=np.float32)
+                k = rng.standard_normal((R, G, D), dtype=np.float32)
+                want = _composed(q, k, k, kb.copy(), vb.copy(), tables, seqs, poss, 0.125, 0)
+                for threads in sorted({1, min(4, numba.config.NUMBA_NUM_THREADS)}):
+                    numba.set_num_threads(threads)
+                    got = np.empty_like(q)
+                    assert da.paged_decode(q, k, k, kb.copy(), vb.copy(), tables, seqs, poss, 0.125, got)
+                    assert np.array_equal(got, want), (R, threads)
+    finally:
+        numba.set_num_threads(before)
