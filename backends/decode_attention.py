@@ -42,7 +42,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from .numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _expf, _is_c_array, _scores16, _sum,
+from .numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _expf, _is_c_array, _scores16, _sum, _v1x4,
                             f32vec, load_kv, vload, vload_kv, vmac, vmul, vsplat, vstore)
 
 _HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
@@ -226,25 +226,6 @@ def _v3x4(e, j, t0, vb, n, acc, c):
 
 
 @njit(inline="always", **_JIT)
-def _v1x4(e, j, t0, vb, n, acc, c):
-    """acc[j, c : c + 64] += e[j, t0 + i] * vb[i, c : c + 64] for i < n in order."""
-    D = acc.shape[1]
-    ao = j * D + c
-    a0, a1 = vload(acc, ao), vload(acc, ao + LANES)
-    a2, a3 = vload(acc, ao + 2 * LANES), vload(acc, ao + 3 * LANES)
-    for i in range(n):
-        ev, o = vsplat(e[j, t0 + i]), i * D + c
-        a0 = vmac(a0, ev, vload(vb, o))
-        a1 = vmac(a1, ev, vload(vb, o + LANES))
-        a2 = vmac(a2, ev, vload(vb, o + 2 * LANES))
-        a3 = vmac(a3, ev, vload(vb, o + 3 * LANES))
-    vstore(acc, ao, a0)
-    vstore(acc, ao + LANES, a1)
-    vstore(acc, ao + 2 * LANES, a2)
-    vstore(acc, ao + 3 * LANES, a3)
-
-
-@njit(inline="always", **_JIT)
 def _segment_v(e, t0, vb, n, acc):
     """acc[j, :] += e[j, t0 + i] * vb[i, :] for i = 0..n-1 in order (`_weighted_v`'s bits:
     each element of acc gets its products added one key after the other)."""
@@ -259,7 +240,7 @@ def _segment_v(e, t0, vb, n, acc):
         j += 3
     for j in range(j, grp):
         for c in range(0, c4, 4 * LANES):
-            _v1x4(e, j, t0, vb, n, acc, c)
+            _v1x4(e, j, t0, vb, 0, n, acc, c)
     for j in range(grp):
         for c in range(c4, dv, LANES):
             a = vload(acc, j * D + c)

@@ -731,6 +731,26 @@ _KEY_BLOCK = 64  # keys per block of the weighted V sum (the V block stays in L1
 
 
 @njit(inline="always", **_JIT)
+def _v1x4(e, j, t0, vc, vo, n, acc, c):
+    """acc[j, c : c + 64] += e[j, t0 + i] * vc.flat[vo + i*D + c :][:64] for i < n, added in
+    order: four independent chains hide the add latency."""
+    D = acc.shape[1]
+    ao = j * D + c
+    a0, a1 = vload(acc, ao), vload(acc, ao + LANES)
+    a2, a3 = vload(acc, ao + 2 * LANES), vload(acc, ao + 3 * LANES)
+    for i in range(n):
+        ev, o = vsplat(e[j, t0 + i]), vo + i * D + c
+        a0 = vmac(a0, ev, vload(vc, o))
+        a1 = vmac(a1, ev, vload(vc, o + LANES))
+        a2 = vmac(a2, ev, vload(vc, o + 2 * LANES))
+        a3 = vmac(a3, ev, vload(vc, o + 3 * LANES))
+    vstore(acc, ao, a0)
+    vstore(acc, ao + LANES, a1)
+    vstore(acc, ao + 2 * LANES, a2)
+    vstore(acc, ao + 3 * LANES, a3)
+
+
+@njit(inline="always", **_JIT)
 def _weighted_v(e, vc, vo, P, acc):
     """acc[j, :] = sum_t e[j, t] * v[t, :] for t = 0..P-1, added sequentially in t.
 
@@ -744,20 +764,8 @@ def _weighted_v(e, vc, vo, P, acc):
         t1 = min(t0 + _KEY_BLOCK, P)
         for j in range(grp):
             c = 0
-            while c + 4 * LANES <= dv:  # four independent chains hide the add latency
-                ao = j * D + c
-                a0, a1 = vload(acc, ao), vload(acc, ao + LANES)
-                a2, a3 = vload(acc, ao + 2 * LANES), vload(acc, ao + 3 * LANES)
-                for t in range(t0, t1):
-                    ev, o = vsplat(e[j, t]), vo + t * D + c
-                    a0 = vmac(a0, ev, vload(vc, o))
-                    a1 = vmac(a1, ev, vload(vc, o + LANES))
-                    a2 = vmac(a2, ev, vload(vc, o + 2 * LANES))
-                    a3 = vmac(a3, ev, vload(vc, o + 3 * LANES))
-                vstore(acc, ao, a0)
-                vstore(acc, ao + LANES, a1)
-                vstore(acc, ao + 2 * LANES, a2)
-                vstore(acc, ao + 3 * LANES, a3)
+            while c + 4 * LANES <= dv:
+                _v1x4(e, j, t0, vc, vo + t0 * D, t1 - t0, acc, c)
                 c += 4 * LANES
             for c in range(c, dv, LANES):
                 a = vload(acc, j * D + c)
