@@ -25,11 +25,11 @@ from numba import cfunc, njit, types
 from .addresses import f32_at, u8_at
 from .block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from .numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
-from .quant_kernels import (_pair_iq4_nl, _pair_iq4_xs, _pair_q4_0, _pair_q4_1, _pair_q4_k, _pair_q5_0, _pair_q5_1,
-                            _pair_q5_k, _pair_q6_k, _pair_q8_0)
+from .quant_kernels import (_pair_iq4_nl, _pair_iq4_xs, _pair_q2_k, _pair_q3_k, _pair_q4_0, _pair_q4_1, _pair_q4_k,
+                            _pair_q5_0, _pair_q5_1, _pair_q5_k, _pair_q6_k, _pair_q8_0)
 
 QTYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7,
-               "IQ4_NL": 8, "IQ4_XS": 9}
+               "IQ4_NL": 8, "IQ4_XS": 9, "Q2_K": 10, "Q3_K": 11}
 
 
 @njit(inline="always", **_JIT)
@@ -115,8 +115,16 @@ def _range_iq4_xs(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
     _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_iq4_xs)
 
 
+def _range_q2_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q2_k)
+
+
+def _range_q3_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q3_k)
+
+
 _RANGES = (_range_q8_0, _range_q4_0, _range_q4_1, _range_q5_0, _range_q5_1, _range_q4_k, _range_q5_k, _range_q6_k,
-           _range_iq4_nl, _range_iq4_xs)
+           _range_iq4_nl, _range_iq4_xs, _range_q2_k, _range_q3_k)
 RANGE_SIGNATURE = types.void(*[types.int64] * 14)
 
 

@@ -6,7 +6,7 @@ ggml-common.h: Q8_0 = {f16 d; int8 q[32]}, Q4_0 = {f16 d; u8 qs[16]} with w = d*
 Q4_1 = {f16 d; f16 m; u8 qs[16]} with w = d*q + m; byte j of qs holds element j in its
 low nibble and element j+16 in its high nibble.
 
-The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS (256-weight super-blocks) are not unpacked: a
+The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS (256-weight super-blocks) are not unpacked: a
 backend that keeps them reads the blocks as stored (numpy: `quant_kernels`, which also
 reads Q5_0/Q5_1/IQ4_NL blocks and F16/BF16 as stored)."""
 
@@ -19,7 +19,8 @@ from .gguf_tensor import GGUFTensor
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the types kept quantized
 QK_K = 256  # weights per K-quant super-block
-KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # bytes per super-block
+KQUANT_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+                "IQ4_XS": 136}  # bytes per super-block
 
 
 def unpack(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

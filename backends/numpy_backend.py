@@ -4,7 +4,7 @@ Kernel policy: OpenBLAS sgemm is fast but its rows are not batch-invariant (an o
 row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
 arithmetic is fixed by the source. Quantized weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS) stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
+IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
 the file's memory map (`quant_kernels`, `block_linear`): a Q4_1 weight costs 5 bits a
 step, as in the file, and no quantized matrix ever gets a float32 copy. Each product is
 bit-identical to the float32 kernel on gguf's dequantized weights. Elementwise ops and per-row reductions use
@@ -34,9 +34,9 @@ from .paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
 
 @dataclass
 class KQuantWeight:
-    """A Q4_K/Q5_K/Q6_K/IQ4_XS weight [N, K] as stored: `blocks` uint8 [N, K/256 * bytes] (a view
-    of the memory map), with each super-block's f16 d and dmin as float32 [N, K/256] (Q6_K and
-    IQ4_XS: no dmin, `dmin` is `d`)."""
+    """A Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS weight [N, K] as stored: `blocks` uint8 [N, K/256 * bytes]
+    (a view of the memory map), with each super-block's f16 d and dmin as float32 [N, K/256]
+    (Q3_K, Q6_K and IQ4_XS: no dmin, `dmin` is `d`)."""
 
     qtype: str
     blocks: np.ndarray
@@ -100,7 +100,7 @@ class NumpyBackend(ArrayBackend):
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
         return (f"numpy on CPU ({threads}), numba row-invariant kernels, "
-                "Q4_x/Q5_x/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS read as stored, F16/BF16 in 16 bits")
+                "Q4_x/Q5_x/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS read as stored, F16/BF16 in 16 bits")
 
     def begin_step(self) -> None:
         if self.governor is not None:

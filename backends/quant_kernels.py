@@ -1,5 +1,5 @@
-"""Batch-invariant linear kernels reading GGUF weights as stored: K-quant blocks (Q4_K,
-Q5_K, Q6_K), IQ4_XS super-blocks, Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL blocks and 16-bit
+"""Batch-invariant linear kernels reading GGUF weights as stored: K-quant blocks (Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K), IQ4_XS super-blocks, Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL blocks and 16-bit
 floats (F16, BF16).
 
 The weights stay in ggml's block layout (ggml-common.h; one row of blocks per output
@@ -11,6 +11,13 @@ and a row's bits never depend on the batch.
 
 Block layouts (256 weights a super-block, sub-block scales packed in the block):
 
+  Q2_K (84 B): u8 scales[16] (low nibble scale, high nibble min), u8 qs[64], f16 d, f16 dmin
+      w = (d * sc[g]) * q - (dmin * m[g]),  g = group of 16, q 2 bits: weight i is bits
+      2 * ((i % 128) // 32) of qs[32 * (i // 128) + i % 32]
+  Q3_K (110 B): u8 hmask[32], u8 qs[64], u8 scales[12] (16 x 6-bit), f16 d
+      w = (d * (sc[g] - 32)) * (q - 4 * (1 - h)),  q the 2 low bits (as Q2_K's), h bit
+      i // 32 of hmask[i % 32]; sc[g] = nibble g // 8 of scales[g % 8] | (bits
+      2 * (g // 4), +1 of scales[8 + g % 4]) << 4
   Q4_K (144 B): f16 d, f16 dmin, u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min), u8 qs[128]
       w = (d * sc[j]) * q - (dmin * m[j]),  j = sub-block of 32
   Q5_K (176 B): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
@@ -27,18 +34,22 @@ Block layouts (256 weights a super-block, sub-block scales packed in the block):
   F16 / BF16: widened exactly (integer bit moves; F16 by a 2**112 scaling of the bits)
 
 Only the per-super-block f16 `d` (and `dmin`) are converted to float32 at load (4 or 8
-bytes per 256 weights); scales and codes are unpacked from the mapped bytes in every step.
+bytes per 256 weights, wherever the block keeps them); scales and codes are unpacked
+from the mapped bytes in every step.
 On AVX-512 targets Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL and IQ4_XS read each weight from a per-block
 table of the block's 16 (32) values, computed by the same expression on iota
 (`block_lut`), and the 32-weight types splat their f16 scales with one vector
-conversion; elsewhere every code is converted and scaled (an IQ4 code looked up in
-KVALUES lane by lane, then scaled). Both give the same floats.
+conversion; elsewhere (and for Q2_K, Q3_K and Q6_K on every ISA) every code is converted
+and scaled (an IQ4 code looked up in KVALUES lane by lane, then scaled). Both give the
+same floats.
 Integer codes become floats exactly and are combined by exact float adds, so the only
 roundings in a weight are gguf's (sub-scale product, product with the code, then the
 min), in gguf's order. As for numpy_kernels, the bits do not depend on the ISA:
 all seven types gave identical products on AVX-512, NUMBA_CPU_NAME=haswell and generic
 (checked 2026-11-30); IQ4_NL and IQ4_XS gave gguf's products (M 1, 3, 5, 33) on AVX-512 and
 with AVX-512 off (haswell, and generic without F16C: the lane-by-lane lookup), 2026-12-01.
+Q2_K and Q3_K (one loader on every ISA) gave gguf's weights on AVX-512, haswell and generic,
+2026-12-01.
 """
 
 from __future__ import annotations
@@ -718,6 +729,63 @@ def _lut_iq4_xs(w, wd, wdm, n, k):
 _pair_iq4_xs = _lut_iq4_xs if HAS_LUT else _arith_iq4_xs
 
 
+@njit(inline="always", **_JIT)
+def _q2_k_group(w, wd, wdm, n, sb, rb, i):
+    """Q2_K weights i..i+15 (one group of 16) of super-block sb at byte rb of row n:
+    (d * sc) * q - (dmin * m), sc and m the nibbles of scales[i // 16], as gguf."""
+    s = w[n, rb + (i >> 4)]
+    ds, dm = vsplat(wd[n, sb] * np.float32(s & 0x0F)), vsplat(wdm[n, sb] * np.float32(s >> 4))
+    q = vload_bits(w, n * w.shape[1] + rb + 16 + (i >> 7) * 32 + (i & 31), ((i & 127) >> 5) * 2, 0x03)
+    return vsub(vmul(q, ds), dm)
+
+
+@njit(inline="always", **_JIT)
+def _pair_q2_k(w, wd, wdm, n, k):
+    """Q2_K weights k..k+31 (wd, wdm: float32 d, dmin per super-block): two groups of 16."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 84
+    return _q2_k_group(w, wd, wdm, n, sb, rb, i), _q2_k_group(w, wd, wdm, n, sb, rb, i + 16)
+
+
+@njit(inline="always", **_JIT)
+def _q3_k_scale(w, wd, n, sb, rb, g):
+    """d * (sc - 32) of Q3_K group g of 16 (float32, gguf's one rounding): the 6-bit sc is
+    nibble g // 8 of scales[g % 8] | (bits 2 * (g // 4), +1 of scales[8 + g % 4]) << 4."""
+    low = (np.int64(w[n, rb + 96 + (g & 7)]) >> ((g >> 3) * 4)) & 0x0F
+    high = (np.int64(w[n, rb + 104 + (g & 3)]) >> ((g >> 2) * 2)) & 0x03
+    return wd[n, sb] * np.float32((low | (high << 4)) - 32)
+
+
+@njit(inline="always", **_JIT)
+def _q3_k_group(w, wd, n, sb, rb, i):
+    """Q3_K weights i..i+15 of super-block sb at byte rb of row n: (d * (sc - 32)) * q, the
+    3-bit q = low bits - 4 where the hmask bit is clear (exact small integers)."""
+    base = n * w.shape[1] + rb
+    lo = vload_bits(w, base + 32 + (i >> 7) * 32 + (i & 31), ((i & 127) >> 5) * 2, 0x03)
+    hi = vload_bits(w, base + (i & 31), i >> 5, 0x01)
+    four = vsplat(np.float32(4.0))
+    q = vadd(lo, vsub(vmul(hi, four), four))  # lo - 4 * (1 - h)
+    return vmul(q, vsplat(_q3_k_scale(w, wd, n, sb, rb, i >> 4)))
+
+
+@njit(inline="always", **_JIT)
+def _pair_q3_k(w, wd, wdm, n, k):
+    """Q3_K weights k..k+31 (wd: float32 d per super-block): two groups of 16."""
+    sb, i = k >> 8, k & 255
+    rb = sb * 110
+    return _q3_k_group(w, wd, n, sb, rb, i), _q3_k_group(w, wd, n, sb, rb, i + 16)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q2_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q2_k)
+
+
+@njit(parallel=True, **_JIT)
+def _linear_q3_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q3_k)
+
+
 @njit(parallel=True, **_JIT)
 def _linear_q4_k(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q4_k)
@@ -736,6 +804,16 @@ def _linear_q6_k(x, ws, wds, wdms, outs, count):
 @njit(parallel=True, **_JIT)
 def _linear_iq4_xs(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_iq4_xs)
+
+
+@njit(**_JIT)
+def _serial_q2_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q2_k)
+
+
+@njit(**_JIT)
+def _serial_q3_k(x, ws, wds, wdms, outs, count):
+    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q3_k)
 
 
 @njit(**_JIT)
@@ -758,24 +836,27 @@ def _serial_iq4_xs(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _pair_iq4_xs)
 
 
-_KERNELS = {"Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k, "Q6_K": _linear_q6_k, "IQ4_XS": _linear_iq4_xs}
-_SERIAL = {"Q4_K": _serial_q4_k, "Q5_K": _serial_q5_k, "Q6_K": _serial_q6_k,  # one thread: see _pick
-           "IQ4_XS": _serial_iq4_xs}
+_KERNELS = {"Q2_K": _linear_q2_k, "Q3_K": _linear_q3_k, "Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k,
+            "Q6_K": _linear_q6_k, "IQ4_XS": _linear_iq4_xs}
+_SERIAL = {"Q2_K": _serial_q2_k, "Q3_K": _serial_q3_k, "Q4_K": _serial_q4_k,  # one thread: see _pick
+           "Q5_K": _serial_q5_k, "Q6_K": _serial_q6_k, "IQ4_XS": _serial_iq4_xs}
+_D_AT = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}  # where d is when not at byte 0 (dmin follows it)
 
 
 def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The f16 d and dmin of every super-block as float32 [N, K/256] each, exactly (f16 ->
-    f32 is exact); Q6_K and IQ4_XS have no dmin and return their d array twice."""
+    f32 is exact); Q3_K, Q6_K and IQ4_XS have no dmin and return their d array twice."""
     n = blocks.shape[0]
     b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, KQUANT_BYTES[qtype])
 
     def f16_at(o):
         return b[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    if qtype in ("Q6_K", "IQ4_XS"):
-        d = f16_at(208 if qtype == "Q6_K" else 0)
+    at = _D_AT.get(qtype, 0)
+    if qtype in ("Q3_K", "Q6_K", "IQ4_XS"):
+        d = f16_at(at)
         return d, d
-    return f16_at(0), f16_at(2)
+    return f16_at(at), f16_at(at + 2)
 
 
 def _check_kquant(x, blocks, qtype, d, dmin, out):

@@ -32,7 +32,8 @@ _MAX_COUNT = 1 << 40  # a count this large is a damaged header, not a model
 # GGML type ids of the types panechat reads (ggml.h enum ggml_type); any other id is
 # named through the `gguf` package, imported only then.
 _TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16"}
+               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS",
+               30: "BF16"}
 # numpy dtype of the stored values, for the types stored element by element (as gguf.GGUFReader)
 _ELEMENT_DTYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
 

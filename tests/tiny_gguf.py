@@ -54,12 +54,12 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
                     window: int = 5, rope_scale: float = 0.0, rope_type: str = "linear",
                     orig_ctx: int = 0, rope_freqs: bool = False, long_factors: bool = False,
                     fused: bool = True, chat_template: bool = True, zero_raw: dict[str, str] | None = None,
-                    iq4_raw: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+                    random_raw: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Write a random model; return its float32 weights as the file stores them
     (after quantization round-trip), keyed by GGUF tensor name. `zero_raw` maps tensor
     names to a GGML type whose zero blocks are stored instead (for unsupported types);
-    `iq4_raw` maps tensor names to IQ4_NL or IQ4_XS, whose blocks (gguf cannot quantize
-    them) are written as random bytes with small scales (`random_iq4_blocks`).
+    `random_raw` maps tensor names to IQ4_NL, IQ4_XS, Q2_K or Q3_K, whose blocks (gguf
+    cannot quantize them) are written as random bytes with small scales (`random_raw_blocks`).
     `head_dim` (attention.key_length) defaults to n_embd / n_head; gemma3 files get a
     sliding `window` (every 6th layer global, so give them n_layer >= 7 to have both kinds
     on either side). With `rope_scale` > 0, RoPE scaling of kind `rope_type` (of the global
@@ -121,9 +121,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
             raw = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=raw_type)
             return
-        if iq4_raw and name in iq4_raw:
-            raw_type = getattr(gguf.GGMLQuantizationType, iq4_raw[name])
-            raw = random_iq4_blocks(rng, iq4_raw[name], a.shape[0], a.shape[1])
+        if random_raw and name in random_raw:
+            raw_type = getattr(gguf.GGMLQuantizationType, random_raw[name])
+            raw = random_raw_blocks(rng, random_raw[name], a.shape[0], a.shape[1])
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=raw_type)
             stored[name] = quants.dequantize(raw, raw_type).astype(np.float32).reshape(a.shape)
             return
@@ -187,15 +187,24 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     return stored
 
 
-def random_iq4_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
-    """uint8 [n, k/32 * 18] (IQ4_NL) or [n, k/256 * 136] (IQ4_XS) blocks as a GGUF file
-    stores them: random codes (and IQ4_XS sub-block scales), each block's f16 d drawn so
-    that the weights are about 1/sqrt(k) (kvalues reach 127; IQ4_XS's ls - 32 reaches 32)."""
-    per, size = {"IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}[qtype]
+# (weights, bytes) a block; bytes where its f16 scales are; the weights' RMS over d for
+# random codes and sub-block scales (kvalues reach 127, IQ4_XS's ls - 32 reaches 32, Q3_K's
+# (sc - 32) * q reaches 128, Q2_K's sc * q 45)
+_RAW = {"IQ4_NL": ((32, 18), (0,), 80), "IQ4_XS": ((256, 136), (0,), 1280),
+        "Q2_K": ((256, 84), (80, 82), 13), "Q3_K": ((256, 110), (108,), 43)}
+
+
+def random_raw_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
+    """uint8 [n, k/block * bytes] blocks of IQ4_NL, IQ4_XS, Q2_K or Q3_K as a GGUF file
+    stores them: random codes and sub-block scales, each block's f16 d (Q2_K: and dmin,
+    positive as llama.cpp's) drawn so that the weights are about 1/sqrt(k)."""
+    (per, size), f16_at, rms = _RAW[qtype]
     b = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    scale = 1 / (np.sqrt(k) * 80 * (1 if qtype == "IQ4_NL" else 16))
-    d = rng.uniform(0.5 * scale, 1.5 * scale, b.shape[:2]) * rng.choice([-1, 1], b.shape[:2])
-    b[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+    scale = 1 / (np.sqrt(k) * rms)
+    for o in f16_at:
+        d = rng.uniform(0.5 * scale, 1.5 * scale, b.shape[:2])
+        d *= 1 if qtype == "Q2_K" else rng.choice([-1, 1], b.shape[:2])
+        b[..., o:o + 2] = d.astype(np.float16)[..., None].view(np.uint8)
     return b.reshape(n, -1)
 
 

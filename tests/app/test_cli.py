@@ -134,7 +134,7 @@ def test_bad_model_files_exit_2_with_one_line(tmp_path, model_path, case, expect
     assert len(lines) == 1 and lines[0].startswith("panechat: error:") and expect in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("qtype", ["Q8_1", "IQ2_XXS", "Q2_K"])
+@pytest.mark.parametrize("qtype", ["Q8_1", "IQ2_XXS", "TQ1_0"])
 def test_unsupported_tensor_type_exits_2_with_one_line(tmp_path, qtype):
     path = tmp_path / f"{qtype}.gguf"
     write_tiny_gguf(path, "llama", n_embd=256, zero_raw={"blk.0.attn_q.weight": qtype})

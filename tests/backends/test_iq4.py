@@ -17,7 +17,7 @@ from panechat.backends.numpy_backend import NumpyBackend
 from panechat.engine.gguf_file import GGUFFile
 from panechat.engine.model import Model
 
-from ..tiny_gguf import random_iq4_blocks, write_tiny_gguf
+from ..tiny_gguf import random_raw_blocks, write_tiny_gguf
 from .test_block_lut import _adversarial, _same_bits, _weights
 from .test_cpu_decoder import _assert_same, _step_both_ways
 from .test_numpy_kernels import _read_only
@@ -95,7 +95,7 @@ def test_kernel_equals_linear_on_gguf_dequantized_at_every_row_count(qtype):
     rng = np.random.default_rng(41)
     be = NumpyBackend()
     K = 512
-    blocks = [_read_only(random_iq4_blocks(rng, qtype, n, K)) for n in (37, 20)]
+    blocks = [_read_only(random_raw_blocks(rng, qtype, n, K)) for n in (37, 20)]
     kept = [be.linear_weight(GGUFTensor("w", (b.shape[0], K), qtype, b)) for b in blocks]
     assert all(w.qtype == qtype and np.shares_memory(w.blocks if qtype == "IQ4_XS" else w.data, b)
                for w, b in zip(kept, blocks))  # kept as stored, no copy
@@ -131,7 +131,7 @@ def iq4_model(tmp_path_factory):
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     raw = {f"blk.{i}.{m}.weight": t for i, t in enumerate(IQ4) for m in names}
     write_tiny_gguf(path, "llama", n_embd=256, n_ff=256, n_head=4, n_kv=2, qtype="Q8_0", tied=False, seed=9,
-                    iq4_raw=raw)
+                    random_raw=raw)
     gf = GGUFFile.open(path)
     gf.check_types()  # read, not refused
     return Model.load(gf, NumpyBackend(), max_positions=128), gf

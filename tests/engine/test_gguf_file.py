@@ -57,7 +57,7 @@ def _one_line(e: pytest.ExceptionInfo, path: Path) -> str:
     return msg
 
 
-@pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q2_K", "Q8_1"])
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "TQ1_0", "Q8_1"])
 def test_a_type_panechat_does_not_read_is_refused_in_one_line(tmp_path, qtype):
     """Raw blocks of a type the kernels do not read: the message names the type, the tensor
     and the types read, and comes before the tokenizer or any weight is built."""
