@@ -188,6 +188,32 @@ def state_folder(flag: str | None) -> Path | None:
     return Path(flag).expanduser() if flag else data_dir()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever `sys.stderr` is when a record is emitted, so a server
+    started again in one process (tests, the TUI's server) never writes to a stderr that
+    has since been replaced and closed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def server_logger() -> logging.Logger:
+    """The access and event log of `panechat serve`: time-stamped lines on stderr."""
+    logger = logging.getLogger("panechat.server")
+    if not logger.handlers:
+        h = _StderrHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(h)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
 def serve(args: argparse.Namespace) -> int:
     """`panechat serve`: listen at once (/health answers 503 while the model loads), load
     the model in the background, then serve until SIGTERM or Ctrl-C, which drain the
@@ -195,13 +221,7 @@ def serve(args: argparse.Namespace) -> int:
     engine_config(args)  # flag errors before anything else
     limits = Limits.from_args(args)
     resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
-    logger = logging.getLogger("panechat.server")
-    if not logger.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        logger.addHandler(h)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    logger = server_logger()
     token = getattr(args, "token", None)
     app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None),
                      state_dir=state_folder(getattr(args, "state_dir", None)))

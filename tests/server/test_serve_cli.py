@@ -86,3 +86,26 @@ def test_serve_end_to_end(model_path):
     assert re.search(r"^ready in \d+\.\d\d s \(from the process's start; weights prepared in \d+\.\d\d s\)$", err, re.M), err
     assert re.search(r'"POST /v1/chat/completions" 200 .*prompt=\d+ reused=\d+ out=\d+', err), err
     assert "Traceback" not in err
+
+
+def test_server_log_follows_a_replaced_stderr(monkeypatch):
+    """The log handler made by the first server in a process writes to the stderr of the
+    moment: after that stderr is replaced and closed (as pytest does between tests, or a
+    caller redirecting it), lines go to the new one and nothing raises."""
+    import io
+    import logging
+
+    from panechat.app.server.serve import server_logger
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    log = server_logger()
+    log.info("one")
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    first.close()
+    errors = []
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    monkeypatch.setattr(logging.Handler, "handleError", lambda self, record: errors.append(record))
+    log.info("two")
+    assert "two" in second.getvalue() and not errors
