@@ -10,27 +10,15 @@ import numba
 import numpy as np
 import pytest
 
-from panechat.backends import numpy_kernels as nk
 from panechat.backends import quant_kernels as qk
-from panechat.backends.gguf_tensor import GGUFTensor
-from panechat.backends.numpy_backend import NumpyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Model
 
-from ..tiny_gguf import random_raw_blocks, write_tiny_gguf
-from .test_block_lut import _adversarial, _same_bits, _weights
-from .test_cpu_decoder import _assert_same, _step_both_ways
+from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
+                        assert_one_call_equals_ops, gguf_weights, tiny_model)
+from .test_block_lut import _weights
 from .test_numpy_kernels import _F16_AT, _read_only
 
 Q23 = ("Q2_K", "Q3_K")
 LOADERS = {"Q2_K": qk._pair_q2_k, "Q3_K": qk._pair_q3_k}
-
-
-def _gguf(blocks, qtype, N, K):
-    from gguf import GGMLQuantizationType, quants
-
-    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 in gguf's own product: NaN, as ours
-        return np.asarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]), np.float32).reshape(N, K)
 
 
 def _ggml_loop(block, qtype):
@@ -68,22 +56,7 @@ def test_loader_weights_are_gguf_dequantize_any_scale(qtype):
     """Every f16 d (and dmin) from the adversarial list (subnormals, +-0, largest, +-inf,
     NaN) or random bits, random codes and sub-block scales: gguf's floats, bit for bit (a
     NaN matches any NaN: `_same_bits`)."""
-    rng = np.random.default_rng(50)
-    seen = set()
-    for N, K in [(9, 256), (33, 512)]:
-        blocks = _adversarial(rng, qtype, N, K)
-        want, got = _gguf(blocks, qtype, N, K), _weights(LOADERS[qtype], blocks, qtype, K)
-        bits = want.view(np.uint32)
-        o = _F16_AT[qtype][0]
-        d = blocks.reshape(N, -1, qk.KQUANT_BYTES[qtype])[..., o:o + 2].copy().view("<u2")
-        seen |= {"nan"} if np.isnan(want).any() else set()
-        seen |= {"inf"} if np.isinf(want).any() else set()
-        seen |= {"subnormal d"} if (((d & 0x7C00) == 0) & ((d & 0x3FF) != 0)).any() else set()
-        seen |= {"-0"} if (bits == 0x80000000).any() else set()
-        assert _same_bits(got, want), qtype
-        finite = np.isfinite(want)
-        assert np.array_equal(got.view(np.uint32)[finite], bits[finite]), qtype
-    assert seen == {"nan", "inf", "subnormal d", "-0"}  # the adversarial cases were there
+    assert_loader_is_gguf_any_scale(LOADERS[qtype], qtype, 50, _F16_AT[qtype][0], qk.KQUANT_BYTES[qtype])
 
 
 @pytest.mark.parametrize("qtype", Q23)
@@ -109,7 +82,7 @@ def test_loader_decodes_every_code_and_scale(qtype):
         b[..., 108:110] = ones[:2]
     blocks = _read_only(b.reshape(N, -1))
     loop = np.array([[_ggml_loop(blk, qtype) for blk in r] for r in b]).reshape(N, K)
-    want = _gguf(blocks, qtype, N, K)
+    want = gguf_weights(blocks, qtype, N, K)
     assert np.array_equal(want, loop.astype(np.float32))  # gguf reads the layout as ggml's C does
     levels = ({s * q - m for s in range(16) for q in range(4) for m in range(16)} if qtype == "Q2_K"
               else {(s - 32) * q for s in range(64) for q in range(-4, 4)})
@@ -119,49 +92,13 @@ def test_loader_decodes_every_code_and_scale(qtype):
 
 @pytest.mark.parametrize("qtype", Q23)
 def test_kernel_equals_linear_on_gguf_dequantized_at_every_row_count(qtype):
-    """Rows 1..33 picked from a pool in shuffled order, through `linear` and the fused
-    `linear_many`, on one numba thread (the serial kernels) and two: every product is the
-    float32 kernel's on gguf's weights, and each row's bits are the row's alone."""
-    rng = np.random.default_rng(52)
-    be = NumpyBackend()
-    K = 512
-    blocks = [_read_only(random_raw_blocks(rng, qtype, n, K)) for n in (37, 20)]
-    kept = [be.linear_weight(GGUFTensor("w", (b.shape[0], K), qtype, b)) for b in blocks]
-    assert all(w.qtype == qtype and np.shares_memory(w.blocks, b) for w, b in zip(kept, blocks))  # no copy
-    dense = [_gguf(b, qtype, b.shape[0], K) for b in blocks]
-    pool = rng.standard_normal((33, K), dtype=np.float32)
-    want = [nk.linear(pool, d, np.empty((33, d.shape[0]), np.float32)) for d in dense]
-    alone = [np.concatenate([nk.linear(pool[i:i + 1], d, np.empty((1, d.shape[0]), np.float32))
-                             for i in range(33)]) for d in dense]
-    assert all(np.array_equal(a, w) for a, w in zip(alone, want))  # the reference is row-invariant itself
-    before = numba.get_num_threads()
-    try:
-        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
-            numba.set_num_threads(threads)
-            for B in range(1, 34):
-                pick = rng.permutation(33)[:B]
-                x = np.ascontiguousarray(pool[pick])
-                fused = be.linear_many(x, tuple(kept))
-                for j in range(2):
-                    assert np.array_equal(be.linear(x, kept[j]), want[j][pick]), (qtype, threads, B, j)
-                    assert np.array_equal(fused[j], want[j][pick]), (qtype, threads, B, j)
-    finally:
-        numba.set_num_threads(before)
-    assert qk._SERIAL[qtype].signatures and qk._KERNELS[qtype].signatures  # both kernels ran
+    assert_kernels_are_linear_at_every_row_count(qtype, 52)
 
 
 @pytest.fixture(scope="module")
 def q23_model(tmp_path_factory):
-    """A tiny llama (n_embd 256) whose layer 0 matrices are Q2_K and layer 1's Q3_K (the
-    rest Q8_0)."""
-    path = tmp_path_factory.mktemp("q23k") / "q23k.gguf"
-    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    raw = {f"blk.{i}.{m}.weight": t for i, t in enumerate(Q23) for m in names}
-    write_tiny_gguf(path, "llama", n_embd=256, n_ff=256, n_head=4, n_kv=2, qtype="Q8_0", tied=False, seed=10,
-                    random_raw=raw)
-    gf = GGUFFile.open(path)
-    gf.check_types()  # read, not refused
-    return Model.load(gf, NumpyBackend(), max_positions=128), gf
+    """A tiny llama whose layer 0 matrices are Q2_K and layer 1's Q3_K (the rest Q8_0)."""
+    return tiny_model(tmp_path_factory.mktemp("q23k") / "q23k.gguf", Q23, 10)
 
 
 def test_q23_model_keeps_its_blocks(q23_model):
@@ -177,11 +114,4 @@ def test_q23_model_keeps_its_blocks(q23_model):
 def test_q23_model_one_call_equals_ops(q23_model, threads):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("one core")
-    model, _ = q23_model
-    was = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
-        for rows in (1, 4):
-            _assert_same(*_step_both_ways(model, [7, 12, 3, 9][:rows], "f16", seed=rows + threads))
-    finally:
-        numba.set_num_threads(was)
+    assert_one_call_equals_ops(q23_model[0], threads)

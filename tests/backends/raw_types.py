@@ -1,0 +1,109 @@
+"""Checks shared by the tests of block types written as raw bytes (IQ4_NL, IQ4_XS, Q2_K,
+Q3_K: gguf cannot quantize them): loaders against gguf's weights under adversarial
+scales, kernels against the float32 kernel at every row count, and a tiny model of the
+types whose one-call step equals its op-by-op step."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from panechat.backends import numpy_kernels as nk
+from panechat.backends import quant_kernels as qk
+from panechat.backends.gguf_tensor import GGUFTensor
+from panechat.backends.numpy_backend import KQuantWeight, NumpyBackend
+from panechat.engine.gguf_file import GGUFFile
+from panechat.engine.model import Model
+
+from ..tiny_gguf import random_raw_blocks, write_tiny_gguf
+from .test_block_lut import _adversarial, _same_bits, _weights
+from .test_cpu_decoder import _assert_same, _step_both_ways
+from .test_numpy_kernels import _read_only
+
+
+def gguf_weights(blocks, qtype, N, K):
+    """gguf.quants.dequantize's float32 weights [N, K]."""
+    from gguf import GGMLQuantizationType, quants
+
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 in gguf's own product: NaN, as ours
+        return np.asarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]), np.float32).reshape(N, K)
+
+
+def assert_loader_is_gguf_any_scale(loader, qtype, seed, d_at, block_bytes):
+    """Every f16 d from the adversarial list (subnormals, +-0, largest, +-inf, NaN) or random
+    bits, random codes and scales: the loader gives gguf's floats bit for bit (a NaN matches
+    any NaN: `_same_bits`), and the adversarial cases did occur. d_at: d's byte in a block."""
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for N, K in [(9, 256), (33, 512)]:
+        blocks = _adversarial(rng, qtype, N, K)
+        want, got = gguf_weights(blocks, qtype, N, K), _weights(loader, blocks, qtype, K)
+        bits = want.view(np.uint32)
+        d = blocks.reshape(N, -1, block_bytes)[..., d_at:d_at + 2].copy().view("<u2")
+        seen |= {"nan"} if np.isnan(want).any() else set()
+        seen |= {"inf"} if np.isinf(want).any() else set()
+        seen |= {"subnormal d"} if (((d & 0x7C00) == 0) & ((d & 0x3FF) != 0)).any() else set()
+        seen |= {"-0"} if (bits == 0x80000000).any() else set()
+        assert _same_bits(got, want), qtype
+        finite = np.isfinite(want)
+        assert np.array_equal(got.view(np.uint32)[finite], bits[finite]), qtype
+    assert seen == {"nan", "inf", "subnormal d", "-0"}  # the adversarial cases were there
+
+
+def assert_kernels_are_linear_at_every_row_count(qtype, seed):
+    """Rows 1..33 picked from a pool in shuffled order, through `linear` and the fused
+    `linear_many`, on one numba thread (the serial kernels) and two: every product is the
+    float32 kernel's on gguf's weights, and each row's bits are the row's alone."""
+    rng = np.random.default_rng(seed)
+    be = NumpyBackend()
+    K = 512
+    blocks = [_read_only(random_raw_blocks(rng, qtype, n, K)) for n in (37, 20)]
+    kept = [be.linear_weight(GGUFTensor("w", (b.shape[0], K), qtype, b)) for b in blocks]
+    assert all(w.qtype == qtype and np.shares_memory(w.blocks if isinstance(w, KQuantWeight) else w.data, b)
+               for w, b in zip(kept, blocks))  # kept as stored, no copy
+    dense = [gguf_weights(b, qtype, b.shape[0], K) for b in blocks]
+    pool = rng.standard_normal((33, K), dtype=np.float32)
+    want = [nk.linear(pool, d, np.empty((33, d.shape[0]), np.float32)) for d in dense]
+    alone = [np.concatenate([nk.linear(pool[i:i + 1], d, np.empty((1, d.shape[0]), np.float32))
+                             for i in range(33)]) for d in dense]
+    assert all(np.array_equal(a, w) for a, w in zip(alone, want))  # the reference is row-invariant itself
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            for B in range(1, 34):
+                pick = rng.permutation(33)[:B]
+                x = np.ascontiguousarray(pool[pick])
+                fused = be.linear_many(x, tuple(kept))
+                for j in range(2):
+                    assert np.array_equal(be.linear(x, kept[j]), want[j][pick]), (qtype, threads, B, j)
+                    assert np.array_equal(fused[j], want[j][pick]), (qtype, threads, B, j)
+    finally:
+        numba.set_num_threads(before)
+    serial = qk._SERIAL if qtype in qk._SERIAL else qk._BLOCK32_SERIAL
+    parallel = qk._KERNELS if qtype in qk._KERNELS else qk._BLOCK32_KERNELS
+    assert serial[qtype].signatures and parallel[qtype].signatures  # both kernels ran
+
+
+def tiny_model(path, qtypes, seed):
+    """A tiny llama (n_embd 256) whose layer i matrices are all qtypes[i] (the rest Q8_0),
+    loaded on the numpy backend: (model, GGUFFile)."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    raw = {f"blk.{i}.{m}.weight": t for i, t in enumerate(qtypes) for m in names}
+    write_tiny_gguf(path, "llama", n_embd=256, n_ff=256, n_head=4, n_kv=2, qtype="Q8_0", tied=False, seed=seed,
+                    random_raw=raw)
+    gf = GGUFFile.open(path)
+    gf.check_types()  # read, not refused
+    return Model.load(gf, NumpyBackend(), max_positions=128), gf
+
+
+def assert_one_call_equals_ops(model, threads):
+    """The model's one-call decode step equals its op-by-op step at 1 and 4 rows, on
+    `threads` numba threads."""
+    was = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        for rows in (1, 4):
+            _assert_same(*_step_both_ways(model, [7, 12, 3, 9][:rows], "f16", seed=rows + threads))
+    finally:
+        numba.set_num_threads(was)
