@@ -39,11 +39,11 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
-from numba.core import cgutils, config
+from numba.core import config
 from numba.extending import intrinsic
 
 from .numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _expf, _is_c_array, _scores16, _sum, _v1x4,
-                            f32vec, load_kv, vload, vload_kv, vmac, vmul, vsplat, vstore)
+                            f32vec, load_kv, prefetch_l2, vload, vload_kv, vmac, vmul, vsplat, vstore)
 
 _HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
 
@@ -138,25 +138,6 @@ def _convert(blocks, o, n, buf):
             vstore(buf, i * D + d, vload_kv(blocks, o + i * D + d))
         for d in range(dv, D):
             buf[i, d] = load_kv(blocks, o + i * D + d)
-
-
-@intrinsic
-def prefetch_l2(typingctx, arr, i):
-    """Hint the CPU to fetch arr.flat[i] into L2 (prefetcht1: not L1, where the scores and
-    the scratch blocks live); never faults, even out of bounds."""
-    if not (isinstance(arr, types.Array) and isinstance(i, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ir.PointerType(), i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        read, locality, data = ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)
-        builder.call(fn, [builder.bitcast(p, ir.PointerType()), read, locality, data])
-        return context.get_dummy_value()
-
-    return types.none(arr, i), codegen
 
 
 @njit(inline="always", **_JIT)

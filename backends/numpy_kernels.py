@@ -232,21 +232,38 @@ def vstore(typingctx, arr, i, v):
     return types.none(arr, i, v), codegen
 
 
+def _prefetch_to(locality: int):
+    """The typing and code of a prefetch of arr.flat[i] with LLVM's `locality` (3: into
+    L1, prefetcht0; 2: into L2, prefetcht1); it never faults, even out of bounds."""
+
+    def typer(typingctx, arr, i):
+        if not (isinstance(arr, types.Array) and isinstance(i, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            fnty = ir.FunctionType(ir.VoidType(), [ir.PointerType(), _I32, _I32, _I32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            read, keep, data = ir.Constant(_I32, 0), ir.Constant(_I32, locality), ir.Constant(_I32, 1)
+            builder.call(fn, [builder.bitcast(p, ir.PointerType()), read, keep, data])
+            return context.get_dummy_value()
+
+        return types.none(arr, i), codegen
+
+    return typer
+
+
 @intrinsic
 def prefetch(typingctx, arr, i):
-    """Hint the CPU to fetch arr.flat[i] into cache (never faults, even out of bounds)."""
-    if not (isinstance(arr, types.Array) and isinstance(i, types.Integer)):
-        return None
+    """Hint the CPU to fetch arr.flat[i] into L1 (never faults, even out of bounds)."""
+    return _prefetch_to(3)(typingctx, arr, i)
 
-    def codegen(context, builder, sig, args):
-        p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        fnty = ir.FunctionType(ir.VoidType(), [ir.PointerType(), _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        read, keep, data = ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)
-        builder.call(fn, [builder.bitcast(p, ir.PointerType()), read, keep, data])
-        return context.get_dummy_value()
 
-    return types.none(arr, i), codegen
+@intrinsic
+def prefetch_l2(typingctx, arr, i):
+    """Hint the CPU to fetch arr.flat[i] into L2 only (prefetcht1: L1 keeps what is being
+    computed on); never faults, even out of bounds."""
+    return _prefetch_to(2)(typingctx, arr, i)
 
 
 @intrinsic
