@@ -246,6 +246,13 @@ def first_position(last, window):
 
 
 @njit(inline="always", **_JIT)
+def _task_cost(last, window):
+    """The cost of a (row, kv head) task of a row at position `last`: its attended
+    positions plus `_TASK_COST`."""
+    return last + 1 - first_position(last, window) + _TASK_COST
+
+
+@njit(inline="always", **_JIT)
 def share_tasks(pos, window, G, tid, n):
     """Thread tid of n's (row, kv head) tasks as [k, 3] rows (r, g0, g1): kv heads g0..g1-1
     of row r. The tasks in row-major order are split into n runs of about equal cost
@@ -255,11 +262,11 @@ def share_tasks(pos, window, G, tid, n):
     R = pos.shape[0]
     total = 0
     for r in range(R):
-        total += G * (pos[r] + 1 - first_position(pos[r], window) + _TASK_COST)
+        total += G * _task_cost(pos[r], window)
     out = np.empty((R, 3), np.int64)
     k, start = 0, 0
     for r in range(R):
-        cost = pos[r] + 1 - first_position(pos[r], window) + _TASK_COST
+        cost = _task_cost(pos[r], window)
         g0, g1 = G, 0
         for g in range(G):
             if (start + g * cost) * n // total == tid:
