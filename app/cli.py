@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from ..backends import BACKENDS
-from ..backends.errors import BackendUnavailable, one_line
-from ..engine.config import EngineConfig
-from ..engine.gguf_file import ModelFileError
-from ..engine.model_names import ModelDoesNotFit, UnknownModel, parse_model_list
+from panechat.backends.errors import BackendUnavailable, one_line
+from panechat.engine.serving.config import EngineConfig
+from panechat.engine.gguf.file import ModelFileError
+from panechat.engine.catalog.model_names import ModelDoesNotFit, UnknownModel, parse_model_list
 from .models_cmd import add_models_parser, models
 from .usage import UsageError
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..engine.engine import EngineStopped, PromptTooLong, QueueFull
-from ..engine.gguf_file import ModelFileError
-from ..engine.model_names import ModelDoesNotFit, UnknownModel
+from panechat.engine.serving.engine import EngineStopped, PromptTooLong, QueueFull
+from panechat.engine.gguf.file import ModelFileError
+from panechat.engine.catalog.model_names import ModelDoesNotFit, UnknownModel
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ ENGINE_STOPPED = Refusal("engine_stopped", 503, "server_error", "engine_stopped"
 SHUTTING_DOWN = Refusal("shutting_down", 503, "server_error", "shutting_down", None, "shutting_down",
                         retry_after=1)
 
-# the model a request names (several models in one process: engine/model_set.py)
+# the model a request names (several models in one process: engine/serving/model_set.py)
 UNKNOWN_MODEL = Refusal("unknown_model", 404, "not_found_error", "model_not_found", "model", "unknown_model")
 MODEL_DOES_NOT_FIT = Refusal("model_does_not_fit", 503, "server_error", "models_memory", "model", "models_memory")
 MODEL_UNUSABLE = Refusal("model_unusable", 400, "invalid_request_error", "model_not_loadable", "model",
@@ -74,7 +74,7 @@ def classify(e: BaseException) -> Refusal | None:
 
 def retry_after(e: BaseException, refusal: Refusal) -> int | None:
     """Seconds to wait before sending the refused request again: what the exception
-    estimated (`QueueFull.retry_after`, from the queue and the recent pace: engine/metrics.py),
+    estimated (`QueueFull.retry_after`, from the queue and the recent pace: engine/serving/metrics.py),
     else the table's default; None when sending it again as it is would not help."""
     if refusal.retry_after is None:
         return None

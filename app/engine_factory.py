@@ -6,11 +6,11 @@ import argparse
 import dataclasses
 import sys
 
-from ..engine.default_model import resolve_model_path
-from ..engine.engine import Engine, EngineConfig
-from ..engine.kv_snapshot_store import default_root
-from ..engine.loader import load_model
-from ..engine.model_set import ModelSet
+from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.kv.snapshot_store import default_root
+from panechat.engine.model.loader import load_model
+from panechat.engine.serving.model_set import ModelSet
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -1,4 +1,4 @@
-"""`panechat models`: list the GGUF models on this machine (engine/model_catalog.py finds them)."""
+"""`panechat models`: list the GGUF models on this machine (engine/catalog/model_catalog.py finds them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from ..engine.model_catalog import ModelEntry, find_models, search_roots
+from panechat.engine.catalog.model_catalog import ModelEntry, find_models, search_roots
 
 
 def add_models_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:

@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from ..engine.default_model import resolve_model_path
-from ..engine.engine import Engine, EngineConfig
-from ..engine.events import FinishEvent, TokenEvent
-from ..engine.gguf_file import GGUFFile
-from ..engine.loader import LoadedModel, load_model, load_tokenizer
-from ..engine.sampling import SamplingParams
+from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.events import FinishEvent, TokenEvent
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.loader import LoadedModel, load_model, load_tokenizer
+from panechat.engine.serving.sampling import SamplingParams
 from .startup_clock import since_start
 from .usage import UsageError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import platform
 import sys
 
-from .base import Backend
-from .errors import BackendUnavailable  # noqa: F401 - callers import it from here
+from panechat.backends.base import Backend
+from panechat.backends.errors import BackendUnavailable  # noqa: F401 - callers import it from here
 
 BACKENDS = ("auto", "numpy", "mlx", "cupy")
 
@@ -23,19 +23,19 @@ def get_backend(name: str = "auto") -> Backend:
             except BackendUnavailable:
                 name = "numpy"  # a device without a usable toolchain: fall back to the CPU
     if name == "numpy":
-        from .numpy_backend import cpu_backend
+        from panechat.backends.cpu.numpy_backend import cpu_backend
 
         return cpu_backend()
     if name == "mlx":
         try:
-            from .mlx_backend import MLXBackend
+            from panechat.backends.mlx.mlx_backend import MLXBackend
         except ImportError as e:
             raise BackendUnavailable(
                 f"the MLX backend needs mlx ({e}); install it with: pip install 'panechat[mlx]'"
             ) from None
         return MLXBackend()
     try:
-        from .cupy_backend import CupyBackend
+        from panechat.backends.cuda.cupy_backend import CupyBackend
     except ImportError as e:
         raise BackendUnavailable(
             f"the CuPy backend needs cupy and a CUDA GPU ({e}); install with: pip install 'panechat[cuda]'"

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import Array, Backend
-from .paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
-from .self_check import CheckPlan, check_batch_invariance
+from panechat.backends.base import Array, Backend
+from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
+from panechat.backends.self_check import CheckPlan, check_batch_invariance
 
 
 class ArrayBackend(Backend):

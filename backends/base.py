@@ -1,6 +1,6 @@
 """The small interface every array backend implements (numpy, MLX, CuPy).
 
-The model code in `panechat.engine.model` is written once against these operations.
+The model code in `panechat.engine.model.forward` is written once against these operations.
 Every operation must be *row-invariant*: the result for one row (a token of one
 sequence) may depend only on that row's inputs, never on how many other rows share
 the call or where the row sits. `self_check()` verifies that on the running device.
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .gguf_tensor import GGUFTensor
-from .paged_kv import BLOCK_TOKENS, PagedKV
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV
 
 Array = Any  # the backend's array type
 
@@ -247,7 +247,7 @@ class Backend(ABC):
         """Rotary (cos, sin) tables [max_pos, rope_dim/2], computed once at load (float64
         angles, stored float32 on the device); the model owns them. Pair i turns by
         base^(-2i/rope_dim) / freq_factors[i] per position; cos and sin are times `mscale`
-        (RoPE scaling, engine/rope_scaling.py)."""
+        (RoPE scaling, engine/model/rope_scaling.py)."""
         inv = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
         if freq_factors is not None:
             inv = inv / freq_factors.astype(np.float64)

@@ -6,7 +6,7 @@ bit for bit).
 It covers the operations whose reductions a kernel could reorder with the batch: `linear`
 for each weight type, `rms_norm`, and `write_kv` + `attend` (rows of other slots and
 positions around, prefill rows vs one at a time). What differs per backend is only which
-shapes cross its kernel choices: its `CheckPlan`. engine/invariance.py then checks a whole
+shapes cross its kernel choices: its `CheckPlan`. engine/model/invariance.py then checks a whole
 model on top.
 """
 
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .errors import one_line
-from .gguf_tensor import GGUFTensor
+from panechat.backends.errors import one_line
+from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 if TYPE_CHECKING:
-    from .base import Backend
+    from panechat.backends.base import Backend
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from panechat.backends.gguf_tensor import GGUFTensor
-from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+from panechat.backends.cpu.numpy_backend import NumpyBackend
 
 
 _KQUANT = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes, f16 d (dmin)

@@ -10,7 +10,7 @@ numpy backend used for comparisons falls back to its GEMV path without it).
 What it checks, in order (each section reports PASS / FAIL / SKIP and goes on):
   1. versions: GPU, driver, CUDA driver API and runtime, NVRTC, cupy, numpy, gguf;
   2. every CUDA kernel variant against the numpy emulation of its documented arithmetic,
-     bit for bit (backends/cupy_kernels/): the block-form Q8_0 / Q4_x kernels, the RMS norm
+     bit for bit (backends/cuda/kernels/): the block-form Q8_0 / Q4_x kernels, the RMS norm
      fused into the products, attention over the paged float16 / float32 store;
   3. the backend's start-up self_check() (rows alone vs in batches, bit for bit);
   3b. each decode product alone at B = 1 (20 launches in one CUDA graph): weight bytes per
@@ -144,7 +144,7 @@ def _rel(a: np.ndarray, ref: np.ndarray) -> float:
 # --------------------------------------------------------------------------------------
 
 def _batch(tokens, slots, positions, last):
-    from panechat.engine.model import Batch
+    from panechat.engine.model.forward import Batch
 
     return Batch(np.asarray(tokens, np.int32), np.asarray(slots, np.int32),
                  np.asarray(positions, np.int32), np.asarray(last, np.int64))
@@ -187,7 +187,7 @@ def _run_together(model, seqs, steps: int, order_seed: int, ctx: int):
 
 
 def _invariance(model, steps: int = 6, ctx: int = 64, seed: int = 0) -> str | None:
-    from panechat.engine.invariance import check_model_invariance
+    from panechat.engine.model.invariance import check_model_invariance
 
     rng = np.random.default_rng(seed)
     V = model.args.vocab_size
@@ -337,7 +337,7 @@ def versions(rep: Report, cp, where: str) -> None:
         nv = ".".join(map(str, nvrtc.getVersion()))
     except Exception as e:  # noqa: BLE001
         nv = f"unavailable ({type(e).__name__})"
-    from panechat.backends.cupy_backend import _driver_version
+    from panechat.backends.cuda.cupy_backend import _driver_version
 
     rep.say(f"  GPU: {name}, sm_{cp.cuda.Device().compute_capability}, "
             f"{props.get('multiProcessorCount')} SMs, {props.get('totalGlobalMem', 0) / 2**30:.1f} GiB, "
@@ -355,7 +355,7 @@ def versions(rep: Report, cp, where: str) -> None:
 
 def kernels_vs_emulation(rep: Report, be) -> None:
     rep.section("kernels vs the numpy emulation of their arithmetic (bit for bit)")
-    from panechat.backends.cupy_backend import compare_kernels_with_emulation
+    from panechat.backends.cuda.cupy_backend import compare_kernels_with_emulation
 
     t = time.perf_counter()
     problems = compare_kernels_with_emulation(be)
@@ -375,10 +375,10 @@ def self_check(rep: Report, be) -> None:
 
 
 def tiny_models(rep: Report, be, tmp: Path) -> list:
-    from panechat.backends.cupy_backend import CupyBackend
-    from panechat.backends.numpy_backend import cpu_backend
-    from panechat.engine.gguf_file import GGUFFile
-    from panechat.engine.model import Model
+    from panechat.backends.cuda.cupy_backend import CupyBackend
+    from panechat.backends.cpu.numpy_backend import cpu_backend
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.forward import Model
     from tests.tiny_gguf import reference_logits, write_tiny_gguf
 
     rep.section(f"tiny models: GPU == emulation bit for bit; vs numpy and float64 < {REL_TOL:g}; greedy tokens")
@@ -442,9 +442,9 @@ MID = [("qwen2 1536/12/2/8960 x2 Q8_0", "qwen2", "Q8_0", dict(n_layer=2, n_embd=
 
 
 def real_width(rep: Report, be, tmp: Path, cases=MID) -> list:
-    from panechat.backends.numpy_backend import cpu_backend
-    from panechat.engine.gguf_file import GGUFFile
-    from panechat.engine.model import Model
+    from panechat.backends.cpu.numpy_backend import cpu_backend
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.forward import Model
     from tests.tiny_gguf import reference_logits, write_tiny_gguf
 
     rep.section(f"real-width models (tiny vocab): GPU vs numpy backend and float64 < {REL_TOL:g}")
@@ -517,7 +517,7 @@ GEMV = [("Q8_0", 1536, 1536), ("Q8_0", 8960, 1536), ("Q8_0", 1536, 8960), ("Q8_0
 def _raw_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
     """Valid blocks [n, k / block * bytes]: random codes, small f16 d (and m)."""
     if qtype not in ("Q8_0", "Q4_0", "Q4_1"):  # Q5_x, K-quants
-        from panechat.backends.cupy_widen import random_blocks
+        from panechat.backends.cuda.widen import random_blocks
         return random_blocks(rng, qtype, n, k)
     size, head = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}[qtype]
     raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
@@ -529,8 +529,8 @@ def decode_gemv(rep: Report, be, cp) -> None:
     """Each decode product alone at B = 1: 20 launches back to back replayed from one CUDA
     graph (no host between them), weight bytes per second next to the device's copy
     bandwidth -- whether the linear kernels stream, apart from the rest of the step."""
-    from panechat.backends.cupy_step_graphs import GraphCapture
-    from panechat.backends.gguf_tensor import GGUFTensor
+    from panechat.backends.cuda.step_graphs import GraphCapture
+    from panechat.backends.quant.gguf_tensor import GGUFTensor
 
     rep.section("decode products at B = 1 (one linear kernel, 20 launches in a CUDA graph) vs copy bandwidth")
     if cp is None:
@@ -577,8 +577,8 @@ def decode_gemv(rep: Report, be, cp) -> None:
 
 
 def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG, engine: bool = True) -> None:
-    from panechat.engine.gguf_file import GGUFFile
-    from panechat.engine.model import Model
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.forward import Model
 
     rep.section("synthetic full-width models: invariance, prefill, decode throughput vs bandwidth limit")
     dry = cp is None
@@ -669,9 +669,9 @@ def synthetic(rep: Report, be, cp, tmp: Path, quick: bool, batches, specs=BIG, e
 
 def _tokenizer_of(path: Path):
     """(tokenizer, chat template) of a GGUF file (read before the file is deleted)."""
-    from panechat.engine.chat_template import ChatTemplate
-    from panechat.engine.gguf_file import GGUFFile
-    from panechat.engine.loader import load_tokenizer
+    from panechat.engine.text.chat_template import ChatTemplate
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.loader import load_tokenizer
 
     gf = GGUFFile.open(path)
     tok = load_tokenizer(gf)
@@ -683,9 +683,9 @@ def engine_path(rep: Report, model, tok_template, label: str, batches, bw: float
     """Decode through the Engine (scheduler, device sampling, host loop, events): B
     requests of a 16-token prompt generating N tokens each; tokens/s from the first token
     of the last request to arrive to the end (steady decode)."""
-    from panechat.engine.engine import Engine, EngineConfig
-    from panechat.engine.loader import LoadedModel
-    from panechat.engine.sampling import SamplingParams
+    from panechat.engine.serving.engine import Engine, EngineConfig
+    from panechat.engine.model.loader import LoadedModel
+    from panechat.engine.serving.sampling import SamplingParams
 
     lm = LoadedModel(Path(label), model, *tok_template)
     n_tok = 4 if dry else 48
@@ -800,10 +800,10 @@ def graphs_and_sampling(rep: Report, models: list) -> None:
 def mma_mode(rep: Report, cp, tmp: Path, dry: bool, quick: bool, speed: bool = True) -> None:
     """The tensor-core mode: (a) invariance bit for bit, (b) error vs float64 within the
     documented bound, (c) speed on the synthetic models (figures labelled "... MMA")."""
-    from panechat.backends.cupy_backend import CupyBackend
-    from panechat.backends.cupy_mma_check import BATCHES, check_mma
-    from panechat.engine.gguf_file import GGUFFile
-    from panechat.engine.model import Model
+    from panechat.backends.cuda.cupy_backend import CupyBackend
+    from panechat.backends.cuda.mma_check import BATCHES, check_mma
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.forward import Model
     from tests.tiny_gguf import reference_logits, write_tiny_gguf
 
     rep.section("tensor-core (MMA) mode, PANECHAT_CUPY_MMA=1: split bit for bit, error bound, invariance, speed")
@@ -863,7 +863,7 @@ def main() -> int:
     try:
         where = _bootstrap()
         from panechat.backends import BackendUnavailable
-        from panechat.backends.cupy_backend import CupyBackend
+        from panechat.backends.cuda.cupy_backend import CupyBackend
     except Exception as e:  # noqa: BLE001
         rep.say(f"cannot import panechat from {ROOT}: {type(e).__name__}: {e}")
         return 2

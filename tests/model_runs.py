@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from panechat.engine.model import Batch, Model
+from panechat.engine.model.forward import Batch, Model
 
 
 def forward_chunks(model: Model, tokens: list[int], chunk: int, ctx: int = 64, kv_dtype: str = "f32") -> np.ndarray:

@@ -156,8 +156,8 @@ def test_the_folders_are_the_installed_packages():
 
 
 def test_the_reader_sees_the_tree(graph):
-    assert len(graph) > 50 and "panechat.app.cli" in graph and "panechat.engine.engine" in graph
-    assert "panechat.engine.engine" in graph["panechat.app.engine_factory"]
+    assert len(graph) > 50 and "panechat.app.cli" in graph and "panechat.engine.serving.engine" in graph
+    assert "panechat.engine.serving.engine" in graph["panechat.app.engine_factory"]
 
 
 def test_no_import_cycles(graph):
@@ -166,10 +166,26 @@ def test_no_import_cycles(graph):
                            "; move what both sides share into a module of its own")
 
 
+B, E = "panechat.backends", "panechat.engine"
+
+
 @pytest.mark.parametrize("layer,forbidden", [
-    ("panechat.engine", ("panechat.app",)),
-    ("panechat.backends", ("panechat.engine", "panechat.app")),
+    (E, ("panechat.app",)),
+    (B, (E, "panechat.app")),
+    # the backends stand side by side: none reaches into another
+    (f"{B}.cpu", (f"{B}.cuda", f"{B}.mlx")),
+    (f"{B}.cuda", (f"{B}.cpu", f"{B}.mlx")),
+    (f"{B}.mlx", (f"{B}.cpu", f"{B}.cuda")),
+    # what a weight type is (the registry, a tensor as stored) knows no backend
+    (f"{B}.quant", (f"{B}.cpu", f"{B}.cuda", f"{B}.mlx", f"{B}.base", f"{B}.self_check")),
+    # inside the engine: reading files, text, the model and the KV cache know nothing of serving
+    (f"{E}.gguf", (f"{E}.text", f"{E}.model", f"{E}.kv", f"{E}.serving", f"{E}.catalog")),
+    (f"{E}.text", (f"{E}.model", f"{E}.kv", f"{E}.serving", f"{E}.catalog")),
+    (f"{E}.model", (f"{E}.kv", f"{E}.serving", f"{E}.catalog")),
+    (f"{E}.kv", (f"{E}.text", f"{E}.model", f"{E}.serving", f"{E}.catalog")),
+    (f"{E}.catalog", (f"{E}.serving", f"{E}.kv")),
 ])
 def test_layers_point_down(graph, layer, forbidden):
     bad = layer_violations(graph, layer, forbidden)
-    assert not bad, "the layers are app -> engine -> backends: " + "; ".join(bad)
+    assert not bad, (f"{layer} may not import {', '.join(forbidden)} (docs/architecture.md, "
+                     "'The module graph'): " + "; ".join(bad))

@@ -23,7 +23,7 @@ import time
 
 import httpx
 
-from ...engine.config import EngineConfig
+from panechat.engine.serving.config import EngineConfig
 
 TOPICS = [
     "volcanoes", "honeybees", "the moon", "bread baking", "chess openings", "rainbows", "penguins",

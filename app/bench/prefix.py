@@ -14,9 +14,9 @@ import json
 import sys
 import time
 
-from ...engine.config import format_size
-from ...engine.events import TokenEvent
-from ...engine.sampling import SamplingParams
+from panechat.engine.serving.config import format_size
+from panechat.engine.serving.events import TokenEvent
+from panechat.engine.serving.sampling import SamplingParams
 
 SYSTEM_SENTENCE = ("You are the help desk of a large public library. Answer briefly and politely, "
                    "cite the shelf section when you name a book, and never invent opening hours. ")
@@ -37,7 +37,7 @@ def system_prompt(engine, n_tokens: int) -> str:
 
 
 def run_mode(lm, args: argparse.Namespace, sharing: bool) -> dict:
-    from ...engine.engine import Engine, EngineConfig
+    from panechat.engine.serving.engine import Engine, EngineConfig
 
     cfg = EngineConfig(max_concurrent=min(EngineConfig.MAX_CONCURRENT, args.clients),
                        max_queue=args.clients, ctx_size=args.ctx_size, prefix_caching=sharing,

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from ...engine.default_model import resolve_model_path
-from ...engine.loader import load_model
-from ...engine.model import Batch
+from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.model.loader import load_model
+from panechat.engine.model.forward import Batch
 
 CHUNK = 512
 

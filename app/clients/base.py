@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ...engine.stats import EngineStats
+from panechat.engine.serving.stats import EngineStats
 
 
 class BackendError(Exception):

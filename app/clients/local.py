@@ -1,17 +1,17 @@
 """The embedded engine as a ChatBackend: panes submit straight into its batch (the prompt
 is rendered and tokenized in a worker thread first, as the server does). With several
-models (engine/model_set.py) each pane's model has its own Engine and batch."""
+models (engine/serving/model_set.py) each pane's model has its own Engine and batch."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator, Callable
 
-from ...engine.engine import Engine, Generation
-from ...engine.model_set import ModelSet
-from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
-from ...engine.sampling import SamplingParams
-from ...engine.stats import EngineStats
+from panechat.engine.serving.engine import Engine, Generation
+from panechat.engine.serving.model_set import ModelSet
+from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.serving.stats import EngineStats
 from ..engine_errors import QUEUE_FULL, classify
 from ..startup_clock import since_start
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill, Queued
@@ -131,7 +131,7 @@ class LocalBackend(ChatBackend):
 
     async def model_choices(self) -> list[ModelChoice]:
         """The loaded models, then what `panechat models` finds (read in a worker thread)."""
-        from ...engine.model_catalog import find_models  # deferred: reads every model header
+        from panechat.engine.catalog.model_catalog import find_models  # deferred: reads every model header
 
         loaded = self.models.names() if self.models is not None else []
         if self.models is not None and not self.models.lazy:  # an Engine given as is: nothing else loads

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ...engine.stats import EngineStats, StreamState, StreamStats
+from panechat.engine.serving.stats import EngineStats, StreamState, StreamStats
 from .base import (BackendError, BackendInfo, ChatBackend, Delta, Finished, GenParams, QueueStream, Queued,
                    StreamMeter)
 

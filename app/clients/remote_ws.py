@@ -14,7 +14,7 @@ import json
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from ...engine.stats import EngineStats
+from panechat.engine.serving.stats import EngineStats
 from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill,
                    QueueStream, Queued)
 

@@ -31,7 +31,7 @@ from .state import ServerState, state_of
 from .websocket import websocket_endpoint
 
 if TYPE_CHECKING:
-    from ...engine.engine import Engine
+    from panechat.engine.serving.engine import Engine
 
 __all__ = ["create_app", "MAX_BODY"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ...engine.sampling import SamplingParams
+from panechat.engine.serving.sampling import SamplingParams
 from .errors import bad_request
 from .openai_api import SSEResponse, _finish_reason, generation_route, parse_generation_fields
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.events import FinishEvent, TokenEvent
-from ...engine.sampling import SamplingParams
+from panechat.engine.serving.events import FinishEvent, TokenEvent
+from panechat.engine.serving.sampling import SamplingParams
 from . import errors
 from .errors import APIError, bad_request
 from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings

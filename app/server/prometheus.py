@@ -18,10 +18,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ...engine.stats import StreamState
+from panechat.engine.serving.stats import StreamState
 
 if TYPE_CHECKING:
-    from ...engine.stats import EngineStats
+    from panechat.engine.serving.stats import EngineStats
     from .conversations import ConversationStore
     from .state import ServerState
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from ...engine.sampling import SamplingParams
+from panechat.engine.serving.sampling import SamplingParams
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256

@@ -25,10 +25,10 @@ from .conversations import ConversationStore
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from ...engine.engine import Engine, Generation
-    from ...engine.model_catalog import ModelEntry
-    from ...engine.model_set import ModelSet
-    from ...engine.sampling import SamplingParams
+    from panechat.engine.serving.engine import Engine, Generation
+    from panechat.engine.catalog.model_catalog import ModelEntry
+    from panechat.engine.serving.model_set import ModelSet
+    from panechat.engine.serving.sampling import SamplingParams
 
 #: The name any request may use for the default model (clients that must send some name).
 DEFAULT_ALIAS = "panechat"
@@ -71,7 +71,7 @@ class ServerState:
     def attach(self, engine: "Engine | ModelSet") -> None:
         """Start serving `engine` (already started), or every model of a ModelSet (the
         first the default); /health turns 200."""
-        from ...engine.model_set import ModelSet  # deferred: the engine loads in a worker thread
+        from panechat.engine.serving.model_set import ModelSet  # deferred: the engine loads in a worker thread
 
         self.models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
 
@@ -121,7 +121,7 @@ class ServerState:
 
     async def catalog(self) -> list["ModelEntry"]:
         """`panechat models`' list (read off the loop, kept CATALOG_TTL_S seconds)."""
-        from ...engine.model_catalog import find_models
+        from panechat.engine.catalog.model_catalog import find_models
 
         now = time.monotonic()
         if self._catalog is None or now - self._catalog[0] > CATALOG_TTL_S:

@@ -18,7 +18,7 @@ import time
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ...engine.events import FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
 from ..engine_errors import classify, retry_after
 from .conversations import Conversation, HistoryTooLarge, message_bytes
 from .request_fields import FieldError, is_num, opt_int, opt_num, parse_json, sampling_params, stop_strings

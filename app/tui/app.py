@@ -10,8 +10,8 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 from textual.theme import Theme
 
-from ...backends.errors import one_line
-from ...themes import DEFAULT_THEME, THEMES
+from panechat.backends.errors import one_line
+from panechat.themes import DEFAULT_THEME, THEMES
 from ..clients.base import BackendError, ChatBackend
 from ..store import Store
 from .screens.main import MainScreen

@@ -8,8 +8,8 @@ import argparse
 import asyncio
 import sys
 
-from ...engine.default_model import resolve_model_path
-from ...engine.gguf_file import ModelFileError
+from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.gguf.file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend
 from ..engine_factory import build_models, engine_config

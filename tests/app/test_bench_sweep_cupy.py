@@ -5,9 +5,9 @@ device, and sequence 0's tokens are the same at every B."""
 from __future__ import annotations
 
 from panechat.app.bench.sweep import sweep_cell
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Model
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Model
 
 
 def test_sweep_cells_pick_on_the_device_and_agree_across_batch_sizes(tiny):

@@ -13,9 +13,10 @@ import pytest
 import panechat.app.cli as cli_module
 from panechat.app.cli import SHARED_DEFAULTS, build_parser
 from panechat.app.engine_factory import engine_config
-from panechat.engine import default_model, shipped_models
-from panechat.engine.config import EngineConfig
-from panechat.engine.gguf_file import ModelFileError
+from panechat.engine.catalog import default_model
+from panechat.engine.catalog import shipped_models
+from panechat.engine.serving.config import EngineConfig
+from panechat.engine.gguf.file import ModelFileError
 
 from ..tiny_gguf import set_row_length, write_tiny_gguf
 

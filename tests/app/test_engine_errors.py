@@ -18,7 +18,7 @@ from panechat.app.engine_errors import (BAD_INPUT, ENGINE_STOPPED, PROMPT_TOO_LO
                                         Refusal, ShuttingDown, classify, retry_after)
 from panechat.app.server import create_app
 from panechat.app.server.request_fields import FieldError
-from panechat.engine.engine import EngineStopped, PromptTooLong, QueueFull
+from panechat.engine.serving.engine import EngineStopped, PromptTooLong, QueueFull
 
 
 class RefusingEngine:
@@ -148,11 +148,11 @@ def test_a_bug_is_reported_as_internal_everywhere():
 
 
 def test_model_refusals_are_classified():
-    """Several models (engine/model_set.py): an unknown model is a 404 naming the param,
+    """Several models (engine/serving/model_set.py): an unknown model is a 404 naming the param,
     one that does not fit --models-memory a 503, a listed file panechat cannot use a 400."""
     from panechat.app.engine_errors import MODEL_DOES_NOT_FIT, MODEL_UNUSABLE, UNKNOWN_MODEL
-    from panechat.engine.gguf_file import ModelFileError
-    from panechat.engine.model_names import ModelDoesNotFit, UnknownModel
+    from panechat.engine.gguf.file import ModelFileError
+    from panechat.engine.catalog.model_names import ModelDoesNotFit, UnknownModel
 
     assert classify(UnknownModel("unknown model 'x'")) is UNKNOWN_MODEL
     assert classify(ModelDoesNotFit("model 'x' needs 2 GiB")) is MODEL_DOES_NOT_FIT

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from panechat.backends import numpy_kernels as nk
-from panechat.backends import quant_kernels as qk
-from panechat.backends.gguf_tensor import GGUFTensor
-from panechat.backends.numpy_backend import KQuantWeight, NumpyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Model
+from panechat.backends.cpu import numpy_kernels as nk
+from panechat.backends.cpu import quant_kernels as qk
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Model
 
 from ..tiny_gguf import random_raw_blocks, write_tiny_gguf
 from .test_block_lut import _adversarial, _same_bits, _weights

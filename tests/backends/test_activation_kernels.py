@@ -1,4 +1,4 @@
-"""The CPU gated activations (backends/activation_kernels.py): close to float64, and each
+"""The CPU gated activations (backends/cpu/activation_kernels.py): close to float64, and each
 element's bits independent of which columns a call covers (vector body or scalar tail)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends.activation_kernels import gated, gated_columns
+from panechat.backends.cpu.activation_kernels import gated, gated_columns
 
 
 def _inputs():

@@ -1,15 +1,15 @@
-"""Block-resident weights and fused products (backends/block_linear.py, quant_kernels.py):
+"""Block-resident weights and fused products (backends/cpu/block_linear.py, quant_kernels.py):
 one call for several weights gives each product's bits, and the model's forward pass on
 stored blocks, fused, equals the unfused forward on float32 weights bit for bit."""
 
 import numpy as np
 import pytest
 
-from panechat.backends import numpy_kernels as nk
-from panechat.backends.gguf_tensor import GGUFTensor
-from panechat.backends.numpy_backend import NumpyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Batch, Model
+from panechat.backends.cpu import numpy_kernels as nk
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+from panechat.backends.cpu.numpy_backend import NumpyBackend
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Batch, Model
 
 from ..tiny_gguf import write_tiny_gguf
 from .test_numpy_kernels import raw_blocks
@@ -68,7 +68,7 @@ def test_one_thread_serial_kernels_equal_the_parallel_ones(rng, qtype):
     threads (the parallel kernels), at the register path and the panel path."""
     import numba
 
-    from panechat.backends import quant_kernels as qk
+    from panechat.backends.cpu import quant_kernels as qk
 
     be, kept, _ = _weights(rng, qtype, [(70, 512), (20, 512), (33, 512)])
     before = numba.get_num_threads()

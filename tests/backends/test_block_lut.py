@@ -1,4 +1,4 @@
-"""Lookup-table loaders (backends/block_lut.py): on AVX-512 the 4- and 5-bit block types
+"""Lookup-table loaders (backends/cpu/block_lut.py): on AVX-512 the 4- and 5-bit block types
 fetch each weight from a per-block table of its 16 (32) values instead of converting and
 scaling every code. Both loaders must give the same float32 weights, bit for bit, and
 those must be gguf's, for any codes and any f16 scales: subnormal, negative, zero,
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from panechat.backends import quant_kernels as qk
-from panechat.backends.block_linear import _dequantize_panel
-from panechat.backends.block_lut import HAS_LUT
+from panechat.backends.cpu import quant_kernels as qk
+from panechat.backends.cpu.block_linear import _dequantize_panel
+from panechat.backends.cpu.block_lut import HAS_LUT
 
 from .test_numpy_kernels import _F16_AT, raw_blocks
 

@@ -1,4 +1,4 @@
-"""The one-call decode step (backends/cpu_decoder.py) equals the op-by-op layers and head
+"""The one-call decode step (backends/cpu/decoder.py) equals the op-by-op layers and head
 bit for bit: logits and every layer's stored K and V, on the default model, a K-quant
 copy of it and tiny models of every architecture (biases, q/k norms, post norms, gelu,
 sliding windows, fused QKV), at 1..5 rows with shuffled block tables, f16 and f32 KV,
@@ -10,10 +10,10 @@ import numba
 import numpy as np
 import pytest
 
-from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.cpu.numpy_backend import NumpyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Batch, Model
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Batch, Model
 
 from .kquant_model import write_kquant_copy
 

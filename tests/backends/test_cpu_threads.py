@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from panechat.backends.cpu_threads import ThreadGovernor, read_proc_stat
+from panechat.backends.cpu.threads import ThreadGovernor, read_proc_stat
 
 
 class Counters:

@@ -24,18 +24,18 @@ import pytest
 
 from panechat.backends import BackendUnavailable
 from panechat.backends.errors import one_line
-from panechat.backends import cupy_kernels as ck
-from panechat.backends.cupy_backend import (
+from panechat.backends.cuda import kernels as ck
+from panechat.backends.cuda.cupy_backend import (
     CupyBackend,
     CupyWeight,
     compare_kernels_with_emulation,
     prepare_weight,
 )
-from panechat.backends.gguf_tensor import GGUFTensor
-from panechat.backends.numpy_backend import NumpyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.invariance import check_model_invariance
-from panechat.engine.model import Model
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+from panechat.backends.cpu.numpy_backend import NumpyBackend
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.invariance import check_model_invariance
+from panechat.engine.model.forward import Model
 
 from ..model_runs import forward_chunks, run_batched
 from ..tiny_gguf import reference_logits
@@ -67,7 +67,7 @@ NO_CUDA = _cuda_reason()
 def test_imports_without_cupy_and_says_how_to_install():
     code = (
         "import sys; sys.modules['cupy'] = None\n"  # makes 'import cupy' raise ImportError
-        "import panechat.backends.cupy_backend, panechat.backends.cupy_kernels\n"
+        "import panechat.backends.cuda.cupy_backend, panechat.backends.cuda.kernels\n"
         "assert 'cupy' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "from panechat.backends import get_backend, BackendUnavailable\n"
         "try:\n"
@@ -83,7 +83,7 @@ def test_imports_without_cupy_and_says_how_to_install():
 
 def test_import_does_not_touch_cuda():
     """Importing the backend modules imports no cupy (so no CUDA initialisation)."""
-    code = ("import sys; import panechat.backends.cupy_backend, panechat.backends.cupy_kernels\n"
+    code = ("import sys; import panechat.backends.cuda.cupy_backend, panechat.backends.cuda.kernels\n"
             "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
@@ -145,7 +145,7 @@ def _check_ptx(ptx: str) -> None:
 
 
 def test_the_geometry_is_defined_once_and_passed_to_the_source():
-    from panechat.backends.cupy_kernels import constants
+    from panechat.backends.cuda.kernels import constants
 
     for name, value in constants.CUDA_DEFINES.items():
         assert value == getattr(constants, name) and f"-D{name}={value}" in ck.OPTIONS
@@ -355,7 +355,7 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
         t = gf.tensor(name)
         w = t.dequantize()
         pw = prepare_weight(t)
-        # in their blocks: the file's bytes (backends/cupy_packed.py)
+        # in their blocks: the file's bytes (backends/cuda/packed.py)
         assert pw.kind == ("q80" if qtype == "Q8_0" else "q4") and pw.nbytes == np.asarray(t.blocks).nbytes
         assert pw.w.dtype == (np.int8 if qtype == "Q8_0" else np.uint8)
         assert (pw.mins is not None) == (qtype == "Q4_1")
@@ -367,7 +367,7 @@ def test_quantized_weights_stay_quantized_and_exact(tiny, qtype):
 def test_linear_add_is_one_launch_and_the_separate_add(qtype, K):
     """The residual [M, N] and bias [N] adds fused into the matmul kernel (vector and
     any-K kernels, every weight kind) == linear(x, w) + add, bit for bit, in one launch."""
-    from panechat.backends.cupy_widen import random_blocks
+    from panechat.backends.cuda.widen import random_blocks
 
     be = CupyBackend.emulated_on_cpu()
     rng = np.random.default_rng(6)
@@ -407,7 +407,7 @@ def test_rope_kernel_is_the_elementwise_rope(style, rope_dim):
 def test_kquant_and_q5_weights_are_widened_exactly(qtype):
     """K-quants and Q5_x: int8 codes + float32 scale (and min) per group, exactly the
     floats gguf dequantizes, and the emulated kernel computes with exactly those."""
-    from panechat.backends.cupy_widen import random_blocks
+    from panechat.backends.cuda.widen import random_blocks
 
     rng = np.random.default_rng(3)
     if qtype.endswith("_K"):

@@ -1,5 +1,5 @@
 """The CuPy block-form kernels' weight decoders -- the very `load` / `decode` source of
-WQ4, WQ5, WQ4K, WQ5K and WQ6K in backends/cupy_kernels/source.py -- compiled for the host
+WQ4, WQ5, WQ4K, WQ5K and WQ6K in backends/cuda/kernels/source.py -- compiled for the host
 with g++ (a few shims: __ldg a load, __fmul_rn / __fadd_rn one rounded float operation,
 h2f an exact half-to-float) and run over every octet of a weight: the floats must be
 gguf's dequantized weights bit for bit. This checks the CUDA code's addressing (strides,
@@ -14,10 +14,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import prepare_weight
-from panechat.backends.cupy_kernels.source import SOURCE
-from panechat.backends.cupy_widen import random_blocks
-from panechat.backends.gguf_tensor import GGUFTensor
+from panechat.backends.cuda.cupy_backend import prepare_weight
+from panechat.backends.cuda.kernels.source import SOURCE
+from panechat.backends.cuda.widen import random_blocks
+from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 GXX = shutil.which("g++")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import FUSED_NORM_MAX_ROWS, CupyBackend
-from panechat.backends.cupy_widen import random_blocks
-from panechat.backends.gguf_tensor import GGUFTensor
+from panechat.backends.cuda.cupy_backend import FUSED_NORM_MAX_ROWS, CupyBackend
+from panechat.backends.cuda.widen import random_blocks
+from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 
 def _weight(be, rng, qtype: str, n: int, k: int):

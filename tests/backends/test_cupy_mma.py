@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from panechat.backends import BackendUnavailable
-from panechat.backends import cupy_mma
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.cupy_kernels import mma_emulation
-from panechat.backends.cupy_kernels.mma_emulation import emulate_mma_product, mma_error_bound, split_x
-from panechat.backends.cupy_kernels.mma_launch import mma_tile
-from panechat.backends.cupy_kernels.mma_source import MMA_KERNEL_NAMES, MMA_OPTIONS, MMA_SOURCE
-from panechat.backends.cupy_mma_check import (
+from panechat.backends.cuda import mma as cupy_mma
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.cuda.kernels import mma_emulation
+from panechat.backends.cuda.kernels.mma_emulation import emulate_mma_product, mma_error_bound, split_x
+from panechat.backends.cuda.kernels.mma_launch import mma_tile
+from panechat.backends.cuda.kernels.mma_source import MMA_KERNEL_NAMES, MMA_OPTIONS, MMA_SOURCE
+from panechat.backends.cuda.mma_check import (
     block_form,
     check_mma,
     exact_weights,
@@ -34,8 +34,8 @@ from panechat.backends.cupy_mma_check import (
     probe_rows,
     rows_invariant,
 )
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Model
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Model
 
 from ..model_runs import forward_chunks, run_batched
 from ..tiny_gguf import reference_logits
@@ -82,7 +82,7 @@ def test_split_scale_keeps_rows_below_f16_overflow():
 # -- the products: model within the bound, the bound able to fail --------------------------
 
 def test_bf16_split_reconstructs_each_row_to_24_bits():
-    from panechat.backends.cupy_kernels.mma_emulation import from_bf16, part_values
+    from panechat.backends.cuda.kernels.mma_emulation import from_bf16, part_values
 
     rng = np.random.default_rng(7)
     x = probe_rows(rng, 20, 128)
@@ -143,7 +143,7 @@ def _literal_product(parts, xinv, xsum, w, d, m, gshift):
 
 
 def ck_fma(a, b, c):
-    from panechat.backends.cupy_kernels import fma_f32
+    from panechat.backends.cuda.kernels import fma_f32
 
     return fma_f32(np.float32(a), np.float32(b), np.float32(c))[()]
 
@@ -155,7 +155,7 @@ def test_model_is_the_literal_contract(kind, gshift, mins):
     rng = np.random.default_rng(6)
     R, N, K = 3, 5, 288  # 9 chunks: warp 0 gets two
     x = probe_rows(rng, R, K)
-    from panechat.backends.cupy_kernels.mma_emulation import from_bf16, part_values, to_bf16
+    from panechat.backends.cuda.kernels.mma_emulation import from_bf16, part_values, to_bf16
 
     xp, xinv, xsum = split_x(x, 8, gshift, mins, kind == "bf16")
     parts = part_values(xp[:, :R], kind == "bf16")
@@ -304,7 +304,7 @@ def test_every_product_of_a_model_runs_on_tensor_cores(tiny, arch, qtype):
 def test_graph_steps_with_mma_equal_eager_steps(tiny):
     """Decode steps through the per-bucket graphs (rows padded to the bucket, replayed by
     re-running on the emulation) == the eager steps, with the MMA mode on."""
-    from panechat.engine.model import Batch
+    from panechat.engine.model.forward import Batch
 
     path, _ = tiny("qwen2", "Q8_0", False)
     gf = GGUFFile.open(path)
@@ -403,7 +403,7 @@ def test_nvrtc_compiles_the_mma_source():
         nvrtc.getVersion()
     except Exception as e:
         pytest.skip(f"NVRTC unavailable ({type(e).__name__})")
-    from panechat.backends.cupy_kernels.build import compile_ptx
+    from panechat.backends.cuda.kernels.build import compile_ptx
 
     _check_ptx(compile_ptx("compute_90", MMA_SOURCE, MMA_OPTIONS).decode())
 

@@ -1,5 +1,5 @@
 """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K resident in GGUF's block form on the
-CuPy backend (backends/cupy_packed.py, the q4, q5 and q80 kernels; Q4_K's and Q5_K's super-blocks as stored,
+CuPy backend (backends/cuda/packed.py, the q4, q5 and q80 kernels; Q4_K's and Q5_K's super-blocks as stored,
 q4k / q5k; Q6_K's with d split off, q6k), through the numpy emulation: the bytes
 are the file's, the weights are gguf's dequantized floats bit for bit, and the block-form
 kernels compute exactly what the widened q8 path (int8 codes + float32 scales, the former
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends import cupy_kernels as ck
-from panechat.backends.cupy_backend import CupyBackend, CupyWeight, prepare_weight
-from panechat.backends.cupy_widen import random_blocks
-from panechat.backends.gguf_tensor import GGUFTensor
+from panechat.backends.cuda import kernels as ck
+from panechat.backends.cuda.cupy_backend import CupyBackend, CupyWeight, prepare_weight
+from panechat.backends.cuda.widen import random_blocks
+from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 
 def _tensor(qtype: str, n: int, k: int, seed: int) -> GGUFTensor:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends import cupy_kernels as ck
+from panechat.backends.cuda import kernels as ck
 from panechat.backends.array_backend import ArrayBackend
-from panechat.backends.cupy_backend import CupyBackend
+from panechat.backends.cuda.cupy_backend import CupyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from panechat.backends.array_backend import ArrayBackend
 from panechat.backends.base import Backend
-from panechat.backends.cupy_backend import CupyBackend
+from panechat.backends.cuda.cupy_backend import CupyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
 from .decode_rows import decode_rows

@@ -1,4 +1,4 @@
-"""Sampling on the device (the sample_rows kernel, backends/cupy_kernels/sampling.py and its
+"""Sampling on the device (the sample_rows kernel, backends/cuda/kernels/sampling.py and its
 emulation), through the emulated CuPy backend: Philox against its published test vectors,
 greedy exactly the host's argmax, the filters' semantics, and picks that depend on the
 row's own logits, seed and step alone. The real kernel is compared with this emulation
@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.cupy_kernels.emulation import emulate_sample_row
-from panechat.backends.cupy_kernels.sampling import philox_word0, sampling_table, uniform
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Batch, Model
-from panechat.engine.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.cuda.kernels.emulation import emulate_sample_row
+from panechat.backends.cuda.kernels.sampling import philox_word0, sampling_table, uniform
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Batch, Model
+from panechat.engine.serving.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
 
 
 def test_philox_matches_the_random123_known_answers():
@@ -122,8 +122,8 @@ def test_sampling_table_layout():
 def test_engine_samples_on_the_device_and_seeded_replies_do_not_depend_on_the_batch(tiny):
     """The engine with the emulated CuPy backend: every token comes from sample_rows (only
     ids cross), and each request's tokens are the same alone as in a busy batch."""
-    from panechat.engine.engine import Engine, EngineConfig
-    from panechat.engine.loader import load_model
+    from panechat.engine.serving.engine import Engine, EngineConfig
+    from panechat.engine.model.loader import load_model
 
     path, _ = tiny("llama", "Q8_0")
     be = CupyBackend.emulated_on_cpu()

@@ -1,4 +1,4 @@
-"""Decode steps through per-bucket graphs (backends/cupy_step_graphs.py), on the emulated
+"""Decode steps through per-bucket graphs (backends/cuda/step_graphs.py), on the emulated
 CuPy backend: the padding to the bucket, the static buffers (block tables too), the spare
 KV block (and the spare slot made of it) and the eager fallback. The CUDA graph itself needs a device (scripts/gpu_check.py replays it
 against the eager step bit for bit)."""
@@ -10,10 +10,10 @@ import logging
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.cupy_step_graphs import BUCKETS, ReplayByRerun, bucket_for
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Batch, Model
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.cuda.step_graphs import BUCKETS, ReplayByRerun, bucket_for
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Batch, Model
 
 PROMPTS = [[1, 90, 198, 26, 35], [1, 40, 198, 26], [50, 23, 63]]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends import decode_attention as da
-from panechat.backends import numpy_kernels as nk
-from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.cpu import decode_attention as da
+from panechat.backends.cpu import numpy_kernels as nk
+from panechat.backends.cpu.numpy_backend import NumpyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
 from .decode_rows import decode_rows

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.gguf_tensor import GGUFTensor, TensorError
-from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
-from panechat.engine.gguf_file import GGUFFile, ModelFileError
-from panechat.engine.model import Model
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.quant.gguf_tensor import GGUFTensor, TensorError
+from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend
+from panechat.engine.gguf.file import GGUFFile, ModelFileError
+from panechat.engine.model.forward import Model
 
 
 def _mlx():
     pytest.importorskip("mlx.core")
-    from panechat.backends.mlx_backend import MLXBackend
+    from panechat.backends.mlx.mlx_backend import MLXBackend
 
     return MLXBackend()
 
@@ -90,7 +90,7 @@ def test_an_unsupported_type_is_a_one_line_model_file_error(tmp_path):
 
 
 def _batch(tokens: list[int]):
-    from panechat.engine.model import Batch
+    from panechat.engine.model.forward import Batch
 
     n = len(tokens)
     return Batch(np.asarray(tokens, np.int32), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),

@@ -1,5 +1,5 @@
 """IQ4_NL (32-weight blocks) and IQ4_XS (256-weight super-blocks) read as stored on the CPU
-(backends/quant_kernels.py): the loaders give gguf's float32 weights bit for bit, any f16
+(backends/cpu/quant_kernels.py): the loaders give gguf's float32 weights bit for bit, any f16
 d included (subnormal, signed zero, infinite, NaN); the kernels give the float32 kernel's
 product on gguf's weights at every row count, each row's bits independent of the batch,
 on one thread and on two; a tiny model of both types loads, keeps them in their blocks,
@@ -9,8 +9,8 @@ import numba
 import numpy as np
 import pytest
 
-from panechat.backends import quant_kernels as qk
-from panechat.backends.block_lut import HAS_LUT
+from panechat.backends.cpu import quant_kernels as qk
+from panechat.backends.cpu.block_lut import HAS_LUT
 
 from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
                         assert_one_call_equals_ops, gguf_weights, tiny_model)

@@ -7,9 +7,9 @@ import mmap
 import numpy as np
 import pytest
 
-from panechat.backends.numpy_backend import KQuantWeight, NumpyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Model
+from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Model
 
 from .kquant_model import write_kquant_copy
 from ..model_runs import new_kv, run_batched

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend
 
 
 def _backends():
@@ -21,7 +21,7 @@ def _backends():
 def _make(factory):
     if factory == "mlx":
         pytest.importorskip("mlx.core", reason="the MLX backend needs mlx")
-        from panechat.backends.mlx_backend import MLXBackend
+        from panechat.backends.mlx.mlx_backend import MLXBackend
 
         return MLXBackend()
     return factory()

@@ -9,11 +9,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'panechat[mlx]')")
 
-from panechat.backends.mlx_backend import ATTN_BLOCK, MLXBackend, MLXWeight  # noqa: E402
-from panechat.backends.numpy_backend import StackedGemvBackend  # noqa: E402
-from panechat.engine.gguf_file import GGUFFile  # noqa: E402
-from panechat.engine.invariance import check_model_invariance  # noqa: E402
-from panechat.engine.model import Batch, Model  # noqa: E402
+from panechat.backends.mlx.mlx_backend import ATTN_BLOCK, MLXBackend, MLXWeight  # noqa: E402
+from panechat.backends.cpu.numpy_backend import StackedGemvBackend  # noqa: E402
+from panechat.engine.gguf.file import GGUFFile  # noqa: E402
+from panechat.engine.model.invariance import check_model_invariance  # noqa: E402
+from panechat.engine.model.forward import Batch, Model  # noqa: E402
 
 from ..model_runs import forward_chunks, golden_agreement  # noqa: E402
 from ..tiny_gguf import reference_logits  # noqa: E402
@@ -181,7 +181,7 @@ def test_every_policy_is_correct(tiny, policy):
 
 @pytest.fixture(scope="module")
 def mlx_default_model(model_path):
-    from panechat.engine.loader import load_model
+    from panechat.engine.model.loader import load_model
 
     return load_model(model_path, MLXBackend(), max_positions=1024)
 

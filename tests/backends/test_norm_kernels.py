@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends import norm_kernels
+from panechat.backends.cpu import norm_kernels
 from panechat.backends.array_backend import ArrayBackend
-from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.cpu.numpy_backend import NumpyBackend
 
 
 def _numpy(x, w, eps):

@@ -1,4 +1,4 @@
-"""Tests for the batch-invariant numba kernels (panechat.backends.numpy_kernels).
+"""Tests for the batch-invariant numba kernels (panechat.backends.cpu.numpy_kernels).
 
 Invariance is always checked with exact equality (np.array_equal) of a row
 computed alone against the same row inside batches of several sizes and at
@@ -8,8 +8,8 @@ several positions; accuracy is checked against float64 references.
 import numpy as np
 import pytest
 
-from panechat.backends import numpy_kernels as nk
-from panechat.backends.numpy_backend import NumpyBackend
+from panechat.backends.cpu import numpy_kernels as nk
+from panechat.backends.cpu.numpy_backend import NumpyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
 BATCHES = (2, 3, 4, 5, 8, 17, 32)
@@ -121,7 +121,7 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _raw_blocks(rng, qtype, N, K):
-    from panechat.backends.gguf_blocks import KQUANT_BYTES, QK_K
+    from panechat.backends.quant.gguf_blocks import KQUANT_BYTES, QK_K
 
     if qtype in ("F16", "BF16"):
         w = (rng.standard_normal((N, K)) * 10.0 ** rng.integers(-8, 4, (N, K))).astype(np.float32)
@@ -142,8 +142,8 @@ def _block_weight(rng, qtype, N, K):
     dequantization of the same bytes)."""
     from gguf import GGMLQuantizationType, quants
 
-    from panechat.backends.gguf_tensor import GGUFTensor
-    from panechat.backends.numpy_backend import NumpyBackend
+    from panechat.backends.quant.gguf_tensor import GGUFTensor
+    from panechat.backends.cpu.numpy_backend import NumpyBackend
 
     blocks = raw_blocks(rng, qtype, N, K)
     be = NumpyBackend()
@@ -176,7 +176,7 @@ def test_f16_loads_every_half_exactly():
     """All 65536 half bit patterns: finite ones to the exact float32, inf to inf, NaN to NaN."""
     from numba import njit
 
-    from panechat.backends import quant_kernels as qk
+    from panechat.backends.cpu import quant_kernels as qk
 
     @njit
     def widen(h):
@@ -192,7 +192,7 @@ def test_f16_loads_every_half_exactly():
 
 
 def test_block_kernel_rejects_bad_input(rng):
-    from panechat.backends import quant_kernels as qk
+    from panechat.backends.cpu import quant_kernels as qk
 
     blocks = raw_blocks(rng, "Q4_K", 8, 512)
     d, dmin = qk.superblock_scales(blocks, "Q4_K")
@@ -205,8 +205,8 @@ def test_block_kernel_rejects_bad_input(rng):
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_backend_keeps_block_weights_in_the_mapped_bytes(rng, qtype):
-    from panechat.backends.gguf_tensor import GGUFTensor
-    from panechat.backends.numpy_backend import NumpyBackend
+    from panechat.backends.quant.gguf_tensor import GGUFTensor
+    from panechat.backends.cpu.numpy_backend import NumpyBackend
 
     t = GGUFTensor("w", (70, 512), qtype, raw_blocks(rng, qtype, 70, 512))
     w = NumpyBackend().linear_weight(t)
@@ -326,7 +326,7 @@ def test_attention_rejects_out_of_range(rng):
 
 
 def test_self_check_passes():
-    from panechat.backends.numpy_backend import NumpyBackend
+    from panechat.backends.cpu.numpy_backend import NumpyBackend
 
     assert NumpyBackend().self_check() is None
 
@@ -351,7 +351,7 @@ def test_vsum16_equals_sixteen_vsums(rng):
 
 
 def test_cpu_backend_picks_the_kernel_policy(monkeypatch):
-    from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend, cpu_backend
+    from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend, cpu_backend
 
     monkeypatch.delenv("PANECHAT_NUMPY_KERNELS", raising=False)
     assert type(cpu_backend()) is NumpyBackend
@@ -445,7 +445,7 @@ def test_rope_kernel_equals_the_numpy_expressions(style, R, H, hd, rope_dim):
     """NumpyBackend.rope (one numba call) gives ArrayBackend.rope's numpy bits, partial
     rotary dimensions (the tail copied) and scaled tables included."""
     from panechat.backends.array_backend import ArrayBackend
-    from panechat.backends.numpy_backend import NumpyBackend
+    from panechat.backends.cpu.numpy_backend import NumpyBackend
 
     be, rng = NumpyBackend(), np.random.default_rng(3)
     x = (rng.standard_normal((R, H, hd)) * 40).astype(np.float32)

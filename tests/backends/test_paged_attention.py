@@ -10,8 +10,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
 
 
@@ -19,7 +19,7 @@ def _backends():
     out = [pytest.param(NumpyBackend, id="numpy"), pytest.param(StackedGemvBackend, id="gemv"),
            pytest.param(CupyBackend.emulated_on_cpu, id="cupy-emulated")]
     if importlib.util.find_spec("mlx") is not None:
-        from panechat.backends.mlx_backend import MLXBackend
+        from panechat.backends.mlx.mlx_backend import MLXBackend
 
         out.append(pytest.param(MLXBackend, id="mlx"))
     return out

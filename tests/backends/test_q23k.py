@@ -1,5 +1,5 @@
 """Q2_K and Q3_K (256-weight super-blocks, f16 d (and Q2_K's dmin) at the block's end) read
-as stored on the CPU (backends/quant_kernels.py): the loaders give gguf's float32 weights
+as stored on the CPU (backends/cpu/quant_kernels.py): the loaders give gguf's float32 weights
 bit for bit, any f16 d and dmin included (subnormal, signed zero, infinite, NaN), and
 decode every code, hmask bit and sub-block scale as ggml's C loops do; the kernels give
 the float32 kernel's product on gguf's weights at every row count, each row's bits
@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from panechat.backends import quant_kernels as qk
+from panechat.backends.cpu import quant_kernels as qk
 
 from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
                         assert_one_call_equals_ops, gguf_weights, tiny_model)

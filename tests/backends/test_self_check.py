@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from panechat.backends.cupy_backend import CupyBackend
-from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend
 from panechat.backends.self_check import AttentionCase, CheckPlan, check_batch_invariance
 
 
 def _mlx():
     pytest.importorskip("mlx.core")
-    from panechat.backends.mlx_backend import MLXBackend
+    from panechat.backends.mlx.mlx_backend import MLXBackend
 
     return MLXBackend()
 
@@ -61,9 +61,9 @@ def test_an_exception_is_a_failed_check():
 
 
 def test_the_model_check_reports_the_backend_check_first(tiny):
-    from panechat.engine.gguf_file import GGUFFile
-    from panechat.engine.invariance import check_model_invariance
-    from panechat.engine.model import Model
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.invariance import check_model_invariance
+    from panechat.engine.model.forward import Model
 
     class Drifting(StackedGemvBackend):
         def rms_norm(self, x, weight, eps):

@@ -1,4 +1,4 @@
-"""The crew and its barrier (backends/step_threads.py): every thread sees every other
+"""The crew and its barrier (backends/cpu/step_threads.py): every thread sees every other
 thread's writes after a barrier, at 1, 2 and 3 threads (more threads than this machine's
 2 cores: the waiting threads yield), and a worker's error reaches the caller."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from panechat.backends.step_threads import StepCrew, barrier, new_sync
+from panechat.backends.cpu.step_threads import StepCrew, barrier, new_sync
 
 
 @njit(nogil=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from panechat.engine.engine import Engine, EngineConfig
+from panechat.engine.serving.engine import Engine, EngineConfig
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ and the inverse test: with a non-invariant kernel (OpenBLAS GEMM) a difference s
 import numpy as np
 import pytest
 
-from panechat.backends.numpy_backend import NumpyBackend, StackedGemvBackend
-from panechat.engine.invariance import check_model_invariance
-from panechat.engine.model import Model
+from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend
+from panechat.engine.model.invariance import check_model_invariance
+from panechat.engine.model.forward import Model
 
 from ..model_runs import new_kv, run_batched
 from ..tiny_gguf import ROPE_VARIANTS, write_tiny_gguf
@@ -28,7 +28,7 @@ class GemmBackend(StackedGemvBackend):
 
 @pytest.fixture(scope="module")
 def model(model_path):
-    from panechat.engine.gguf_file import GGUFFile
+    from panechat.engine.gguf.file import GGUFFile
 
     return Model.load(GGUFFile.open(model_path), NumpyBackend(), max_positions=128)
 
@@ -69,7 +69,7 @@ def test_logits_bit_identical_at_any_thread_count(model, monkeypatch):
 def test_inverse_gemm_kernel_breaks_invariance(model_path):
     """With OpenBLAS GEMM for the matmuls, the same comparison finds differences, and the
     start-up self-check notices: proof that the tests above can fail."""
-    from panechat.engine.gguf_file import GGUFFile
+    from panechat.engine.gguf.file import GGUFFile
 
     gemm = Model.load(GGUFFile.open(model_path), GemmBackend(), max_positions=128)
     alone = [run_batched(gemm, new_kv(gemm, 1), [p], 4, 0)[0] for p in PROMPTS]
@@ -103,7 +103,7 @@ def test_tiny_architectures_bit_identical_alone_vs_batched(tiny, tmp_path, arch)
     """The same promise for the other architectures' differences (per-head q/k norms,
     post-norms, GELU, gemma3's 5-key sliding window that every sequence here crosses,
     phi3's fused weights split at load) and for scaled RoPE tables."""
-    from panechat.engine.gguf_file import GGUFFile
+    from panechat.engine.gguf.file import GGUFFile
 
     if arch in ROPE_VARIANTS:
         path = tmp_path / f"{arch}.gguf"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from panechat.engine.chat_template import CHATML_TEMPLATE, ChatTemplate
+from panechat.engine.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 
 @pytest.fixture(scope="module")

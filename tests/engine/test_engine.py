@@ -9,9 +9,9 @@ import time
 import pytest
 
 from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
-from panechat.engine.engine import Engine, EngineConfig, PromptTooLong, QueueFull
-from panechat.engine.events import FinishEvent, PrefillEvent, TokenEvent
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.engine import Engine, EngineConfig, PromptTooLong, QueueFull
+from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.serving.sampling import SamplingParams
 
 QUESTIONS = ["Name a fruit.", "Why is the sky blue?", "Write a haiku about the sea.",
              "What is the capital of France?"]
@@ -40,7 +40,7 @@ def test_concurrent_conversations_get_their_solo_tokens(make_engine, params):
 
 
 def test_a_failed_self_check_runs_one_sequence_per_step(make_engine, monkeypatch):
-    monkeypatch.setattr("panechat.engine.engine.check_model_invariance", lambda model, kv: "forced for the test")
+    monkeypatch.setattr("panechat.engine.serving.engine.check_model_invariance", lambda model, kv: "forced for the test")
     e = make_engine(max_concurrent=3)
     assert not e.batching and "NOT batched" in e.startup_lines()[-1]
     gens = [e.submit(_msgs(q), params=SamplingParams(max_tokens=6)) for q in QUESTIONS[:3]]

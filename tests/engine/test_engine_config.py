@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from panechat.app.engine_factory import engine_config
-from panechat.engine.config import EngineConfig
+from panechat.engine.serving.config import EngineConfig
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -1,11 +1,11 @@
-"""The Retry-After estimate (engine/metrics.py): the time the queue ahead takes to clear at
+"""The Retry-After estimate (engine/serving/metrics.py): the time the queue ahead takes to clear at
 the recent pace, growing with the queue, clamped to 1..60 s; and the recent pace itself."""
 
 from __future__ import annotations
 
 import pytest
 
-from panechat.engine.metrics import EngineMetrics, retry_after_estimate
+from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
 
 
 def test_the_estimate_grows_with_the_queue():

@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from panechat.engine import engine as engine_mod
-from panechat.engine.engine import Engine, EngineConfig
-from panechat.engine.events import TokenEvent
-from panechat.engine.sampling import SamplingError, SamplingParams, make_sampler
+from panechat.engine.serving import engine as engine_mod
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.events import TokenEvent
+from panechat.engine.serving.sampling import SamplingError, SamplingParams, make_sampler
 
 INNOCENT = ["Why is the sky blue?", "Write a haiku about the sea.", "Tell me a story about a dragon.",
             "What do plants need to grow?"]

@@ -53,8 +53,8 @@ def test_logits_bit_identical_alone_vs_batched(gemma, gemma_golden, window):
 def test_engine_greedy_generation_follows_llamacpp(gemma, gemma_golden):
     """Two completions decoded together through the engine (KV cache, one batch per step)
     give llama.cpp's tokens up to llama.cpp's first close call (top-1/top-2 margin < 0.5)."""
-    from panechat.engine.engine import Engine, EngineConfig
-    from panechat.engine.sampling import SamplingParams
+    from panechat.engine.serving.engine import Engine, EngineConfig
+    from panechat.engine.serving.sampling import SamplingParams
 
     cases = [gemma_golden["completion"][i] for i in (1, 3)]  # llama.cpp sure for 4 and 48 steps
     engine = Engine(gemma, EngineConfig(max_concurrent=2, kv_sessions=2, ctx_size=128,

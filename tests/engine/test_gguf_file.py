@@ -1,4 +1,4 @@
-"""engine/gguf_file.py: panechat's own GGUF reader gives what gguf.GGUFReader gives, and every
+"""engine/gguf/file.py: panechat's own GGUF reader gives what gguf.GGUFReader gives, and every
 bad file (a type panechat does not read, cut tensor data, rows of partial blocks) is one
 ModelFileError line, before any weight is prepared."""
 
@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from panechat.engine.gguf_file import GGUFFile, ModelFileError
-from panechat.engine.loader import load_model
+from panechat.engine.gguf.file import GGUFFile, ModelFileError
+from panechat.engine.model.loader import load_model
 
 from ..tiny_gguf import set_row_length, write_tiny_gguf
 
@@ -109,7 +109,7 @@ def test_opening_needs_no_gguf_package(tiny, tmp_path):
     import sys
 
     path, _ = tiny("llama", "Q8_0")  # a Q8_0 embedding table, as the default model's
-    code = ("import sys; import numpy as np; from panechat.engine.gguf_file import GGUFFile; "
+    code = ("import sys; import numpy as np; from panechat.engine.gguf.file import GGUFFile; "
             f"g = GGUFFile.open({str(path)!r}); g.check_types(); g.tensor('output_norm.weight').dequantize(); "
             "g.tensor('token_embd.weight').dequantize_rows(np.array([1, 5])); print('gguf' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

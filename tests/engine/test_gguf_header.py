@@ -1,4 +1,4 @@
-"""engine/gguf_header.py: the listing's fast header reader agrees with gguf.GGUFReader and
+"""engine/gguf/header.py: the listing's fast header reader agrees with gguf.GGUFReader and
 turns every kind of bad file into a short reason."""
 
 import re
@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from panechat.engine.gguf_header import GGUFHeaderError, read_gguf_header
+from panechat.engine.gguf.header import GGUFHeaderError, read_gguf_header
 
 
 def write_gguf(path: Path, arch: str, *, vocab: int = 0, file_type: int | None = None,

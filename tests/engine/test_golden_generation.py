@@ -20,8 +20,8 @@ def test_engine_greedy_decode_equals_one_pass_prefill(loaded_model, golden):
     """Tokens generated one step at a time through the engine (KV cache, batch of 4) are
     exactly the argmax of a single prefill pass over the same text; and they start with
     llama.cpp's tokens up to llama.cpp's first close call (margin < 0.5)."""
-    from panechat.engine.engine import Engine, EngineConfig
-    from panechat.engine.sampling import SamplingParams
+    from panechat.engine.serving.engine import Engine, EngineConfig
+    from panechat.engine.serving.sampling import SamplingParams
 
     engine = Engine(loaded_model, EngineConfig(max_concurrent=4, kv_sessions=4, ctx_size=1024,
                                                verify_invariance=False)).start()

@@ -1,11 +1,11 @@
-"""What the block pool hands the KV snapshots (engine/kv_persistence.py) at eviction: the
+"""What the block pool hands the KV snapshots (engine/kv/persistence.py) at eviction: the
 evicted block's whole sequence, blocks and tokens from position 0, noted once per sequence
 while its KV is still in place; the chain ends the engine saves at stop."""
 
 from __future__ import annotations
 
 from panechat.backends.paged_kv import BLOCK_TOKENS as B
-from panechat.engine.kv_blocks import ROOT, BlockPool
+from panechat.engine.kv.blocks import ROOT, BlockPool
 
 
 def _cache(pool: BlockPool, tokens: list[int]) -> list[int]:

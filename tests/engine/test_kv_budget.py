@@ -5,9 +5,9 @@ error, admission waits for blocks, a decode that runs out of blocks preempts the
 import pytest
 
 from panechat.backends.paged_kv import bytes_per_block
-from panechat.engine.engine import Engine, EngineConfig, KVBudgetTooSmall
-from panechat.engine.events import TokenEvent
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.engine import Engine, EngineConfig, KVBudgetTooSmall
+from panechat.engine.serving.events import TokenEvent
+from panechat.engine.serving.sampling import SamplingParams
 
 
 def _msgs(q):

@@ -1,4 +1,4 @@
-"""KV snapshots in the engine (engine/kv_persistence.py) on the default model: an evicted
+"""KV snapshots in the engine (engine/kv/persistence.py) on the default model: an evicted
 conversation's KV is written and read back instead of re-prefilled, an engine stop writes
 the idle conversations, a new engine restores them; the reply is the same bit for bit as a
 fresh prefill's. A damaged, truncated or other-model snapshot is ignored with one log line
@@ -12,10 +12,10 @@ import shutil
 import pytest
 
 from panechat.backends.paged_kv import bytes_per_block
-from panechat.engine.engine import SNAPSHOT_DTYPES, Engine, EngineConfig
-from panechat.engine.gguf_header import read_gguf_header
-from panechat.engine.kv_snapshot import KVShape, model_identity, read_snapshot, write_snapshot
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.engine import SNAPSHOT_DTYPES, Engine, EngineConfig
+from panechat.engine.gguf.header import read_gguf_header
+from panechat.engine.kv.snapshot import KVShape, model_identity, read_snapshot, write_snapshot
+from panechat.engine.serving.sampling import SamplingParams
 
 LONG_Q = "Summarize: " + " ".join(f"item {i} is a {['cat', 'dog', 'fish'][i % 3]}." for i in range(60))
 OTHER_Q = "List: " + " ".join(f"color {i} is {['red', 'green', 'blue'][i % 3]}." for i in range(20))

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from panechat.engine.kv_snapshot import (
+from panechat.engine.kv.snapshot import (
     KVShape,
     SnapshotError,
     model_identity,
@@ -18,7 +18,7 @@ from panechat.engine.kv_snapshot import (
     read_snapshot,
     write_snapshot,
 )
-from panechat.engine.kv_snapshot_store import SnapshotStore
+from panechat.engine.kv.snapshot_store import SnapshotStore
 
 SHAPE = KVShape("float32", 3, 2, 8)
 
@@ -140,7 +140,7 @@ def test_store_ignores_and_deletes_bad_files_with_one_log_line(tmp_path, caplog)
     data = bytearray(bad.read_bytes())
     data[-40] ^= 0x10
     bad.write_bytes(bytes(data))
-    caplog.set_level(logging.WARNING, logger="panechat.engine.kv_snapshot_store")
+    caplog.set_level(logging.WARNING, logger="panechat.engine.kv.snapshot_store")
     assert store.load(bad) is None
     assert not bad.exists()
     lines = [r.getMessage() for r in caplog.records]

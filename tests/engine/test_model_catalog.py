@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from panechat.engine import model_catalog, shipped_models
-from panechat.engine.default_model import resolve_model_path
-from panechat.engine.gguf_file import ModelFileError
-from panechat.engine.model_catalog import find_model, find_models
-from panechat.engine.shipped_models import ShippedModel
+from panechat.engine.catalog import model_catalog
+from panechat.engine.catalog import shipped_models
+from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.gguf.file import ModelFileError
+from panechat.engine.catalog.model_catalog import find_model, find_models
+from panechat.engine.catalog.shipped_models import ShippedModel
 
 from ..tiny_gguf import write_tiny_gguf
 from .test_gguf_header import write_gguf
@@ -233,7 +234,7 @@ def test_an_unreadable_store_is_a_line_not_an_error(home, tiny, monkeypatch):
 
 
 def test_supported_architectures_are_the_loaders(home):
-    from panechat.engine.model_args import ROPE_STYLE
+    from panechat.engine.model.args import ROPE_STYLE
 
     assert set(model_catalog.SUPPORTED_ARCHITECTURES) == set(ROPE_STYLE) == {"llama", "qwen2", "qwen3", "gemma3",
                                                                               "phi3"}

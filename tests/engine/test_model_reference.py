@@ -4,9 +4,9 @@ synthetic GGUF files of every supported architecture and several tensor types.""
 import numpy as np
 import pytest
 
-from panechat.backends.numpy_backend import NumpyBackend
-from panechat.engine.gguf_file import GGUFFile
-from panechat.engine.model import Model
+from panechat.backends.cpu.numpy_backend import NumpyBackend
+from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.model.forward import Model
 
 from ..model_runs import forward_chunks
 from ..tiny_gguf import ARCH_SHAPES, ROPE_VARIANTS, reference_logits, write_tiny_gguf
@@ -110,7 +110,7 @@ def test_phi3_fused_tensors_equal_separate_ones(tmp_path, qtype):
 
 def test_phi3_fused_tensor_of_wrong_size_is_refused(tmp_path):
     """A fused tensor whose rows do not add up to the heads in the metadata: one line."""
-    from panechat.engine.gguf_file import ModelFileError
+    from panechat.engine.gguf.file import ModelFileError
 
     path = tmp_path / "phi3.gguf"
     write_tiny_gguf(path, "phi3", seed=1)
@@ -123,8 +123,8 @@ def test_phi3_fused_tensor_of_wrong_size_is_refused(tmp_path):
 
 @pytest.mark.parametrize("kind", ["dynamic", "su"])
 def test_unknown_rope_scaling_is_refused_in_one_line(kind):
-    from panechat.engine.gguf_file import ModelFileError
-    from panechat.engine.model_args import ModelArgs
+    from panechat.engine.gguf.file import ModelFileError
+    from panechat.engine.model.args import ModelArgs
 
     meta = {"general.architecture": "llama", "llama.block_count": 1, "llama.embedding_length": 64,
             "llama.attention.head_count": 4, "llama.feed_forward_length": 96,

@@ -1,4 +1,4 @@
-"""Several models in one process (engine/model_set.py): two models loaded at once,
+"""Several models in one process (engine/serving/model_set.py): two models loaded at once,
 each reply equal token for token to the same request run alone; the memory budget
 (refusal in one line, least recently used idle model unloaded); unknown names."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from panechat.engine.config import EngineConfig
-from panechat.engine.model_set import ModelDoesNotFit, ModelSet, UnknownModel, parse_model_list
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.config import EngineConfig
+from panechat.engine.serving.model_set import ModelDoesNotFit, ModelSet, UnknownModel, parse_model_list
+from panechat.engine.serving.sampling import SamplingParams
 
 GEMMA = "tiny-gemma3-Q8_0-True"  # tests/conftest.py two_models
 SMOL = "SmolLM2-135M-Instruct.Q4_1"
@@ -114,7 +114,7 @@ def test_the_real_gemma3_beside_the_default_model_replies_as_alone(loaded_model,
     test_gemma3.py so it is loaded once) beside SmolLM2: two requests on each model at
     once, each reply token for token its reply alone. Short replies: gemma's 262k-token
     vocabulary makes each token cost seconds on a loaded 2-core machine."""
-    from panechat.engine.engine import Engine
+    from panechat.engine.serving.engine import Engine
 
     cfg = EngineConfig(max_concurrent=2, ctx_size=256, verify_invariance=False)  # checked in test_gemma3.py
     models = ModelSet(cfg)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from panechat.backends.paged_kv import BLOCK_TOKENS
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.sampling import SamplingParams
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a team of gardeners. " * 6}
 QUESTIONS = ["Name a fruit.", "Name a flower.", "Name a fruit.", "Why do leaves fall?",

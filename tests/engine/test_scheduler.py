@@ -2,10 +2,10 @@
 
 import pytest
 
-from panechat.engine.kv_blocks import BlockPool
-from panechat.engine.request import Request, RequestState
-from panechat.engine.sampling import SamplingParams
-from panechat.engine.scheduler import BlockCopy, QueueFull, Scheduler
+from panechat.engine.kv.blocks import BlockPool
+from panechat.engine.serving.request import Request, RequestState
+from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.serving.scheduler import BlockCopy, QueueFull, Scheduler
 
 
 def req(rid, prompt, conversation=None, max_tokens=4):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from panechat.engine.stats import EngineStats, IdleConversation, StreamState, StreamStats, TTFTHistogram
+from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats, TTFTHistogram
 
 
 def sample() -> EngineStats:

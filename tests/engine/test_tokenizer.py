@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from panechat.engine.tokenizer import (
+from panechat.engine.text.tokenizer import (
     BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, StreamDecoder, Tokenizer,
     _bytes_to_unicode,
 )

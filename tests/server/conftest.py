@@ -17,8 +17,8 @@ import pytest
 
 from panechat.app.server import ServerThread, create_app
 from panechat.app.server.limits import Limits
-from panechat.engine.engine import Engine, EngineConfig
-from panechat.engine.stats import EngineStats
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.stats import EngineStats
 
 
 @dataclass

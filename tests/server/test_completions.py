@@ -21,7 +21,7 @@ def client(live):
 
 def engine_greedy(engine, prompt: str, n: int) -> tuple[list[int], str]:
     """The engine's own greedy completion of the raw prompt: what the route must return."""
-    from panechat.engine.sampling import SamplingParams
+    from panechat.engine.serving.sampling import SamplingParams
 
     fin = engine.submit(prompt_ids=engine.completion_ids(prompt), params=SamplingParams(max_tokens=n)).result()
     return fin.token_ids, fin.text
@@ -141,7 +141,7 @@ def test_the_default_models_template_is_its_own(http):
 @pytest.fixture(scope="module")
 def base_server(gemma):
     from panechat.app.server import ServerThread, create_app
-    from panechat.engine.engine import Engine, EngineConfig
+    from panechat.engine.serving.engine import Engine, EngineConfig
 
     engine = Engine(gemma, EngineConfig(max_concurrent=2, kv_sessions=2, ctx_size=256,
                                         verify_invariance=False)).start()

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from panechat.app.server import ServerThread, create_app
-from panechat.engine.engine import Engine, EngineConfig
+from panechat.engine.serving.engine import Engine, EngineConfig
 
 from .conftest import wait_idle
 

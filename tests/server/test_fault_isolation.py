@@ -17,10 +17,10 @@ import pytest
 from websockets.asyncio.client import connect
 
 from panechat.app.server import ServerThread, create_app
-from panechat.engine import engine as engine_mod
-from panechat.engine.engine import Engine, EngineConfig
-from panechat.engine.sampling import make_sampler
-from panechat.engine.stats import StreamState
+from panechat.engine.serving import engine as engine_mod
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.sampling import make_sampler
+from panechat.engine.serving.stats import StreamState
 
 from .conftest import Live
 from .test_websocket import generation, hello

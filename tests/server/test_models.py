@@ -1,4 +1,4 @@
-"""Two models served at once by one real server on loopback (engine/model_set.py): every
+"""Two models served at once by one real server on loopback (engine/serving/model_set.py): every
 request names its model, each reply equals the same request run alone on that model,
 unknown names are refused naming the served ones, and /v1/models, /health and /metrics
 show each model."""
@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from panechat.app.server import ServerThread, create_app
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.sampling import SamplingParams
 
 from .test_websocket import generation, hello, recv_type
 
@@ -113,8 +113,8 @@ def test_a_listed_model_loads_on_its_first_request_within_the_memory_budget(tiny
     `models_memory`."""
     import os
 
-    from panechat.engine.config import EngineConfig
-    from panechat.engine.model_set import ModelSet
+    from panechat.engine.serving.config import EngineConfig
+    from panechat.engine.serving.model_set import ModelSet
 
     default, first, second = tiny("llama", "Q8_0")[0], tiny("qwen2", "F32")[0], tiny("llama", "F32")[0]
     monkeypatch.setenv("PANECHAT_MODELS", os.pathsep.join(map(str, (default, first, second))))

@@ -16,9 +16,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from panechat.app.server import ServerThread, create_app
-from panechat.engine.engine import Engine, EngineConfig
-from panechat.engine.loader import load_model
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.model.loader import load_model
+from panechat.engine.serving.sampling import SamplingParams
 
 from .test_websocket import ask, generation, hello
 

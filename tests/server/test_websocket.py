@@ -9,7 +9,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from panechat.engine.stats import EngineStats, StreamState
+from panechat.engine.serving.stats import EngineStats, StreamState
 
 HELLO = {"type": "hello", "protocol": 1, "client": "pytest/0"}
 

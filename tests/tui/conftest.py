@@ -10,7 +10,7 @@ import pytest
 
 from panechat.app.clients.local import LocalBackend
 from panechat.app.store import Store
-from panechat.engine.engine import Engine, EngineConfig
+from panechat.engine.serving.engine import Engine, EngineConfig
 
 MAX_TOKENS = 16  # replies stay short so the suite runs in a few minutes on 2 cores
 

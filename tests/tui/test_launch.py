@@ -41,7 +41,7 @@ def test_missing_model_file_fails_fast(capsys, data_dir, tmp_path):
 async def test_a_model_that_fails_to_load_exits_with_one_line(store):
     from panechat.app.clients.local import LocalBackend
     from panechat.app.tui.app import PanechatApp
-    from panechat.engine.gguf_file import ModelFileError
+    from panechat.engine.gguf.file import ModelFileError
 
     def build():
         raise ModelFileError("bad.gguf is not a GGUF model file (bad magic); pass a .gguf file")

@@ -1,4 +1,4 @@
-"""Two models in one app (engine/model_set.py), driven with Pilot: the model picker puts
+"""Two models in one app (engine/serving/model_set.py), driven with Pilot: the model picker puts
 panes on a model, two panes on each model reply at once exactly as each request does
 alone, the dashboard has a batch line per model, and a restart reopens each pane on its
 model."""
@@ -14,7 +14,7 @@ from panechat.app.tui.app import PanechatApp
 from panechat.app.tui.screens.model_picker import ModelPickerScreen
 from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.sampling import SamplingParams
 
 from .conftest import MAX_TOKENS, type_into, wait_for
 
@@ -137,8 +137,8 @@ async def test_a_pane_on_a_listed_model_loads_it_with_its_first_prompt(tiny, sto
     it loads it with its first prompt, and replies as that model does alone."""
     import os
 
-    from panechat.engine.config import EngineConfig
-    from panechat.engine.model_set import ModelSet
+    from panechat.engine.serving.config import EngineConfig
+    from panechat.engine.serving.model_set import ModelSet
 
     default, other = tiny("llama", "Q8_0")[0], tiny("qwen2", "F32")[0]
     monkeypatch.setenv("PANECHAT_MODELS", os.pathsep.join(map(str, (default, other))))

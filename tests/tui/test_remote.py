@@ -16,7 +16,7 @@ from panechat.app.server import start_in_background
 from panechat.app.store import Store
 from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
-from panechat.engine.stats import EngineStats
+from panechat.engine.serving.stats import EngineStats
 
 from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_for
 

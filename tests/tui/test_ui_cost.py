@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.bench
 
 from panechat.app.tui.perf import UI_COST
-from panechat.engine.sampling import SamplingParams
+from panechat.engine.serving.sampling import SamplingParams
 
 from .conftest import make_app, running_engine, type_into, wait_for
 

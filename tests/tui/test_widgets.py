@@ -15,7 +15,7 @@ from panechat.app.tui.widgets.dashboard import Dashboard, sparkline, state_words
 from panechat.app.tui.widgets.pane import ChatPane
 from panechat.app.tui.widgets.pane_grid import GRID_SHAPES, PaneGrid
 from panechat.app.tui.widgets.prompt_input import PromptInput
-from panechat.engine.stats import EngineStats, StreamState, StreamStats
+from panechat.engine.serving.stats import EngineStats, StreamState, StreamStats
 
 from .conftest import MAX_TOKENS, wait_for
 
@@ -160,8 +160,8 @@ async def test_dashboard_names_the_chatml_fallback_of_a_base_model(tmp_path, tui
     """A model file without a chat template (a base model) chats in ChatML, and the
     dashboard's model line says so; the default model, with its own template, shows none."""
     from panechat.app.clients.base import Finished, GenParams
-    from panechat.engine.engine import Engine, EngineConfig
-    from panechat.engine.loader import load_model
+    from panechat.engine.serving.engine import Engine, EngineConfig
+    from panechat.engine.model.loader import load_model
 
     from ..tiny_gguf import write_tiny_gguf
 

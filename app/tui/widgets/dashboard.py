@@ -17,7 +17,7 @@ from textual.content import Content
 from textual.reactive import var
 from textual.widgets import DataTable, Static
 
-from ....engine.stats import EngineStats, StreamState, StreamStats
+from panechat.engine.serving.stats import EngineStats, StreamState, StreamStats
 from ...clients.base import ChatBackend
 from ..perf import UI_COST
 

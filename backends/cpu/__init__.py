@@ -1,0 +1,1 @@
+"""The numpy (CPU) backend and its numba kernels."""

@@ -1,0 +1,438 @@
+"""Decode attention in one numba call per layer: write the step's K and V rows into the
+paged store, then attend, every key and value read straight from its block.
+
+`numpy_kernels.paged_attention` first copies each (row, kv head)'s keys and values into
+float32 buffers in position order (two heap buffers of P x hd per task), then runs the
+contiguous kernel on them; around it, `write_kv` and the wrapper's checks are a dozen
+numpy calls. At decode every row belongs to a different sequence, so here one call:
+
+* checks the rows and block tables (in numba, no numpy temporaries),
+* turns q and k by RoPE when asked (`NumpyBackend.rope_attend`: two calls fewer a layer),
+* rounds the new K and V rows to the store's dtype and writes them (the same bits as
+  numpy's float32 -> float16 assignment: IEEE round to nearest even),
+* splits the (row, kv head) tasks among the threads in runs of about equal cost
+  (`share_tasks`), so a thread mostly takes whole rows: it walks a row's blocks once for
+  all its kv heads, whose keys (and values) lie next to each other in each block, so the
+  reads are one stream the hardware prefetcher follows; where a sequence's blocks jump,
+  the block two ahead is prefetched into L2. (A task per (row, kv head) read 2 KB pieces
+  6 KB apart, and waited on memory for half its time: 29 -> 13 us per (row, kv head) at
+  576 positions, docs/benchmarks.md.)
+* converts each block of keys of a kv head to float32 once into a 16-row scratch that
+  stays in L1 and serves every query head of the group (GQA), and likewise each block of
+  values (three heads accumulate from each loaded value vector).
+
+Every output element's float32 arithmetic is `numpy_kernels.attention`'s, operation for
+operation: the same lane scheme per score (16 keys at a time through `_scores16`, the
+others through `_dot`, both the same bits per key), max and exp in position order, the
+weighted V sum accumulated in position order from zero, the same `_sum` and division.
+Only the memory the operands come from differs, so paged == contiguous bit for bit, at
+any batch size (tests/backends/test_decode_attention.py).
+
+A call where some sequence has several rows (a prefill chunk) returns False having
+written nothing; the caller then takes `paged_attention`, which gathers such a sequence
+once for all its rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import config
+from numba.extending import intrinsic
+
+from panechat.backends.cpu.numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _expf, _is_c_array, _scores16, _sum, _v1x4,
+                            f32vec, load_kv, prefetch_l2, vload, vload_kv, vmac, vmul, vsplat, vstore)
+
+_HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
+
+
+def _target_has_f16c() -> bool:
+    """Whether numba compiles for a CPU with F16C (float -> half in one instruction; without
+    it LLVM would call a runtime helper numba does not link)."""
+    feats = config.CPU_FEATURES
+    if feats is None:
+        feats = llvm.get_host_cpu_features().flatten()
+    return "+f16c" in feats.split(",")
+
+
+HAS_F16C = _target_has_f16c()
+
+
+@intrinsic
+def vstore_kv(typingctx, arr, i, v):
+    """Store the float32 vector `v` at ``arr.flat[i : i + 16]`` of KV storage: float32, or
+    half floats held as uint16 bits, each rounded once to nearest even (fptrunc)."""
+    if not (isinstance(i, types.Integer) and v == f32vec):
+        return None
+    if _is_c_array(arr, types.float32):
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            builder.store(args[2], builder.bitcast(p, args[2].type.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.none(arr, i, v), codegen
+    if _is_c_array(arr, types.uint16):
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            builder.store(builder.fptrunc(args[2], _HALF_VEC), builder.bitcast(p, _HALF_VEC.as_pointer()), align=2)
+            return context.get_dummy_value()
+        return types.none(arr, i, v), codegen
+    return None
+
+
+@intrinsic
+def store_kv(typingctx, arr, i, x):
+    """``arr.flat[i] = x`` for a float32 scalar into float32 or half (uint16 bits) storage."""
+    if not (isinstance(i, types.Integer) and x == types.float32):
+        return None
+    if _is_c_array(arr, types.float32):
+        def codegen(context, builder, sig, args):
+            builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]))
+            return context.get_dummy_value()
+        return types.none(arr, i, x), codegen
+    if _is_c_array(arr, types.uint16):
+        def codegen(context, builder, sig, args):
+            p = _element_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            builder.store(builder.fptrunc(args[2], ir.HalfType()), builder.bitcast(p, ir.HalfType().as_pointer()),
+                          align=2)
+            return context.get_dummy_value()
+        return types.none(arr, i, x), codegen
+    return None
+
+
+@njit(inline="always", **_JIT)
+def _write_row(blocks, o, x, xo, D):
+    """blocks.flat[o : o + D] = x.flat[xo : xo + D], rounded to the store's dtype."""
+    dv = D - D % LANES
+    xf = x.reshape(-1)
+    for d in range(0, dv, LANES):
+        vstore_kv(blocks, o + d, vload(x, xo + d))
+    for d in range(dv, D):
+        store_kv(blocks, o + d, xf[xo + d])
+
+
+@njit(inline="always", **_JIT)
+def _rope_row(x, xo, p, cos, sin, neox, dst, do, D):
+    """dst.flat[do : do + D] = x.flat[xo : xo + D] turned by RoPE at position p: the bits of
+    `numpy_kernels.rope` (a*cos - b*sin and b*cos + a*sin, each product and sum rounded)."""
+    xf, df = x.reshape(-1), dst.reshape(-1)
+    half = cos.shape[1]
+    for i in range(half):
+        c, s = cos[p, i], sin[p, i]
+        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        a, b = xf[xo + ia], xf[xo + ib]
+        df[do + ia] = a * c - b * s
+        df[do + ib] = b * c + a * s
+    for j in range(2 * half, D):
+        df[do + j] = xf[xo + j]
+
+
+@njit(inline="always", **_JIT)
+def _convert(blocks, o, n, buf):
+    """buf[i, :] = blocks.flat[o + i*D : o + (i+1)*D] as float32 (exact), for i < n."""
+    D = buf.shape[1]
+    dv = D - D % LANES
+    for i in range(n):
+        for d in range(0, dv, LANES):
+            vstore(buf, i * D + d, vload_kv(blocks, o + i * D + d))
+        for d in range(dv, D):
+            buf[i, d] = load_kv(blocks, o + i * D + d)
+
+
+@njit(inline="always", **_JIT)
+def _prefetch_jump(blocks, table, b, last_b, g0, g1):
+    """Prefetch block table[b]'s kv heads g0..g1-1 into L2 when the sequence's blocks jump
+    there (table[b] != table[b-1] + 1). Along adjacent blocks the heads' chunks are one
+    stream the hardware prefetcher follows, and prefetching them too costs time."""
+    if b <= last_b and table[b] != table[b - 1] + 1:
+        G, B, D = blocks.shape[1], blocks.shape[2], blocks.shape[3]
+        for i in range(((table[b] * G + g0) * B) * D, ((table[b] * G + g1) * B) * D, 64 // blocks.itemsize):
+            prefetch_l2(blocks, i)
+
+
+@njit(inline="always", **_JIT)
+def _segment_scores(q, qo, kb, n, scale, ef, eo):
+    """ef[eo + i] = q . kb[i] * scale for i < n: `numpy_kernels._scores`'s bits per key."""
+    D = q.shape[2]
+    dv = D - D % LANES
+    qf, kf = q.reshape(-1), kb.reshape(-1)
+    sv = vsplat(scale)
+    nv = n - n % LANES
+    for t in range(0, nv, LANES):
+        v = _scores16(q, qo, kb, t * D, D, dv)
+        if dv == D:
+            vstore(ef, eo + t, vmul(v, sv))
+            continue
+        vstore(ef, eo + t, v)
+        for i in range(LANES):
+            st = ef[eo + t + i]
+            for d in range(dv, D):  # head-dim tail, as in _dot
+                st = st + qf[qo + d] * kf[(t + i) * D + d]
+            ef[eo + t + i] = st * scale
+    for t in range(nv, n):
+        ef[eo + t] = _dot(q, qo, kb, t * D, D) * scale
+
+
+@njit(inline="always", **_JIT)
+def _v3x4(e, j, t0, vb, n, acc, c):
+    """acc[j..j+2, c : c + 64] += e[j..j+2, t0 + i] * vb[i, c : c + 64] for i < n in order:
+    three query heads share each loaded value vector (GQA), twelve independent chains."""
+    D = acc.shape[1]
+    a0, a1 = vload(acc, j * D + c), vload(acc, j * D + c + LANES)
+    a2, a3 = vload(acc, j * D + c + 2 * LANES), vload(acc, j * D + c + 3 * LANES)
+    b0, b1 = vload(acc, (j + 1) * D + c), vload(acc, (j + 1) * D + c + LANES)
+    b2, b3 = vload(acc, (j + 1) * D + c + 2 * LANES), vload(acc, (j + 1) * D + c + 3 * LANES)
+    c0, c1 = vload(acc, (j + 2) * D + c), vload(acc, (j + 2) * D + c + LANES)
+    c2, c3 = vload(acc, (j + 2) * D + c + 2 * LANES), vload(acc, (j + 2) * D + c + 3 * LANES)
+    for i in range(n):
+        o = i * D + c
+        v0, v1, v2, v3 = vload(vb, o), vload(vb, o + LANES), vload(vb, o + 2 * LANES), vload(vb, o + 3 * LANES)
+        ea, eb, ec = vsplat(e[j, t0 + i]), vsplat(e[j + 1, t0 + i]), vsplat(e[j + 2, t0 + i])
+        a0, a1, a2, a3 = vmac(a0, ea, v0), vmac(a1, ea, v1), vmac(a2, ea, v2), vmac(a3, ea, v3)
+        b0, b1, b2, b3 = vmac(b0, eb, v0), vmac(b1, eb, v1), vmac(b2, eb, v2), vmac(b3, eb, v3)
+        c0, c1, c2, c3 = vmac(c0, ec, v0), vmac(c1, ec, v1), vmac(c2, ec, v2), vmac(c3, ec, v3)
+    vstore(acc, j * D + c, a0)
+    vstore(acc, j * D + c + LANES, a1)
+    vstore(acc, j * D + c + 2 * LANES, a2)
+    vstore(acc, j * D + c + 3 * LANES, a3)
+    vstore(acc, (j + 1) * D + c, b0)
+    vstore(acc, (j + 1) * D + c + LANES, b1)
+    vstore(acc, (j + 1) * D + c + 2 * LANES, b2)
+    vstore(acc, (j + 1) * D + c + 3 * LANES, b3)
+    vstore(acc, (j + 2) * D + c, c0)
+    vstore(acc, (j + 2) * D + c + LANES, c1)
+    vstore(acc, (j + 2) * D + c + 2 * LANES, c2)
+    vstore(acc, (j + 2) * D + c + 3 * LANES, c3)
+
+
+@njit(inline="always", **_JIT)
+def _segment_v(e, t0, vb, n, acc):
+    """acc[j, :] += e[j, t0 + i] * vb[i, :] for i = 0..n-1 in order (`_weighted_v`'s bits:
+    each element of acc gets its products added one key after the other)."""
+    grp, D = acc.shape
+    dv = D - D % LANES
+    c4 = dv - dv % (4 * LANES)
+    vf = vb.reshape(-1)
+    j = 0
+    while j + 3 <= grp:
+        for c in range(0, c4, 4 * LANES):
+            _v3x4(e, j, t0, vb, n, acc, c)
+        j += 3
+    for j in range(j, grp):
+        for c in range(0, c4, 4 * LANES):
+            _v1x4(e, j, t0, vb, 0, n, acc, c)
+    for j in range(grp):
+        for c in range(c4, dv, LANES):
+            a = vload(acc, j * D + c)
+            for i in range(n):
+                a = vmac(a, vsplat(e[j, t0 + i]), vload(vb, i * D + c))
+            vstore(acc, j * D + c, a)
+        for d in range(dv, D):
+            a1 = acc[j, d]
+            for i in range(n):
+                a1 = a1 + e[j, t0 + i] * vf[i * D + d]
+            acc[j, d] = a1
+
+
+_AHEAD = 2  # blocks between a prefetch and the block's use
+_TASK_COST = 16  # a (row, kv head) task's fixed cost, in attended positions
+
+
+@njit(inline="always", **_JIT)
+def first_position(last, window):
+    """The first position a row at `last` attends (window 0: all)."""
+    return max(0, last - window + 1) if window > 0 else 0
+
+
+@njit(inline="always", **_JIT)
+def _task_cost(last, window):
+    """The cost of a (row, kv head) task of a row at position `last`: its attended
+    positions plus `_TASK_COST`."""
+    return last + 1 - first_position(last, window) + _TASK_COST
+
+
+@njit(inline="always", **_JIT)
+def share_tasks(pos, window, G, tid, n):
+    """Thread tid of n's (row, kv head) tasks as [k, 3] rows (r, g0, g1): kv heads g0..g1-1
+    of row r. The tasks in row-major order are split into n runs of about equal cost
+    (attended positions + `_TASK_COST` each), so a thread takes whole rows where it can and
+    reads each of their blocks once for all its heads, in one stream. Which thread runs a
+    task never changes its bits."""
+    R = pos.shape[0]
+    total = 0
+    for r in range(R):
+        total += G * _task_cost(pos[r], window)
+    out = np.empty((R, 3), np.int64)
+    k, start = 0, 0
+    for r in range(R):
+        cost = _task_cost(pos[r], window)
+        g0, g1 = G, 0
+        for g in range(G):
+            if (start + g * cost) * n // total == tid:
+                g0, g1 = min(g0, g), g + 1
+        start += G * cost
+        if g0 < g1:
+            out[k, 0], out[k, 1], out[k, 2] = r, g0, g1
+            k += 1
+    return out[:k]
+
+
+@njit(inline="always", **_JIT)
+def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, out):
+    """Query heads of kv heads g0..g1-1 for row r over positions first..last of the
+    sequence whose block table is `table`: each block's keys (then values) of those heads,
+    adjacent in the store, are read once, in one pass over the blocks; each head's
+    arithmetic is the same whatever g0..g1 is."""
+    H, D = q.shape[1], q.shape[2]
+    G, B = k_blocks.shape[1], k_blocks.shape[2]
+    grp = H // G
+    P = last + 1 - first
+    h0, nh = g0 * grp, (g1 - g0) * grp
+    e = np.empty((nh, P), np.float32)  # scores, then exp(score - max)
+    ef = e.reshape(-1)
+    buf = np.empty((B, D), np.float32)
+    sv = vsplat(scale)
+    b0, last_b = first // B, last // B
+    for b in range(b0 + 1, b0 + _AHEAD):
+        _prefetch_jump(k_blocks, table, b, last_b, g0, g1)
+    p = first
+    while p <= last:
+        off = p % B
+        n = min(B - off, last + 1 - p)
+        _prefetch_jump(k_blocks, table, p // B + _AHEAD, last_b, g0, g1)
+        for g in range(g0, g1):
+            _convert(k_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
+            if n == LANES and D % LANES == 0:  # a whole block of keys and whole vectors: kept tight
+                for j in range(g * grp - h0, (g + 1) * grp - h0):
+                    vstore(ef, j * P + p - first, vmul(_scores16(q, (r * H + h0 + j) * D, buf, 0, D, D), sv))
+            else:
+                for j in range(g * grp - h0, (g + 1) * grp - h0):
+                    _segment_scores(q, (r * H + h0 + j) * D, buf, n, scale, ef, j * P + p - first)
+        p += n
+    for j in range(nh):
+        mx = e[j, 0]
+        for t in range(1, P):
+            mx = max(mx, e[j, t])
+        for t in range(P):
+            e[j, t] = _expf(e[j, t] - mx)
+    acc = np.zeros((nh, D), np.float32)
+    for b in range(b0 + 1, b0 + _AHEAD):
+        _prefetch_jump(v_blocks, table, b, last_b, g0, g1)
+    p = first
+    while p <= last:
+        off = p % B
+        n = min(B - off, last + 1 - p)
+        _prefetch_jump(v_blocks, table, p // B + _AHEAD, last_b, g0, g1)
+        for g in range(g0, g1):
+            j = (g - g0) * grp
+            _convert(v_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
+            _segment_v(e[j:j + grp], p - first, buf, n, acc[j:j + grp])
+        p += n
+    for j in range(nh):
+        inv = _F(1.0) / _sum(e[j], P)
+        for d in range(D):
+            out[r, h0 + j, d] = acc[j, d] * inv
+
+
+@njit(inline="always", **_JIT)
+def check_rows(tables, seqs, pos, n_blocks, B, max_pos):
+    """0 if a decode call can run: every row its own sequence, positions below max_pos and
+    within the table, table entries valid; else -1 (row out of range), -2 (table entry out
+    of range), 1 (a sequence with several rows: a prefill chunk)."""
+    S, MB = tables.shape
+    seen = np.zeros(S, np.bool_)
+    for r in range(seqs.shape[0]):
+        s, p = seqs[r], pos[r]
+        if s < 0 or s >= S or p < 0 or p >= MB * B or p >= max_pos:
+            return -1
+        if seen[s]:
+            return 1
+        seen[s] = True
+        for b in range(p // B + 1):
+            if tables[s, b] < 0 or tables[s, b] >= n_blocks:
+                return -2
+    return 0
+
+
+@njit(parallel=True, **_JIT)
+def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window, out, rope_on, cos, sin, neox,
+            n):
+    R, H, D = q.shape
+    NB, G, B = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[2]
+    status = check_rows(tables, row_seq, row_pos, NB, B, cos.shape[0] if rope_on else tables.shape[1] * B)
+    if status:  # checked before anything is written
+        return status
+    qr = q
+    kr = np.empty(D, np.float32)
+    if rope_on:  # q and k turned here rather than in two more calls
+        qr = np.empty_like(q)
+        for r in range(R):
+            for h in range(H):
+                _rope_row(q, (r * H + h) * D, row_pos[r], cos, sin, neox, qr, (r * H + h) * D, D)
+    for r in range(R):
+        p = row_pos[r]
+        blk = tables[row_seq[r], p // B]
+        for g in range(G):
+            o = ((blk * G + g) * B + p % B) * D
+            if rope_on:
+                _rope_row(k, (r * G + g) * D, p, cos, sin, neox, kr, 0, D)
+                _write_row(k_blocks, o, kr, 0, D)
+            else:
+                _write_row(k_blocks, o, k, (r * G + g) * D, D)
+            _write_row(v_blocks, o, v, (r * G + g) * D, D)
+    for tid in prange(n):  # n: numba's thread count
+        for task in share_tasks(row_pos, window, G, tid, n):
+            r, last = task[0], row_pos[task[0]]
+            _attend_blocks(qr, k_blocks, v_blocks, tables[row_seq[r]], r, task[1], task[2],
+                           first_position(last, window), last, scale, out)
+    return 0
+
+
+_NO_ROPE = np.zeros((1, 0), np.float32)
+
+
+def _c(a: np.ndarray, dtype) -> bool:
+    return a.dtype == dtype and a.flags.c_contiguous
+
+
+def paged_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray,
+                 tables: np.ndarray, row_seq: np.ndarray, row_pos: np.ndarray, scale: float, out: np.ndarray,
+                 window: int = 0, rope: tuple[np.ndarray, np.ndarray, bool] | None = None) -> bool:
+    """Write k, v f32[R, n_kv, hd] at each row's position (rounded to the store's dtype),
+    then attention of q f32[R, H, hd] into out, as `paged_attention` defines it (the same
+    bits); True. False, having written nothing, when a sequence has several rows in the
+    call (or the store is float16 and the CPU lacks F16C). k_blocks, v_blocks [n_blocks, n_kv, B, hd] float16 or float32; tables int32
+    [S, max_blocks]; row_seq, row_pos int32 [R]; all C-contiguous. `rope` = (cos, sin,
+    neox): q and k are first turned as `numpy_kernels.rope` does with those float32 tables
+    [max_pos, rope_dim/2] (q itself is left as it is). ValueError for bad rows or tables."""
+    if k_blocks.dtype == np.float16:
+        if not HAS_F16C:
+            return False  # the caller's numpy write + paged_attention: the same bits
+        k_blocks, v_blocks = k_blocks.view(np.uint16), v_blocks.view(np.uint16)
+    kvt = k_blocks.dtype
+    if not (_c(q, np.float32) and _c(k, np.float32) and _c(v, np.float32) and _c(out, np.float32)
+            and _c(k_blocks, kvt) and _c(v_blocks, kvt) and kvt in (np.float32, np.uint16)
+            and _c(tables, np.int32) and _c(row_seq, np.int32) and _c(row_pos, np.int32)
+            and q.ndim == 3 and k.ndim == 3 and k_blocks.ndim == 4 and tables.ndim == 2):
+        raise ValueError("paged_decode: arrays must be C-contiguous float32 (q, k, v, out), "
+                         "float16/float32 (KV) and int32 (tables, rows)")
+    R, H, D = q.shape
+    NB, G, B, D2 = k_blocks.shape
+    if (D2 != D or v_blocks.shape != k_blocks.shape or out.shape != q.shape or H % G
+            or k.shape != (R, G, D) or v.shape != k.shape or row_seq.shape != (R,) or row_pos.shape != (R,)):
+        raise ValueError(f"paged_decode: shapes q{q.shape} k{k.shape} v{v.shape} kv{k_blocks.shape} "
+                         f"out{out.shape}")
+    if window < 0:
+        raise ValueError(f"paged_decode: window must be >= 0, got {window}")
+    cos, sin, neox = (_NO_ROPE, _NO_ROPE, False) if rope is None else rope
+    if rope is not None and not (_c(cos, np.float32) and _c(sin, np.float32) and cos.ndim == 2
+                                 and sin.shape == cos.shape and 2 * cos.shape[1] <= D):
+        raise ValueError(f"paged_decode: RoPE tables must be C-contiguous float32 [max_pos, <= {D // 2}]")
+    status = _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, np.float32(scale),
+                     np.int64(window), out, rope is not None, cos, sin, bool(neox), get_num_threads())
+    if status == -1:
+        raise ValueError("paged_decode: row_seq / row_pos out of range")
+    if status == -2:
+        raise ValueError("paged_decode: a block table entry is out of range")
+    return status == 0

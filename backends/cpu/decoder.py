@@ -1,0 +1,267 @@
+"""The numpy backend's decode step in one numba call: every layer and the head, run by a
+crew of threads that meet at spinning barriers (`step_threads`), as llama.cpp's CPU
+backend runs its graph.
+
+Op by op, a decode step of SmolLM2-135M is about 240 kernel calls, each a Python call,
+argument checks and a fork-join, which cost about 2 ms of an 11.6 ms step on 2 cores
+(docs/benchmarks.md). Here each thread takes its share of each phase and waits at a
+barrier before the next one reads what it wrote:
+
+  1. RMS norm of x (every thread its own copy: no barrier), then its columns of q, k, v
+  2. per (row, kv head): biases, q/k norms, RoPE, the K/V write, attention (a thread's
+     tasks in runs of whole rows where it can: `decode_attention.share_tasks`)
+  3. its columns of the output product, added into x (or normed first, gemma3)
+  4. norm, its columns of gate and up, act(gate) * up for those columns
+  5. its columns of the down product, added into x
+  6. the output norm and its columns of the logits
+
+Every element is computed by the functions the op-by-op path calls (`block_tasks` for the
+products, `norm_kernels._rms_norm`, `decode_attention`'s RoPE, K/V write and attention,
+`activation_kernels`), in the same order, so the step equals `Model.layers_and_head` bit
+for bit (tests/backends/test_cpu_decoder.py) and a row's bits never depend on the batch
+or on the thread count. A plan (`build_plan`) holds the model's weights, vectors and RoPE
+tables by address; models it cannot hold (F16/BF16/F32 matrices, other RoPE styles) keep the
+op-by-op path, as do steps where a sequence has several rows (prefill chunks).
+
+numba's cache keys `decode_step` on this file only, yet it inlines code from
+decode_attention, norm_kernels, activation_kernels, step_threads and block_tasks: after
+editing one of those, delete backends/__pycache__/cpu_decoder.*.nbi and *.nbc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit
+
+from panechat.backends.cpu.activation_kernels import gated_columns
+from panechat.backends.cpu.addresses import call_void, f32_at
+from panechat.backends.cpu.block_tasks import QTYPE_CODES, range_functions, share
+from panechat.backends.quant.gguf_blocks import KQUANT_BYTES, QK_K
+from panechat.backends.cpu.quant_kernels import BLOCK32_BYTES
+from panechat.backends.cpu.decode_attention import _attend_blocks, _rope_row, _write_row, first_position, share_tasks
+from panechat.backends.cpu.decode_attention import check_rows as decode_check_rows
+from panechat.backends.cpu.norm_kernels import _rms_norm
+from panechat.backends.cpu.numpy_kernels import _JIT
+from panechat.backends.cpu.step_threads import barrier
+
+# per-layer vectors, in this order in the plan's table (absent ones: length 0)
+VECTORS = ("attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm",
+           "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_NO_SCALES = np.zeros((1, 1), np.float32)
+_NO_VECTOR = np.zeros(1, np.float32)
+
+
+@dataclass
+class DecoderPlan:
+    """A model's weights and shape as the one-call step takes them: each array by its
+    address and shape in int64 tables (a numba typed list would compile its methods at
+    every start, ~1 s), the arrays themselves held in `keep`."""
+
+    mats: np.ndarray  # int64 [L*7 + 1, 8]: blocks address, N, bytes a row, QTYPE_CODES, d address,
+    #                   dmin address, d rows, d columns (the head last; d: K-quants' per-super-block scales)
+    vectors: np.ndarray  # int64 [L*9 + 1, 2]: address, length (0: absent), VECTORS order; the output norm last
+    has: np.ndarray  # int64 [9]: which of VECTORS the layers have
+    rope: np.ndarray  # int64 [L, 4]: cos address, sin address, rows, columns
+    windows: np.ndarray  # int64 [L]
+    fns: np.ndarray  # int64: block_tasks.range_functions of the matrices' types
+    keep: list  # every array the tables point into
+    n_embd: int
+    n_head: int
+    n_kv: int
+    head_dim: int
+    n_ff: int
+    vocab: int
+    max_pos: int
+    eps: float
+    scale: float
+    neox: bool
+    gelu: bool
+
+
+def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: list, windows: list[int],
+               n_head: int, n_kv: int, head_dim: int, eps: float, scale: float, rope_style: str,
+               ffn_act: str, stored: Any) -> DecoderPlan | None:
+    """The plan for these weights (numpy backend forms: `stored(w)` -> (qtype, blocks, d,
+    dmin) or None), or None when some part is not one the step computes."""
+    if rope_style not in ("neox", "normal") or ffn_act not in ("silu", "gelu_tanh") or not layers:
+        return None
+    keep, mats = [], []
+
+    def address(a: np.ndarray) -> int:
+        keep.append(a)
+        return a.ctypes.data
+
+    D, hd, q_rows, kv_rows = np.size(output_norm), head_dim, n_head * head_dim, n_kv * head_dim
+    gate = stored(layers[0]["ffn_gate"])
+    if gate is None:
+        return None
+    F = gate[1].shape[0]
+    want = dict(zip(MATRICES, [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, q_rows), (F, D), (F, D), (D, F)]))
+    # every shape checked once here: the step reads by address and would not notice
+    for w, shape in [(L[name], want[name]) for L in layers for name in MATRICES] + [(output, (None, D))]:
+        s = stored(w)
+        if s is None or s[0] not in QTYPE_CODES or not _blocks_fit(*s, shape):
+            return None
+        qtype, b, d, dmin = s
+        d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
+        dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
+        mats.append((address(b), *b.shape, QTYPE_CODES[qtype], address(d), address(dmin), *d.shape))
+    has = np.array([all(L[n] is not None for L in layers) for n in VECTORS], np.int64)
+    if any(any(L[n] is not None for L in layers) != bool(h) for n, h in zip(VECTORS, has)):
+        return None  # some layers have a vector others lack
+    sizes = dict(zip(VECTORS, (D, D, q_rows, kv_rows, kv_rows, hd, hd, D, D)))
+    vectors = []
+    for v, size in [(L[n], sizes[n]) for L in layers for n in VECTORS] + [(output_norm, D)]:
+        if v is None:
+            vectors.append((address(_NO_VECTOR), 0))
+            continue
+        v = np.ascontiguousarray(v, np.float32).reshape(-1)
+        if v.size != size:
+            return None
+        vectors.append((address(v), v.size))
+    rope_rows = []
+    for c, s in rope:
+        if not (c.dtype == s.dtype == np.float32 and c.ndim == 2 and c.shape == s.shape and 2 * c.shape[1] <= head_dim):
+            return None
+        c, s = np.ascontiguousarray(c), np.ascontiguousarray(s)
+        rope_rows.append((address(c), address(s), *c.shape))
+    if len(rope_rows) != len(layers) or len(windows) != len(layers):
+        return None
+    mats = np.array(mats, np.int64)
+    return DecoderPlan(mats, np.array(vectors, np.int64), has, np.array(rope_rows, np.int64),
+                       np.array(windows, np.int64), range_functions(mats[:, 3]), keep, D, n_head, n_kv, head_dim, F,
+                       int(mats[-1, 1]), min(r[2] for r in rope_rows), eps, scale, rope_style == "neox",
+                       ffn_act == "gelu_tanh")
+
+
+def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
+    """Whether `blocks` hold a [N, K] matrix of `qtype` (N None: any) and d, dmin its scales."""
+    N, K = shape
+    if blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous or N not in (None, blocks.shape[0]):
+        return False
+    if qtype in KQUANT_BYTES:
+        sb = (blocks.shape[0], K // QK_K)
+        return (K % QK_K == 0 and blocks.shape[1] == K // QK_K * KQUANT_BYTES[qtype] and d is not None
+                and dmin is not None and d.shape == sb and dmin.shape == sb)
+    return K % 32 == 0 and blocks.shape[1] == K // 32 * BLOCK32_BYTES[qtype]
+
+
+@njit(**_JIT)
+def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
+    """`decode_attention.check_rows`: 0 when the step can run these rows, 1 when a sequence
+    has several (op by op), negative when a row or table entry is out of range."""
+    return decode_check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos)
+
+
+@njit(inline="always", **_JIT)
+def _add(x, b, o):
+    """x += b[o : o + len(x)] (a bias on one head's slice)."""
+    for e in range(x.shape[0]):
+        x[e] = x[e] + b[o + e]
+
+
+@njit(inline="always", **_JIT)
+def _vector(vectors, j):
+    return numba.carray(f32_at(vectors[j, 0]), vectors[j, 1])
+
+
+@njit(inline="always", **_JIT)
+def _product(fns, mats, j, x, out, tid, n):
+    """This thread's columns of x @ W.T for matrix j of the plan; returns them (c0, c1)."""
+    m = mats[j]
+    c0, c1 = share(out.shape[1], x.shape[0], tid, n)
+    if c0 < c1:
+        call_void(fns[m[3]], (np.int64(x.ctypes.data), x.shape[0], x.shape[1], m[0], m[1], m[2], m[4], m[5],
+                              m[6], m[7], np.int64(out.ctypes.data), out.shape[1], c0, c1))
+    return c0, c1
+
+
+@njit(inline="always", **_JIT)
+def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
+    """x += p (columns c0..c1 of this thread), or x += rms_norm(p, vec) by rows after a barrier."""
+    if has_post:
+        barrier(sync, n)
+        R, D = x.shape
+        for r in range(tid, R, n):
+            _rms_norm(p[r:r + 1], vec, eps, p[r:r + 1])
+            for d in range(D):
+                x[r, d] = x[r, d] + p[r, d]
+    else:
+        for r in range(x.shape[0]):
+            for c in range(c0, c1):
+                x[r, c] = p[r, c] + x[r, c]
+
+
+@njit(**_JIT)
+def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs, pos, n_head, n_kv, eps, scale,
+                neox, gelu, hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits, sync, tid, n):
+    """One decode step for rows x [R, D] (embedded tokens; updated in place), thread tid of
+    n: see the module docstring. Buffers: hbuf [n, R, D], q [R, H*hd], k, v [R, G*hd],
+    qr [R, H, hd], att [R, H*hd], p [R, D], gate, up, act [R, F], kr [n, hd],
+    logits [R, V]; sync int64 [2] zeroed; fns: `block_tasks.range_functions`
+    (addresses); the rest
+    from a `DecoderPlan`. The rows were
+    checked by `check_rows`."""
+    R, D = x.shape
+    L = windows.shape[0]
+    hd = q.shape[1] // n_head
+    grp = n_head // n_kv
+    B = k_all.shape[3]
+    h = hbuf[tid]
+    q3, att3 = q.reshape((R, n_head, hd)), att.reshape((R, n_head, hd))
+    for i in range(L):
+        mi, vi = i * 7, i * 9
+        _rms_norm(x, _vector(vectors, vi), eps, h)
+        _product(fns, mats, mi, h, q, tid, n)
+        _product(fns, mats, mi + 1, h, k, tid, n)
+        _product(fns, mats, mi + 2, h, v, tid, n)
+        barrier(sync, n)
+        kb, vb = k_all[i], v_all[i]
+        c = numba.carray(f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
+        s = numba.carray(f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
+        for task in share_tasks(pos, windows[i], n_kv, tid, n):
+            r, g0, g1 = task[0], task[1], task[2]
+            pr = pos[r]
+            blk = tables[seqs[r], pr // B]
+            for g in range(g0, g1):
+                ko = r * k.shape[1] + g * hd
+                kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
+                if has[3]:
+                    _add(kg, _vector(vectors, vi + 3), g * hd)
+                if has[4]:
+                    _add(vg, _vector(vectors, vi + 4), g * hd)
+                if has[6]:
+                    _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + 6), eps, kg.reshape((1, hd)))
+                o = ((blk * n_kv + g) * B + pr % B) * hd
+                kt = kr[tid]
+                _rope_row(k, ko, pr, c, s, neox, kt, 0, hd)
+                _write_row(kb, o, kt, 0, hd)
+                _write_row(vb, o, v, r * v.shape[1] + g * hd, hd)
+                for j in range(grp):
+                    hh = g * grp + j
+                    qh = q3[r, hh]
+                    if has[2]:
+                        _add(qh, _vector(vectors, vi + 2), hh * hd)
+                    if has[5]:
+                        _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + 5), eps, qh.reshape((1, hd)))
+                    _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
+            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g0, g1, first_position(pr, windows[i]), pr, scale, att3)
+        barrier(sync, n)
+        c0, c1 = _product(fns, mats, mi + 3, att, p, tid, n)
+        _residual(x, p, _vector(vectors, vi + 7), has[7], eps, c0, c1, sync, tid, n)
+        barrier(sync, n)
+        _rms_norm(x, _vector(vectors, vi + 1), eps, h)
+        g0, g1 = _product(fns, mats, mi + 4, h, gate, tid, n)
+        _product(fns, mats, mi + 5, h, up, tid, n)  # the same columns: same N
+        gated_columns(gate, up, act, g0, g1, gelu)
+        barrier(sync, n)
+        c0, c1 = _product(fns, mats, mi + 6, act, p, tid, n)
+        _residual(x, p, _vector(vectors, vi + 8), has[8], eps, c0, c1, sync, tid, n)
+        barrier(sync, n)
+    _rms_norm(x, _vector(vectors, L * 9), eps, h)
+    _product(fns, mats, L * 7, h, logits, tid, n)

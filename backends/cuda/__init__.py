@@ -1,0 +1,1 @@
+"""The CuPy (CUDA) backend: kernels, packed weights, graphs, the tensor-core mode."""

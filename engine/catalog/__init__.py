@@ -1,0 +1,1 @@
+"""Which models exist on this machine and by which names."""

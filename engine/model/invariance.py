@@ -1,0 +1,63 @@
+"""Start-up proof that batching does not change the answer on the running backend.
+
+Runs a sequence alone, then the same sequence inside a mixed batch (other sequences'
+prefill and decode rows around it, at another row position), and compares the logits
+bit for bit; a decode row also beside another sequence's prefill chunk, which takes the
+op-by-op path where a decode-only step may run in one call. The engine turns batching off when this fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from panechat.engine.model.forward import Batch, Model
+
+
+def check_model_invariance(model: Model, kv: Any) -> str | None:
+    """None when rows are batch-invariant; else a one-line description. Uses KV blocks
+    0..2 of the paged store `kv` (in a shuffled block table), whose contents it leaves
+    undefined (callers run it before serving)."""
+    problem = model.backend.self_check()
+    if problem:
+        return problem
+    if kv.n_blocks < 3:
+        return None  # a single-sequence engine cannot batch anyway
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    seq = rng.integers(0, vocab, 6).astype(np.int32)
+    others = [rng.integers(0, vocab, n).astype(np.int32) for n in (4, 9)]
+
+    alone = model.forward(kv, _rows([(0, seq, 0)]))[0]
+    mixed = model.forward(kv, _rows([(1, others[0], 0), (0, seq, 0), (2, others[1], 0)]))[1]
+    if not np.array_equal(alone, mixed):
+        return f"prefill logits differ alone vs batched (max |diff| {np.abs(alone - mixed).max():.3g})"
+    nxt = np.array([int(np.argmax(alone))], np.int32)
+    alone = model.forward(kv, _rows([(0, nxt, len(seq))]))[0]
+    mixed = model.forward(kv, _rows([(2, others[1][:1], len(others[1])), (1, others[0][:1], 4),
+                                     (0, nxt, len(seq))]))[2]
+    if not np.array_equal(alone, mixed):
+        return f"decode logits differ alone vs batched (max |diff| {np.abs(alone - mixed).max():.3g})"
+    # beside another sequence's two-row chunk the step runs op by op (a decode-only step
+    # may run in one backend call: Backend.run_decoder): the same bits either way
+    beside = model.forward(kv, _rows([(1, others[0][:2], 4), (0, nxt, len(seq))]))[1]
+    if not np.array_equal(alone, beside):
+        return ("decode logits differ beside a prefill chunk from a decode-only step "
+                f"(max |diff| {np.abs(alone - beside).max():.3g})")
+    return None
+
+
+_TABLES = np.array([[2], [0], [1]], np.int32)  # sequence i's one block: not block i
+
+
+def _rows(parts: list[tuple[int, np.ndarray, int]]) -> Batch:
+    """(sequence, tokens, first position) per sequence -> one Batch with each one's last row."""
+    tokens, seqs, positions, last = [], [], [], []
+    for seq, toks, start in parts:
+        tokens.extend(toks.tolist())
+        seqs.extend([seq] * len(toks))
+        positions.extend(range(start, start + len(toks)))
+        last.append(len(tokens) - 1)
+    return Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
+                 np.asarray(positions, np.int32), np.asarray(last, np.int64), _TABLES)

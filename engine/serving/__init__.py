@@ -1,0 +1,1 @@
+"""Serving: the engine loop, scheduler, requests, sampling, events, stats."""

@@ -1,0 +1,642 @@
+"""The engine: one compute thread owns the model and the KV block pool.
+
+Requests come in from any thread (or asyncio task) through `submit`; each step the
+scheduler picks the rows, the model computes them in one forward pass, and every
+sequence's sampled token goes back on its own event stream (llama.cpp server's
+one-thread task loop; mlx-lm's BatchGenerator insert/next/remove).
+
+Faults stay with their request: input is validated at submit, and an exception after the
+forward pass (a row's sampler, stop strings, decoder or emit) fails that row alone while
+the rest of the step carries on. Only a failure of the shared work (the KV copies, the
+forward pass) fails the requests of the step; the engine thread itself never dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from numbers import Integral
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import numpy as np
+
+from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
+from panechat.engine.serving.config import EngineConfig, format_size
+from panechat.engine.serving.events import Event, FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.model.invariance import check_model_invariance
+from panechat.engine.kv.blocks import BlockPool, blocks_for
+from panechat.engine.kv.persistence import KVPersistence
+from panechat.engine.kv.snapshot import KVShape
+from panechat.engine.model.loader import LoadedModel
+from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
+from panechat.engine.model.forward import Batch
+from panechat.engine.serving.request import Request, RequestState
+from panechat.engine.serving.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
+from panechat.engine.serving.scheduler import QueueFull, Scheduler, StepPlan
+from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats
+from panechat.engine.text.tokenizer import StreamDecoder
+
+#: The snapshot file's dtype name of each --kv-dtype (snapshots hold the cache's own bits).
+SNAPSHOT_DTYPES = {"f16": "float16", "f32": "float32"}
+
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "KVBudgetTooSmall",
+           "EngineStopped"]
+
+log = logging.getLogger(__name__)
+
+
+_STREAM_STATE = {RequestState.WAITING: StreamState.QUEUED, RequestState.PREFILLING: StreamState.PREFILLING,
+                 RequestState.DECODING: StreamState.DECODING}
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the per-conversation context (never truncated silently)."""
+
+
+class KVBudgetTooSmall(PromptTooLong):
+    """The prompt plus max_tokens needs more KV blocks than the whole budget holds: it could
+    never run, so it is refused at once rather than left waiting."""
+
+
+class EngineStopped(RuntimeError):
+    """`submit` after `stop()`: the engine takes no more work."""
+
+
+class Generation:
+    """Handle for one submitted request: read its events, or cancel it.
+
+    The engine thread puts events on a thread-safe queue; the consumer picks how to read
+    them: `events()` blocks (any thread), `aevents()` awaits on the loop it is iterated
+    from. Nothing is guessed at submit time, so a Generation may be created on one thread
+    and read on another. Each event is delivered once; the last one is the FinishEvent."""
+
+    def __init__(self, engine: "Engine", request_id: str):
+        self.engine = engine
+        self.id = request_id
+        self.finish: FinishEvent | None = None
+        self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        # set by aevents(): the reading loop and the asyncio.Event that wakes it
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def _emit(self, ev: Event) -> None:  # called on the engine thread
+        self._q.put(ev)
+        waker = self._waker
+        if waker is not None:
+            loop, ready = waker
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the reader's loop is closed: nobody listens any more
+                self.cancel()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generating; a FinishEvent with `reason` follows (unless it finished first)."""
+        self.engine.cancel(self.id, reason)
+
+    def events(self) -> Iterator[Event]:
+        """Block for each event in turn until the FinishEvent (which is yielded, then kept
+        in `finish`)."""
+        self._waker = None
+        while self.finish is None:
+            ev = self._q.get()
+            if isinstance(ev, FinishEvent):
+                self.finish = ev
+            yield ev
+
+    async def aevents(self) -> AsyncIterator[Event]:
+        """`events()` for asyncio: awaits on the running loop, never blocks it."""
+        ready = asyncio.Event()
+        self._waker = (asyncio.get_running_loop(), ready)
+        try:
+            while self.finish is None:
+                ready.clear()  # before looking: an event put after this look sets it again
+                try:
+                    ev = self._q.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    continue
+                if isinstance(ev, FinishEvent):
+                    self.finish = ev
+                yield ev
+        finally:
+            if self.finish is not None:
+                self._waker = None
+            # else the reader gave up early: once its loop closes, the next event cancels
+
+    def result(self) -> FinishEvent:
+        """Block until finished (not on an event loop); returns the FinishEvent."""
+        for _ in self.events():
+            pass
+        assert self.finish is not None
+        return self.finish
+
+
+class Engine:
+    """Batched, batch-invariant generation over one pool of paged KV blocks, with shared
+    prefixes cached."""
+
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None):
+        self.lm = lm
+        self.cfg = cfg = config or EngineConfig()
+        args = lm.model.args
+        self.ctx = min(cfg.ctx_size, args.context_length)
+        if self.ctx < cfg.MIN_CTX:  # the config is valid, so the model's own context is this short
+            raise ValueError(f"the model's context ({args.context_length} tokens) is shorter than "
+                             f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
+        per_block = bytes_per_block(args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
+        self.kv_budget_note = self._kv_budget(cfg, per_block)
+        n_blocks = max(1, self.kv_budget // per_block)
+        be = lm.model.backend
+        self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
+        self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
+        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
+        self.metrics = EngineMetrics(cfg.max_concurrent)
+        self.metrics.kv_total = n_blocks
+        self.metrics.kv_bytes_per_block = per_block
+        self.snapshots = self._open_snapshots()
+        self.pool.track_evictions = self.snapshots is not None
+        # Set by the compute thread's start-up self-check (see start()).
+        self.invariance_problem: str | None = None
+        self.batching = True
+        self._checked = threading.Event()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ids = itertools.count(1)
+        self._by_id: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._published = 0.0  # when the stats state was last rebuilt
+        self._members_changed = False  # a request came or went since then
+        self._conversations: OrderedDict[str, list[tuple[int, tuple]]] = OrderedDict()  # see _remember
+
+    def _kv_budget(self, cfg: EngineConfig, per_block: int) -> str:
+        """Set `kv_budget` (bytes) from --kv-memory, else --kv-sessions whole contexts, else
+        a share of the device's free memory; returns how it was chosen (start-up line)."""
+        if cfg.kv_memory is not None:
+            self.kv_budget = cfg.kv_memory
+            return "--kv-memory"
+        if cfg.kv_sessions is not None:
+            self.kv_budget = cfg.kv_sessions * blocks_for(self.ctx) * per_block
+            return f"--kv-sessions {cfg.kv_sessions} contexts"
+        free = self.lm.model.backend.free_memory()
+        if free is None:  # unknown: room for 2 x max-concurrent whole contexts
+            self.kv_budget = 2 * cfg.max_concurrent * blocks_for(self.ctx) * per_block
+            return "default: free memory unknown, 2 x max-concurrent contexts"
+        self.kv_budget = max(int(free * cfg.KV_MEMORY_SHARE), blocks_for(self.ctx) * per_block)
+        return f"default: {cfg.KV_MEMORY_SHARE:.0%} of {format_size(free)} free; set --kv-memory"
+
+    # -- public API ------------------------------------------------------------------
+    def startup_lines(self) -> list[str]:
+        """Human-readable start-up report: backend, KV memory, concurrency mode."""
+        be, m = self.lm.model.backend, self.lm.model
+        kv = self.kv
+        lines = [
+            f"model: {self.lm.name} ({m.args.architecture}, {m.args.n_layer} layers, "
+            f"loaded in {m.load_seconds:.1f} s, {m.weight_bytes / 2**20:.0f} MiB of weights)",
+            f"backend: {be.describe()}",
+            f"context: {self.ctx} tokens per conversation",
+            f"KV cache: {format_size(kv.nbytes)} ({self.kv_budget_note}), {kv.dtype}, "
+            f"{kv.n_blocks} blocks of {BLOCK_TOKENS} tokens = {kv.n_blocks * BLOCK_TOKENS} tokens "
+            f"({kv.n_blocks * BLOCK_TOKENS / self.ctx:.1f} full contexts), shared prefixes cached",
+        ]
+        k = self.cfg.max_concurrent
+        if self.batching:
+            lines.append(f"concurrency: {k} generations at once, decode batched, answers identical to solo")
+        else:
+            lines.append(f"concurrency: {k} generations at once, decode NOT batched (one sequence "
+                         f"per step) because the invariance self-check failed: {self.invariance_problem}")
+        return lines
+
+    def start(self) -> "Engine":
+        """Start the compute thread; returns once its invariance self-check has run.
+
+        Every kernel call, the self-check's too, happens on that one thread: numba's
+        OpenMP kernels run about 2x slower when a second thread has used them."""
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="panechat-engine", daemon=True)
+            self._thread.start()
+            self._checked.wait()
+        return self
+
+    def stop(self, reason: str = "cancelled") -> None:
+        """End everything (each generation gets its FinishEvent with `reason`) and join the
+        thread. Later submits are refused. With KV snapshots on, the idle conversations'
+        KV is written first (the compute thread does it on its way out)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        with self._lock:
+            for r in list(self._by_id.values()):
+                self._finish(r, reason)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Check `messages` and render them with the chat template into token ids, as
+        `submit(messages)` does; raises ValueError. A long history takes milliseconds, so
+        code on an event loop calls this in a worker thread, then `submit(prompt_ids=...)`."""
+        _validate_messages(messages)
+        return self.lm.prompt_ids(messages)
+
+    def completion_ids(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) as token ids, BOS per the file's flags; raises
+        ValueError for a non-string, empty or invalid-Unicode `text`."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("empty prompt: give the text to complete")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the prompt is not valid Unicode (lone surrogate)") from None
+        return self.lm.completion_ids(text)
+
+    @property
+    def chat_stops(self) -> tuple[str, ...]:
+        """Stop strings every chat reply gets from the template (the ChatML fallback's turn
+        markers; none for a file's own template): a chat submit passes them with its own."""
+        return self.lm.template.stop_strings
+
+    def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+               params: SamplingParams | None = None, conversation: str | None = None,
+               stop: tuple[str, ...] | list[str] = ()) -> Generation:
+        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull,
+        EngineStopped."""
+        if self._stop:
+            raise EngineStopped("the engine is stopped")
+        params = params or SamplingParams()
+        params.validate()
+        if prompt_ids is None:
+            prompt_ids = self.prompt_ids(messages)
+        else:
+            prompt_ids = _validated_ids(prompt_ids, self.lm.model.args.vocab_size)
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.ctx:
+            raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens but the context holds {self.ctx}; "
+                                "shorten the conversation or raise --ctx-size")
+        need = blocks_for(min(len(prompt_ids) + params.max_tokens, self.ctx))
+        if need > self.pool.n_blocks:
+            raise KVBudgetTooSmall(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{format_size(need * self.kv.bytes_per_block)} of KV but the budget is "
+                f"{format_size(self.kv.nbytes)}; lower max_tokens or raise --kv-memory")
+        rid = f"req-{next(self._ids)}"
+        gen = Generation(self, rid)
+        tok = self.lm.tokenizer
+        req = Request(
+            id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
+            sampler=make_sampler(params), decoder=StreamDecoder(tok), emit=gen._emit,
+            stop_ids=tok.stop_ids, stop_strings=tuple(s for s in stop if s),
+        )
+        with self._lock:
+            try:
+                self.scheduler.add(req)
+            except QueueFull as e:
+                self.metrics.refused += 1
+                e.retry_after = self.retry_after()
+                raise
+            self._by_id[rid] = req
+            self._members_changed = True
+        self._wake.set()
+        return gen
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Ask for a request to end; its FinishEvent follows, with `reason` ('cancelled' by
+        the client, 'shutdown' by a server going away; the first cancel's reason wins)."""
+        req = self._by_id.get(request_id)
+        if req is not None and not req.cancelled:
+            req.cancel_reason = reason
+            req.cancelled = True
+            self._wake.set()
+
+    def retry_after(self) -> int:
+        """Seconds after which a request refused now (QueueFull) should come back: the
+        time the queue ahead of it takes to clear at the recent pace (1..60)."""
+        return retry_after_estimate(len(self.scheduler.waiting), self.cfg.max_concurrent,
+                                    self.metrics.mean_request_s())
+
+    def stats(self) -> EngineStats:
+        """Snapshot of streams, batch occupancy, queue and KV slots (cheap)."""
+        return self.metrics.snapshot(batching=self.batching, ctx=self.ctx)
+
+    # -- the compute thread ------------------------------------------------------------
+    def _self_check(self) -> None:
+        if self.cfg.verify_invariance:
+            try:
+                self.invariance_problem = check_model_invariance(self.lm.model, self.kv)
+            except Exception as e:  # a broken check must not pass for a proof
+                self.invariance_problem = f"self-check failed to run: {type(e).__name__}: {e}"
+            self.batching = self.invariance_problem is None
+        # rows are only proven independent of each other when the check passed
+        self.scheduler.max_seqs_per_step = None if self.batching else 1
+        self._checked.set()
+
+    def _run(self) -> None:
+        self._self_check()
+        be = self.lm.model.backend
+        while not self._stop:
+            plan, copied = None, False
+            try:
+                with self._lock:
+                    self._reap_cancelled()
+                    plan = self.scheduler.schedule()
+                    self._publish_state(force=self._members_changed or not plan.requests)
+                if self.snapshots is not None:  # evicted KV is still in its blocks: save it now
+                    self._save_evicted()
+                if plan.kv_copies:  # before the forward pass
+                    be.copy_blocks(self.kv, [c.src for c in plan.kv_copies], [c.dst for c in plan.kv_copies])
+                    with self._lock:
+                        self.scheduler.copies_done()
+                if self.snapshots is not None and plan.admitted:
+                    self._restore_admitted(plan)
+                copied = True
+                if not plan.requests:
+                    self.metrics.mark_idle()
+                    self._wake.wait(0.5)
+                    if self._wake.is_set():
+                        self._wake.clear()
+                        time.sleep(self.cfg.straggler_ms / 1000.0)  # let near-simultaneous arrivals join
+                    continue
+                self._step(plan)
+            except Exception as e:  # shared work failed: fail the requests it touched
+                log.exception("engine step failed")
+                with self._lock:
+                    # a failed copy leaves a block whose KV its request relies on: fail them all
+                    ok = plan is not None and plan.requests and copied
+                    victims = plan.requests if ok else list(self._by_id.values())
+                    for r in victims:
+                        self._fail(r, f"internal error: {type(e).__name__}: {e}")
+        if self.snapshots is not None:
+            self._save_on_stop()
+
+    # -- KV snapshots (kv_persistence.py): three calls, all on the compute thread -----------
+    def _open_snapshots(self) -> KVPersistence | None:
+        """The snapshot folder of this model when --kv-snapshots is on; a folder that
+        cannot be used turns them off with one log line (the engine serves without)."""
+        cfg = self.cfg
+        if not cfg.kv_snapshot_dir:
+            return None
+        args = self.lm.model.args
+        shape = KVShape(SNAPSHOT_DTYPES[self.kv.dtype], args.n_layer, args.n_kv_head, args.head_dim)
+        try:
+            return KVPersistence.open(Path(cfg.kv_snapshot_dir), self.lm.path, shape, cfg.kv_snapshot_memory,
+                                      self.lm.model.backend, self.kv, cfg.kv_snapshot_min_tokens,
+                                      self.metrics.record_snapshots)
+        except Exception as e:  # noqa: BLE001 - e.g. an unwritable cache folder
+            log.warning("KV snapshots off: %s", e)
+            return None
+
+    def _save_evicted(self) -> None:
+        """Snapshot the sequences whose cached blocks this step's plan evicted (their KV is
+        exported now, before the copies and the forward pass reuse the blocks)."""
+        for blocks, tokens in self.pool.take_evicted():
+            self.snapshots.save(blocks, tokens)
+
+    def _restore_admitted(self, plan: StepPlan) -> None:
+        """Restore the prefixes of requests admitted this step from snapshots where they
+        beat the cached prefix, into their own (not shared) blocks, then shorten their rows
+        in the plan to what is left. The restored full blocks enter the prefix cache at the
+        next step (`Scheduler._commit`)."""
+        changed = False
+        for r in plan.admitted:
+            if r.state != RequestState.PREFILLING or not r.blocks:
+                continue  # preempted again while this step was planned
+            start = r.n_hashed * BLOCK_TOKENS  # shared blocks: cached already, never written
+            try:
+                n = self.snapshots.restore(r.blocks, r.prompt_ids, r.computed, start)
+            except Exception:  # noqa: BLE001 - positions past `computed` are prefilled again anyway
+                log.exception("KV snapshot restore failed; the prompt is prefilled")
+                continue
+            if n > r.computed:
+                r.computed = n
+                if r.preemptions == 0:
+                    r.reused = n
+                changed = True
+        if changed:
+            plan.n_tokens = [min(n, r.n_known - r.computed) for r, n in zip(plan.requests, plan.n_tokens)]
+
+    def _save_on_stop(self) -> None:
+        """Graceful stop: snapshot every cached sequence's KV (the longest first; one whose
+        tokens another saved one starts with is skipped), then wait for the writes."""
+        try:
+            self._save_evicted()
+            chains = [c for c in map(self.pool.chain, self.pool.leaves()) if c is not None]
+            saved: list[list[int]] = []
+            for blocks, tokens in sorted(chains, key=lambda c: -len(c[1])):
+                if any(t[:len(tokens)] == tokens for t in saved):
+                    continue
+                saved.append(tokens)
+                self.snapshots.save(blocks, tokens)
+        except Exception:  # noqa: BLE001 - a failed export must not hang the stop
+            log.exception("KV snapshots at stop failed")
+        self.snapshots.close(timeout=50)
+
+    def _step(self, plan: StepPlan) -> None:
+        tokens, seqs, positions, logit_rows, sampled = [], [], [], [], []
+        now = time.perf_counter()
+        width = max(len(r.blocks) for r in plan.requests)
+        tables = np.zeros((len(plan.requests), width), np.int32)  # padding: never read
+        for i, (r, n) in enumerate(zip(plan.requests, plan.n_tokens)):
+            if r.t_start == 0.0:
+                r.t_start = now
+                self.metrics.record_admit(len(r.prompt_ids), r.reused)
+            tokens.extend(r.known_slice(r.computed, n))
+            positions.extend(range(r.computed, r.computed + n))
+            seqs.extend([i] * n)
+            tables[i, :len(r.blocks)] = r.blocks
+            r.computed += n
+            if r.computed == r.n_known:  # caught up: this row's logits give the next token
+                logit_rows.append(len(tokens) - 1)
+                sampled.append(r)
+        batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
+                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64), tables)
+        model, logits, picks = self.lm.model, None, None
+        if sampled and model.samples_on_device:  # only token ids cross to the host
+            picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]))
+        else:
+            logits = model.forward(self.kv, batch)
+        now = time.perf_counter()
+        with self._lock:
+            for r in plan.requests:
+                if r.state == RequestState.PREFILLING and r not in sampled:
+                    try:
+                        r.emit(PrefillEvent(r.id, r.computed, len(r.prompt_ids)))
+                    except Exception as e:
+                        self._fail_row(r, e)
+            for i, r in enumerate(sampled):
+                try:  # whatever goes wrong with this row is this row's alone
+                    tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
+                    self._accept(r, tok, now)
+                except Exception as e:
+                    self._fail_row(r, e)
+        self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
+
+    def _fail_row(self, r: Request, e: Exception) -> None:
+        """Fail one request after an exception raised on its behalf (never its neighbours)."""
+        if isinstance(e, SamplingError):
+            self._fail(r, str(e))
+        else:
+            log.error("request %s failed alone", r.id, exc_info=e)
+            self._fail(r, f"internal error in this request: {type(e).__name__}: {e}")
+
+    def _fail(self, r: Request, error: str) -> None:
+        """Finish `r` with reason 'error', dropping its KV (it may be incomplete or hold
+        NaN); a FinishEvent its reader cannot take does not stop the engine."""
+        try:
+            self._finish(r, "error", error=error, keep_cache=False)
+        except Exception:  # its emit raised: the request is already out of the scheduler
+            pass
+
+    def _accept(self, r: Request, tok: int, now: float) -> None:
+        if r.state == RequestState.PREFILLING:
+            r.state = RequestState.DECODING
+            if not r.t_first:  # (not again after a preemption's recompute)
+                r.t_first = now
+                r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
+        if tok in r.stop_ids:
+            self._flush(r)
+            self._finish(r, "stop")
+            return
+        r.output_ids.append(tok)
+        r.emit(TokenEvent(r.id, tok, r.take_text(r.decoder.push(tok))))
+        if r.finish_reason == "stop":
+            self._finish(r, "stop")
+        elif len(r.output_ids) >= r.params.max_tokens or r.n_known >= self.ctx:
+            self._flush(r)
+            self._finish(r, "length")
+
+    @staticmethod
+    def _flush(r: Request) -> None:
+        """Emit text still held back (a partial character or a partial stop string)."""
+        tail = r.flush_text(r.decoder.flush())
+        if tail:
+            r.emit(TokenEvent(r.id, -1, tail))
+
+    def _reap_cancelled(self) -> None:
+        for r in [r for r in self._by_id.values() if r.cancelled]:
+            self._finish(r, r.cancel_reason)
+
+    def _finish(self, r: Request, reason: str, error: str | None = None, keep_cache: bool = True) -> None:
+        if r.state == RequestState.FINISHED:
+            return
+        if keep_cache and r in self.scheduler.running:
+            self.scheduler.finish(r, keep_cache=True)
+            self._remember(r)
+        else:
+            self.scheduler.finish(r, keep_cache=keep_cache)
+        self._by_id.pop(r.id, None)
+        r.t_end = time.perf_counter()
+        ttft = (r.t_first - r.t_submit) if r.t_first else None
+        n_out = len(r.output_ids)
+        decode_s = r.t_end - r.t_first if r.t_first else 0.0
+        usage = {"prompt_tokens": len(r.prompt_ids), "completion_tokens": n_out,
+                 "reused_tokens": r.reused}
+        timings = {
+            "queue_ms": 1000 * ((r.t_start or r.t_end) - r.t_submit),
+            "prompt_ms": 1000 * ((r.t_first - r.t_start) if r.t_first else 0.0),
+            "ttft_ms": 1000 * ttft if ttft is not None else None,
+            "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+            "total_ms": 1000 * (r.t_end - r.t_submit),
+        }
+        self._members_changed = True
+        self.metrics.record_finish(reason, ttft, (r.t_end - r.t_start) if r.t_start else None)
+        r.emit(FinishEvent(r.id, reason, r.text, list(r.output_ids), usage, timings, error))
+
+    def _publish_state(self, force: bool) -> None:
+        """Rebuild the per-stream stats before the next step. While the same requests run,
+        at most 20 times a second (readers poll about 10 times a second; steps run up to
+        ~100 a second); when one came or went, always, so a request is in the stats before
+        it emits anything and a running engine never reads as idle."""
+        now = time.perf_counter()
+        if not force and now - self._published < 0.05:
+            return
+        self._published, self._members_changed = now, False
+        streams = []
+        for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            n = len(r.output_ids)
+            dt = now - r.t_first if r.t_first else 0.0
+            n_prompt = len(r.prompt_ids)
+            streams.append(StreamStats(
+                id=r.id, conversation=r.conversation, state=_STREAM_STATE[r.state], tokens=n,
+                tok_s=(n - 1) / dt if n > 1 and dt > 0 else 0.0,
+                ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
+                prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
+            ))
+        running = {r.conversation for r in self.scheduler.running}
+        idle = tuple(IdleConversation(conv, block, n) for conv, block, n in self._idle_conversations()
+                     if conv not in running)
+        p = self.pool
+        self.metrics.set_state(tuple(streams), idle, len(self.scheduler.waiting), p.in_use, p.resident,
+                               p.n_blocks, p.evictions, kv_shared=p.shared, kv_peak_in_use=p.peak_in_use,
+                               prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
+                               preemptions=self.scheduler.preemptions)
+
+    def _remember(self, r: Request) -> None:
+        """Note the cached blocks a finished turn leaves (its leading registered ones, with
+        the key each is cached under), for the dashboard's idle conversations."""
+        held = []
+        for b in r.blocks[:r.n_hashed]:
+            key = self.pool.key[b]
+            if key is None:  # a duplicate of a block cached earlier: the chain goes on elsewhere
+                break
+            held.append((b, key))
+        if held:
+            self._conversations.pop(r.conversation, None)
+            self._conversations[r.conversation] = held
+            while len(self._conversations) > 64:
+                self._conversations.popitem(last=False)
+
+    def _idle_conversations(self) -> list[tuple[str, int, int]]:
+        """(conversation, first block, cached tokens) of remembered conversations whose
+        first blocks are still cached, most recent first; forgets the evicted ones. A block
+        still holds them while the pool keeps the same key object for it (no hashing)."""
+        out, keys = [], self.pool.key
+        for conv, held in reversed(list(self._conversations.items())):
+            n = 0
+            while n < len(held) and keys[held[n][0]] is held[n][1]:
+                n += 1
+            if n == 0:
+                del self._conversations[conv]
+            else:
+                out.append((conv, held[0][0], n * BLOCK_TOKENS))
+        return out
+
+
+def _validated_ids(prompt_ids, vocab_size: int) -> list[int]:
+    """prompt_ids as a list of ints, or ValueError (one line) unless each is a token id of
+    the model (0 <= id < vocab_size): an id outside would index past the embedding table
+    in the shared forward pass, or, negative, silently read another token's row. About
+    0.2 ms for 4k ids (submit may run on an event loop)."""
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise ValueError("prompt_ids must be a list of integer token ids") from None
+    types = set(map(type, ids))
+    if not types <= {int}:
+        if not all(issubclass(t, Integral) and not issubclass(t, bool) for t in types):
+            raise ValueError("prompt_ids must be a list of integer token ids")
+        ids = [int(t) for t in ids]  # numpy integers
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise ValueError(f"prompt_ids must be token ids in [0, {vocab_size}); got {bad}")
+    return ids
+
+
+def _validate_messages(messages) -> None:
+    """Raise ValueError (one line) unless messages is a non-empty list of {role, content}
+    strings that are valid Unicode (a lone surrogate cannot be tokenized)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("empty prompt: give at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i} must be an object with string 'role' and 'content'")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"message {i} content is not valid Unicode (lone surrogate)") from None
