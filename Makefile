@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.panechat-installed
 
-.PHONY: setup run test test-slow bench bench-ui clean
+.PHONY: setup run test test-slow bench bench-ui clean clean-kernels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,5 +42,13 @@ bench: setup
 bench-ui: setup
 	$(VENV)/bin/pytest -q -s -m bench tests/tui/test_ui_cost.py
 
-clean:
+# numba's compiled kernels (backends/cpu/__init__.py keys them on a hash of their sources; an
+# installed wheel keeps them in the user cache)
+KERNEL_CACHES := backends/cpu/__pycache__/numba-* $${XDG_CACHE_HOME:-$$HOME/.cache}/panechat/numba-*
+
+clean-kernels:
+	rm -rf $(KERNEL_CACHES)
+
+clean: clean-kernels
 	rm -rf $(VENV) build *.egg-info
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
