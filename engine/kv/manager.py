@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from panechat.backends.paged_kv import BLOCK_TOKENS
 from panechat.engine.kv.block_hash import ROOT
@@ -79,8 +79,8 @@ class KVManager:
         return len(self._seqs[seq].blocks) * BLOCK_TOKENS
 
     def copies_done(self) -> None:
-        """The engine did (or failed) the planned copies: release their sources. Called once
-        each step, after the copies (a copy never done keeps no block pinned for long)."""
+        """The engine did the planned copies (or failed them): release their sources. The
+        engine calls it after every step's copies, so no source stays pinned."""
         if self._pinned:
             self.pool.unpin(self._pinned)
             self._pinned = []
