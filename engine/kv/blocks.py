@@ -2,10 +2,11 @@
 and LRU eviction of idle cached blocks (vLLM v1 `KVCacheManager` with automatic prefix
 caching; the arrays live in the backend's `PagedKV`).
 
-A full block (BLOCK_TOKENS computed positions) is registered under the key
-(parent block's hash, its token ids), so a block is only ever found by a sequence whose
-tokens up to and including it are the same: its KV is then bit for bit what that sequence
-would compute (a position's K and V depend only on the tokens up to it). A new sequence
+A full block (BLOCK_TOKENS computed positions) is registered under its chain digest
+(block_hash.py: blake2b over the parent block's digest and its token ids), so a block is
+only ever found by a sequence whose tokens up to and including it are the same: its KV is
+then bit for bit what that sequence would compute (a position's K and V depend only on
+the tokens up to it). A new sequence
 shares the cached full blocks its tokens start with, and may copy (copy-on-write) the
 first divergent cached block when its tokens match that block's first few (an ended
 sequence's last, partly filled block is kept as such a source too, so a conversation's
@@ -14,7 +15,7 @@ until memory is needed, least recently used first.
 
 With KV snapshots on (`track_evictions`), an eviction also notes the evicted block's whole
 chain (its blocks and tokens from the first position on, walked back through the parent
-hashes) in `evicted`: their KV is still in place until the step that reuses the block, so
+digests) in `evicted`: their KV is still in place until the step that reuses the block, so
 the engine exports it between steps (`take_evicted`, engine.py "snapshots"). A chain whose
 tokens a noted one already holds (an older part of the same sequence) is not noted again.
 """
@@ -23,10 +24,21 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from panechat.backends.paged_kv import BLOCK_TOKENS
+from panechat.engine.kv.block_hash import ROOT, block_digest
 
-ROOT = 0  # the parent hash of a sequence's first block
+__all__ = ["ROOT", "BlockKey", "BlockPool", "Grant", "blocks_for"]
+
+
+class BlockKey(NamedTuple):
+    """What a registered block holds: `tokens` after the chain `parent`, and the chain
+    `digest` through it (the key it is cached under)."""
+
+    parent: bytes
+    tokens: tuple[int, ...]
+    digest: bytes
 
 
 @dataclass
@@ -39,7 +51,7 @@ class Grant:
     reuse: int
     copies: list[tuple[int, int]] = field(default_factory=list)
     n_shared: int = 0  # leading blocks shared (registered, not written by this sequence)
-    last_hash: int = ROOT  # chain hash of the shared blocks
+    last_hash: bytes = ROOT  # chain digest through the shared blocks
 
 
 def blocks_for(n_tokens: int) -> int:
@@ -56,22 +68,21 @@ class BlockPool:
         self.n_blocks = n_blocks
         self.caching = caching  # False: nothing is registered, so nothing is shared
         self.ref = [0] * n_blocks
-        self.key: list[tuple | None] = [None] * n_blocks  # (parent hash, tokens) of a registered block
+        self.key: list[BlockKey | None] = [None] * n_blocks  # what a registered block holds
         # refcount 0, not cached; taken last-in first-out, so the pages a process touches stay
         # few (untouched blocks of a large budget cost no RAM)
         self.free: deque[int] = deque(range(n_blocks - 1, -1, -1))
         self.idle: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; oldest first
-        self.cached: dict[tuple, int] = {}  # key -> block
-        self.children: dict[int, set[int]] = {}  # parent hash -> registered blocks
+        self.cached: dict[bytes, int] = {}  # chain digest through a registered block -> that block
+        self.children: dict[bytes, set[int]] = {}  # parent digest -> registered blocks
         self.shared = 0  # blocks with refcount > 1
         self.evictions = 0  # cached blocks given to another use
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of those, tokens found computed (shared or copied)
         self.peak_in_use = 0
-        self.by_hash: dict[int, int] = {}  # chain hash through a registered block -> that block
         self.track_evictions = False  # True: evictions note their chains in `evicted`
         self.evicted: list[tuple[list[int], list[int]]] = []  # (blocks, tokens) per noted eviction
-        self._noted: set[int] = set()  # chain hashes inside noted chains
+        self._noted: set[bytes] = set()  # chain digests inside noted chains
 
     # -- counts -------------------------------------------------------------------------
     @property
@@ -134,23 +145,22 @@ class BlockPool:
                     self._forget(b)
                     self.free.append(b)
 
-    def register(self, b: int, parent: int, tokens: tuple[int, ...]) -> int:
+    def register(self, b: int, parent: bytes, tokens: tuple[int, ...]) -> bytes:
         """Block b now holds the computed KV of `tokens` after the chain `parent`: make it
-        findable. Returns the chain hash through it. A block already cached under that key
-        stays the one found (b stays private)."""
-        key = (parent, tokens)
-        h = hash(key)
-        if self.caching and key not in self.cached:
-            self.cached[key] = b
-            self.key[b] = key
+        findable. Returns the chain digest through it. A block already cached under that
+        digest stays the one found (b stays private)."""
+        h = block_digest(parent, tokens)
+        if self.caching and h not in self.cached:
+            self.cached[h] = b
+            self.key[b] = BlockKey(parent, tokens, h)
             self.children.setdefault(parent, set()).add(b)
-            self.by_hash[h] = b
         return h
 
-    def register_partial(self, b: int, parent: int, tokens: tuple[int, ...]) -> None:
+    def register_partial(self, b: int, parent: bytes, tokens: tuple[int, ...]) -> None:
         """Block b holds the computed KV of fewer than BLOCK_TOKENS `tokens` after `parent`
         and will not be written again (its sequence ended): keep it findable as a
-        copy-on-write source only (a full-block lookup never matches a shorter key)."""
+        copy-on-write source only (a full block's digest hashes BLOCK_TOKENS ids, so a
+        full-block lookup never finds it)."""
         if 0 < len(tokens) < BLOCK_TOKENS:
             self.register(b, parent, tokens)
 
@@ -158,14 +168,13 @@ class BlockPool:
         key = self.key[b]
         if key is not None:
             self.key[b] = None
-            if self.cached.get(key) == b:
-                del self.cached[key]
-                self.by_hash.pop(hash(key), None)
-            kids = self.children.get(key[0])
+            if self.cached.get(key.digest) == b:
+                del self.cached[key.digest]
+            kids = self.children.get(key.parent)
             if kids is not None:
                 kids.discard(b)
                 if not kids:
-                    del self.children[key[0]]
+                    del self.children[key.parent]
 
     # -- snapshots -----------------------------------------------------------------------
     def chain(self, b: int) -> tuple[list[int], list[int]] | None:
@@ -175,18 +184,18 @@ class BlockPool:
         key = self.key[b]
         while key is not None:
             blocks.append(b)
-            parts.append(key[1])
-            if key[0] == ROOT:
+            parts.append(key.tokens)
+            if key.parent == ROOT:
                 blocks.reverse()
                 return blocks, [t for part in reversed(parts) for t in part]
-            b = self.by_hash.get(key[0])
+            b = self.cached.get(key.parent)
             key = None if b is None else self.key[b]
         return None
 
     def leaves(self) -> list[int]:
         """Registered blocks no registered block follows (the ends of cached sequences)."""
         return [b for b, key in enumerate(self.key)
-                if key is not None and not self.children.get(hash(key))]
+                if key is not None and not self.children.get(key.digest)]
 
     def take_evicted(self) -> list[tuple[list[int], list[int]]]:
         """The chains noted since the last call, (blocks, tokens), oldest first."""
@@ -197,7 +206,7 @@ class BlockPool:
         key = self.key[b]
         if key is None:
             return
-        h = hash(key)
+        h = key.digest
         if h in self._noted:  # part of a chain noted already
             self._noted.discard(h)
             return
@@ -207,7 +216,7 @@ class BlockPool:
         if len(self._noted) > 4 * self.n_blocks:
             self._noted.clear()
         for blk in found[0]:
-            self._noted.add(hash(self.key[blk]))
+            self._noted.add(self.key[blk].digest)
         self._noted.discard(h)  # (b itself is gone now)
         self.evicted.append(found)
 
@@ -220,13 +229,13 @@ class BlockPool:
         limit = n - 1
         parent, shared = ROOT, []
         i = 0
-        while (i + 1) * BLOCK_TOKENS <= limit:
-            key = (parent, tuple(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]))
-            b = self.cached.get(key)
+        while (i + 1) * BLOCK_TOKENS <= limit:  # one digest per full block
+            h = block_digest(parent, tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
+            b = self.cached.get(h)
             if b is None:
                 break
             shared.append(b)
-            parent = hash(key)
+            parent = h
             i += 1
         reuse = i * BLOCK_TOKENS
         src, m = self._best_partial(parent, tokens[reuse:min(reuse + BLOCK_TOKENS, limit)])
@@ -255,13 +264,13 @@ class BlockPool:
         """The copies are done: release their sources."""
         self.release([src for src, _ in copies])
 
-    def _best_partial(self, parent: int, want: list[int]) -> tuple[int | None, int]:
+    def _best_partial(self, parent: bytes, want: list[int]) -> tuple[int | None, int]:
         """The cached block after `parent` sharing the longest run of leading tokens with
         `want` (a copy-on-write source), and that length."""
         best, m = None, 0
         if want:
             for b in self.children.get(parent, ()):
-                toks = self.key[b][1]
+                toks = self.key[b].tokens
                 k, n = 0, min(len(want), len(toks))
                 while k < n and toks[k] == want[k]:
                     k += 1

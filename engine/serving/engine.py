@@ -30,7 +30,8 @@ from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
 from panechat.engine.serving.events import Event, FinishEvent, PrefillEvent, TokenEvent
 from panechat.engine.model.invariance import check_model_invariance
-from panechat.engine.kv.blocks import BlockPool, blocks_for
+from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
+from panechat.engine.kv.manager import KVManager
 from panechat.engine.kv.persistence import KVPersistence
 from panechat.engine.kv.snapshot import KVShape
 from panechat.engine.model.loader import LoadedModel
@@ -154,12 +155,11 @@ class Engine:
         be = lm.model.backend
         self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
         self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
-        self.scheduler = Scheduler(self.pool, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         self.metrics = EngineMetrics(cfg.max_concurrent)
         self.metrics.kv_total = n_blocks
         self.metrics.kv_bytes_per_block = per_block
-        self.snapshots = self._open_snapshots()
-        self.pool.track_evictions = self.snapshots is not None
+        self.kv_manager = KVManager(self.pool, self._open_snapshots())
+        self.scheduler = Scheduler(self.kv_manager, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
         self.batching = True
@@ -172,7 +172,7 @@ class Engine:
         self._stop = False
         self._published = 0.0  # when the stats state was last rebuilt
         self._members_changed = False  # a request came or went since then
-        self._conversations: OrderedDict[str, list[tuple[int, tuple]]] = OrderedDict()  # see _remember
+        self._conversations: OrderedDict[str, list[tuple[int, BlockKey]]] = OrderedDict()  # see _remember
 
     def _kv_budget(self, cfg: EngineConfig, per_block: int) -> str:
         """Set `kv_budget` (bytes) from --kv-memory, else --kv-sessions whole contexts, else
@@ -344,16 +344,16 @@ class Engine:
             try:
                 with self._lock:
                     self._reap_cancelled()
-                    plan = self.scheduler.schedule()
+                # not under the lock: an admission may read a KV snapshot from disk, and
+                # submit (on an event loop) must not wait for that
+                plan = self.scheduler.schedule()
+                with self._lock:
                     self._publish_state(force=self._members_changed or not plan.requests)
-                if self.snapshots is not None:  # evicted KV is still in its blocks: save it now
-                    self._save_evicted()
-                if plan.kv_copies:  # before the forward pass
-                    be.copy_blocks(self.kv, [c.src for c in plan.kv_copies], [c.dst for c in plan.kv_copies])
-                    with self._lock:
-                        self.scheduler.copies_done()
-                if self.snapshots is not None and plan.admitted:
-                    self._restore_admitted(plan)
+                try:
+                    if plan.kv_copies:  # before the forward pass
+                        be.copy_blocks(self.kv, [c.src for c in plan.kv_copies], [c.dst for c in plan.kv_copies])
+                finally:  # done or failed: the sources may be reused
+                    self.kv_manager.copies_done()
                 copied = True
                 if not plan.requests:
                     self.metrics.mark_idle()
@@ -371,10 +371,8 @@ class Engine:
                     victims = plan.requests if ok else list(self._by_id.values())
                     for r in victims:
                         self._fail(r, f"internal error: {type(e).__name__}: {e}")
-        if self.snapshots is not None:
-            self._save_on_stop()
+        self.kv_manager.close()  # with snapshots on: the idle conversations' KV is written
 
-    # -- KV snapshots (kv_persistence.py): three calls, all on the compute thread -----------
     def _open_snapshots(self) -> KVPersistence | None:
         """The snapshot folder of this model when --kv-snapshots is on; a folder that
         cannot be used turns them off with one log line (the engine serves without)."""
@@ -391,64 +389,19 @@ class Engine:
             log.warning("KV snapshots off: %s", e)
             return None
 
-    def _save_evicted(self) -> None:
-        """Snapshot the sequences whose cached blocks this step's plan evicted (their KV is
-        exported now, before the copies and the forward pass reuse the blocks)."""
-        for blocks, tokens in self.pool.take_evicted():
-            self.snapshots.save(blocks, tokens)
-
-    def _restore_admitted(self, plan: StepPlan) -> None:
-        """Restore the prefixes of requests admitted this step from snapshots where they
-        beat the cached prefix, into their own (not shared) blocks, then shorten their rows
-        in the plan to what is left. The restored full blocks enter the prefix cache at the
-        next step (`Scheduler._commit`)."""
-        changed = False
-        for r in plan.admitted:
-            if r.state != RequestState.PREFILLING or not r.blocks:
-                continue  # preempted again while this step was planned
-            start = r.n_hashed * BLOCK_TOKENS  # shared blocks: cached already, never written
-            try:
-                n = self.snapshots.restore(r.blocks, r.prompt_ids, r.computed, start)
-            except Exception:  # noqa: BLE001 - positions past `computed` are prefilled again anyway
-                log.exception("KV snapshot restore failed; the prompt is prefilled")
-                continue
-            if n > r.computed:
-                r.computed = n
-                if r.preemptions == 0:
-                    r.reused = n
-                changed = True
-        if changed:
-            plan.n_tokens = [min(n, r.n_known - r.computed) for r, n in zip(plan.requests, plan.n_tokens)]
-
-    def _save_on_stop(self) -> None:
-        """Graceful stop: snapshot every cached sequence's KV (the longest first; one whose
-        tokens another saved one starts with is skipped), then wait for the writes."""
-        try:
-            self._save_evicted()
-            chains = [c for c in map(self.pool.chain, self.pool.leaves()) if c is not None]
-            saved: list[list[int]] = []
-            for blocks, tokens in sorted(chains, key=lambda c: -len(c[1])):
-                if any(t[:len(tokens)] == tokens for t in saved):
-                    continue
-                saved.append(tokens)
-                self.snapshots.save(blocks, tokens)
-        except Exception:  # noqa: BLE001 - a failed export must not hang the stop
-            log.exception("KV snapshots at stop failed")
-        self.snapshots.close(timeout=50)
-
     def _step(self, plan: StepPlan) -> None:
         tokens, seqs, positions, logit_rows, sampled = [], [], [], [], []
         now = time.perf_counter()
-        width = max(len(r.blocks) for r in plan.requests)
+        width = max(map(len, plan.block_tables))
         tables = np.zeros((len(plan.requests), width), np.int32)  # padding: never read
-        for i, (r, n) in enumerate(zip(plan.requests, plan.n_tokens)):
+        for i, (r, n, table) in enumerate(zip(plan.requests, plan.n_tokens, plan.block_tables)):
             if r.t_start == 0.0:
                 r.t_start = now
                 self.metrics.record_admit(len(r.prompt_ids), r.reused)
             tokens.extend(r.known_slice(r.computed, n))
             positions.extend(range(r.computed, r.computed + n))
             seqs.extend([i] * n)
-            tables[i, :len(r.blocks)] = r.blocks
+            tables[i, :len(table)] = table
             r.computed += n
             if r.computed == r.n_known:  # caught up: this row's logits give the next token
                 logit_rows.append(len(tokens) - 1)
@@ -525,11 +478,9 @@ class Engine:
     def _finish(self, r: Request, reason: str, error: str | None = None, keep_cache: bool = True) -> None:
         if r.state == RequestState.FINISHED:
             return
-        if keep_cache and r in self.scheduler.running:
-            self.scheduler.finish(r, keep_cache=True)
-            self._remember(r)
-        else:
-            self.scheduler.finish(r, keep_cache=keep_cache)
+        held = self.scheduler.finish(r, keep_cache=keep_cache)
+        if held:
+            self._remember(r.conversation, held)
         self._by_id.pop(r.id, None)
         r.t_end = time.perf_counter()
         ttft = (r.t_first - r.t_submit) if r.t_first else None
@@ -577,20 +528,13 @@ class Engine:
                                prefix_cache_queries=p.queries, prefix_cache_hits=p.hits,
                                preemptions=self.scheduler.preemptions)
 
-    def _remember(self, r: Request) -> None:
+    def _remember(self, conversation: str, held: list[tuple[int, BlockKey]]) -> None:
         """Note the cached blocks a finished turn leaves (its leading registered ones, with
         the key each is cached under), for the dashboard's idle conversations."""
-        held = []
-        for b in r.blocks[:r.n_hashed]:
-            key = self.pool.key[b]
-            if key is None:  # a duplicate of a block cached earlier: the chain goes on elsewhere
-                break
-            held.append((b, key))
-        if held:
-            self._conversations.pop(r.conversation, None)
-            self._conversations[r.conversation] = held
-            while len(self._conversations) > 64:
-                self._conversations.popitem(last=False)
+        self._conversations.pop(conversation, None)
+        self._conversations[conversation] = held
+        while len(self._conversations) > 64:
+            self._conversations.popitem(last=False)
 
     def _idle_conversations(self) -> list[tuple[str, int, int]]:
         """(conversation, first block, cached tokens) of remembered conversations whose

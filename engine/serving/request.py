@@ -25,8 +25,9 @@ class RequestState(enum.IntEnum):
 class Request:
     """One turn of one conversation: prompt tokens in, generated tokens out.
 
-    `computed` counts prompt+output tokens whose KV is in its blocks; scheduling is just
-    letting `computed` catch up with `known` (no separate prefill and decode modes)."""
+    `computed` counts prompt+output tokens whose KV is in its blocks (the KV manager holds
+    its block table); scheduling is just letting `computed` catch up with `known` (no
+    separate prefill and decode modes)."""
 
     id: str
     conversation: str
@@ -38,9 +39,6 @@ class Request:
     stop_ids: frozenset[int]
     stop_strings: tuple[str, ...] = ()
     state: RequestState = RequestState.WAITING
-    blocks: list[int] = field(default_factory=list)  # KV block table: position p in blocks[p // 16]
-    n_hashed: int = 0  # leading blocks registered in the prefix cache
-    last_hash: int = 0  # chain hash through them
     preemptions: int = 0
     reused: int = 0  # prompt tokens found computed at (first) admission
     computed: int = 0
