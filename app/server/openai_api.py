@@ -90,9 +90,7 @@ async def engine_for(st: ServerState, model: str | None):
     try:
         return await st.engine_for(model)
     except Exception as e:
-        err = errors.refused(e)
-        if err is None:
-            raise
+        err = errors.refused(e) or errors.internal(e, st.log, "loading a model")
         if err.status == 404:
             names = ", ".join(st.models.names())
             err = errors.not_found(f"the model '{model[:200]}' does not exist; this server serves {names} "
@@ -231,15 +229,13 @@ async def read_json(request: Request, st: ServerState):
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-async def submitted(submit):
-    """The Generation `submit()` queues, engine refusals as their HTTP errors."""
+async def submitted(st: ServerState, submit):
+    """The Generation `submit()` queues; engine refusals as their HTTP errors, anything else
+    (a bug) as a 500 logged once."""
     try:
         return await submit()
     except Exception as e:
-        err = errors.refused(e)
-        if err is None:
-            raise
-        raise err from None
+        raise (errors.refused(e) or errors.internal(e, st.log, "submitting a generation")) from None
 
 
 async def chat_completions(request: Request) -> Response:
@@ -262,7 +258,7 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
     model = model_field(data)
     engine = await engine_for(st, model)
     req = parse(data, engine, model or st.model_id())
-    gen = await submitted(lambda: submit(st, req, engine))
+    gen = await submitted(st, lambda: submit(st, req, engine))
     cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
