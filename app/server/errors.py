@@ -79,6 +79,14 @@ def refused(e: Exception) -> APIError | None:
                     code=r.http_code, headers={"Retry-After": str(wait)} if wait else None)
 
 
+def from_engine(e: Exception, log: logging.Logger, doing: str) -> APIError:
+    """The HTTP error for any exception met while `doing` something with an engine: an
+    APIError as it is, a refusal as `refused` words it, anything else as `internal`."""
+    if isinstance(e, APIError):
+        return e
+    return refused(e) or internal(e, log, doing)
+
+
 def internal(e: Exception, log: logging.Logger, doing: str) -> APIError:
     """The 500 for a bug met while `doing` something: one log record with the traceback; the
     client is told only the exception's type (its message may hold anything)."""

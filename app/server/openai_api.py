@@ -91,7 +91,7 @@ async def engine_for(st: ServerState, model: str | None):
     try:
         return await st.engine_for(model)
     except Exception as e:
-        err = errors.refused(e) or errors.internal(e, st.log, "loading a model")
+        err = errors.from_engine(e, st.log, "loading a model")
         if err.status == 404:
             names = ", ".join(st.models.names())
             err = errors.not_found(f"the model '{model[:200]}' does not exist; this server serves {names} "
@@ -210,7 +210,7 @@ async def submitted(st: ServerState, submit):
     try:
         return await submit()
     except Exception as e:
-        raise (errors.refused(e) or errors.internal(e, st.log, "submitting a generation")) from None
+        raise errors.from_engine(e, st.log, "submitting a generation") from None
 
 
 async def chat_completions(request: Request) -> Response:

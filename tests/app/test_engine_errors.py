@@ -185,3 +185,12 @@ def test_model_refusals_are_classified():
             (UNKNOWN_MODEL, MODEL_DOES_NOT_FIT, MODEL_UNUSABLE)] == [
         (404, "model_not_found", "model", "unknown_model"), (503, "models_memory", "model", "models_memory"),
         (400, "model_not_loadable", "model", "model_not_loadable")]
+
+
+def test_an_http_error_on_the_way_passes_as_it_is(caplog):
+    """An APIError raised beside the engine (503 while a model loads) is no bug to log."""
+    from panechat.app.server import errors
+
+    loading = errors.loading()
+    assert errors.from_engine(loading, logging.getLogger("panechat.server"), "loading a model") is loading
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
