@@ -50,7 +50,7 @@ class Field:
     read: Callable[[str, Any], Any] | None = None  # honoured: the typed read (request_fields.py)
     bound: Bound | None = None  # honoured: the range (the engine's own)
     convert: Callable[[Any], Any] | None = None  # honoured: applied after the read
-    alias_of: str | None = None  # honoured: another name for this field (it wins when both are sent)
+    alias_of: str | None = None  # honoured: the field this one is another name of (this one wins)
     accepts: Callable[[Any], bool] | None = None  # refused: the values that ask for nothing, taken
     unless: str = ""  # refused: those values in words
     refusal: str = ""  # refused: the one-line message
@@ -74,6 +74,7 @@ class Field:
 
 
 def _on(*protocols: str, default=None) -> dict[str, Any]:
+    """A `defaults` column set: `protocols` take the field, absent it means `default`."""
     return dict.fromkeys(protocols, default)
 
 
