@@ -5,6 +5,11 @@ The server's own refusal of new work while it shuts down (`ShuttingDown`) is in 
 
 Each protocol words and shapes the error its own way; which kind of error it is, and so
 the status and codes it gets, is decided here (docs/protocol.md lists both protocols').
+
+Only panechat's own refusals are in the table: the client's mistakes (`InvalidRequest`,
+raised by the engine and the server's request schema) and the refusals of load, models
+and shutdown. Anything else, a stray ValueError included, is a bug: `classify` gives None
+and the protocol answers an internal error (HTTP 500, websocket `internal`), logged once.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from panechat.engine.serving.engine import EngineStopped, PromptTooLong, QueueFull
+from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.catalog.model_names import ModelDoesNotFit, UnknownModel
 
@@ -55,17 +61,18 @@ class ShuttingDown(RuntimeError):
 
 
 #: Exception types and their refusals, in the order `classify` tries them: the subclasses of
-#: ValueError (PromptTooLong, and any others listed) before ValueError itself.
+#: InvalidRequest (PromptTooLong) before InvalidRequest itself.
 _REFUSAL_OF: tuple[tuple[type[BaseException], Refusal], ...] = (
     (PromptTooLong, PROMPT_TOO_LONG), (ShuttingDown, SHUTTING_DOWN), (QueueFull, QUEUE_FULL),
     (EngineStopped, ENGINE_STOPPED), (UnknownModel, UNKNOWN_MODEL), (ModelDoesNotFit, MODEL_DOES_NOT_FIT),
-    (ModelFileError, MODEL_UNUSABLE), (ValueError, BAD_INPUT),
+    (ModelFileError, MODEL_UNUSABLE), (InvalidRequest, BAD_INPUT),
 )
 
 
 def classify(e: BaseException) -> Refusal | None:
     """The refusal `e` (raised by `Engine.submit` or while preparing its prompt) stands for,
-    or None when it is none: a bug, to be reported as an internal error."""
+    or None when it is none: a bug, to be reported as an internal error (a plain
+    ValueError too: only InvalidRequest is the client's mistake)."""
     for kind, refusal in _REFUSAL_OF:
         if isinstance(e, kind):
             return refusal

@@ -16,7 +16,6 @@ nothing more is written to that file.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sqlite3
@@ -29,6 +28,7 @@ from typing import Callable, TypeVar
 
 import platformdirs
 
+from .sqlite_migrations import SchemaTooNew, check_known, migrate, schema_tables, schema_version
 from .sqlite_transaction import transaction
 
 DATA_DIR_ENV = "PANECHAT_DATA_DIR"
@@ -41,8 +41,8 @@ _DAMAGE_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary codes)
 T = TypeVar("T")
 Report = Callable[[str], None]
 
-# Each entry upgrades the schema by one version (PRAGMA user_version); never edit a shipped one.
-MIGRATIONS: list[str] = [
+# Each entry upgrades the schema by one version (app/sqlite_migrations.py); never edit a shipped one.
+MIGRATIONS: tuple[str, ...] = (
     # 1: conversations with per-conversation sampling settings, their messages, key/value settings
     """
     CREATE TABLE conversations (
@@ -79,7 +79,7 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT '';
     """,
-]
+)
 
 
 def data_dir() -> Path:
@@ -116,17 +116,6 @@ def is_damage(e: sqlite3.Error) -> bool:
     return "malformed" in str(e) or "not a database" in str(e)
 
 
-@functools.lru_cache(maxsize=None)
-def schema_tables(version: int) -> frozenset[str]:
-    """The tables a panechat store has at schema `version` (the migrations run in memory)."""
-    db = sqlite3.connect(":memory:")
-    for script in MIGRATIONS[:version]:
-        db.executescript(script)
-    names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    db.close()
-    return frozenset(n for n in names if not n.startswith("sqlite_"))
-
-
 def unusable(path: Path, e: sqlite3.Error, verb: str) -> StoreError:
     """The one-line StoreError for an SQLite error that is not damage."""
     what = "is locked by another process" if "locked" in str(e) else f"cannot be {verb} ({e})"
@@ -155,7 +144,7 @@ def find_damage(path: Path) -> str | None:
             rows = db.execute("PRAGMA quick_check").fetchall()
             if rows != [("ok",)]:
                 return "quick_check: " + " ".join(" ".join(str(r[0]) for r in rows[:3]).split())[:200]
-            version = db.execute("PRAGMA user_version").fetchone()[0]
+            version = schema_version(db)
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
             db.close()
@@ -166,13 +155,20 @@ def find_damage(path: Path) -> str | None:
     except OSError as e:
         raise StoreError(f"cannot read the history store {path} ({e.strerror or e})") from None
     tables = {t for t in tables if not t.startswith("sqlite_")}
-    if version > len(MIGRATIONS):
-        raise StoreError(f"the history store {path} is from a newer panechat (schema {version}, this one knows "
-                         f"{len(MIGRATIONS)}); it was left as it is: upgrade panechat or set ${DATA_DIR_ENV}")
-    if (version == 0 and tables) or not schema_tables(version) <= tables:
+    try:
+        check_known(version, MIGRATIONS)
+    except SchemaTooNew as e:
+        raise too_new(path, e) from None
+    if (version == 0 and tables) or not schema_tables(MIGRATIONS, version) <= tables:
         raise StoreError(f"{path} is not a panechat history store (its tables: {', '.join(sorted(tables)) or 'none'}); "
                          f"it was left as it is: move it or set ${DATA_DIR_ENV}")
     return None
+
+
+def too_new(path: Path, e: SchemaTooNew) -> StoreError:
+    """The one-line StoreError for a store a newer panechat wrote."""
+    return StoreError(f"the history store {path} is from a newer panechat ({e}); it was left as it is: "
+                      f"upgrade panechat or set ${DATA_DIR_ENV}")
 
 
 def move_aside(path: Path) -> Path:
@@ -266,6 +262,9 @@ class Store:
                 db.execute(f"PRAGMA user_version = {self.version}")
             finally:
                 db.execute("ROLLBACK")
+        except SchemaTooNew as e:  # written by a newer panechat since find_damage looked
+            db.close()
+            raise too_new(self.path, e) from None
         except sqlite3.Error as e:
             db.close()
             raise unusable(self.path, e, "written") from None
@@ -285,17 +284,12 @@ class Store:
 
     @property
     def version(self) -> int:
-        return self.db.execute("PRAGMA user_version").fetchone()[0]
+        return schema_version(self.db)
 
     def migrate(self) -> None:
-        """Apply every migration newer than the file's user_version, each in one transaction."""
-        for n, script in enumerate(MIGRATIONS, start=1):
-            if n <= self.version:
-                continue
-            with transaction(self.db):
-                for stmt in filter(str.strip, script.split(";")):
-                    self.db.execute(stmt)
-                self.db.execute(f"PRAGMA user_version = {n}")
+        """Apply every migration newer than the file's user_version, in one transaction
+        (app/sqlite_migrations.py)."""
+        migrate(self.db, MIGRATIONS)
 
     # -- failures --------------------------------------------------------------------------
     def _say(self, line: str) -> None:

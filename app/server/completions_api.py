@@ -1,8 +1,9 @@
 """`POST /v1/completions`: OpenAI's legacy text completion of a raw prompt (no chat
 template; BOS as the GGUF's add_bos_token flag says, special tokens parsed, as llama.cpp's
 server tokenizes a completion prompt). The fields, limits and errors are those of
-`/v1/chat/completions` (openai_api.py), with OpenAI's default of 16 tokens when
-`max_tokens` is absent; the stream is the same SSE with `text_completion` chunks.
+`/v1/chat/completions` (openai_api.py), with this route's column of the request schema
+(request_schema.py: 16 tokens when `max_tokens` is absent, OpenAI's default; `echo`,
+`suffix`, `best_of` refused); the stream is the same SSE with `text_completion` chunks.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from starlette.responses import Response
 from panechat.engine.serving.sampling import SamplingParams
 from .errors import bad_request
 from .openai_api import SSEResponse, _finish_reason, generation_route, parse_generation_fields
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's for /v1/completions
+from .request_schema import COMPLETIONS
 
 
 @dataclass
@@ -42,13 +42,7 @@ def parse_prompt(v) -> str:
 def parse_completion_request(body, engine, model: str) -> CompletionRequest:
     """The validated request for `engine`, the engine of `model`."""
     prompt = parse_prompt(body.get("prompt"))
-    if body.get("echo"):
-        raise bad_request("echo is not supported by this server", param="echo")
-    if body.get("suffix"):
-        raise bad_request("suffix (insertion) is not supported by this server", param="suffix")
-    if body.get("best_of") not in (None, 1):
-        raise bad_request("only best_of=1 is supported", param="best_of")
-    f = parse_generation_fields(body, engine, default_max_tokens=DEFAULT_MAX_TOKENS)
+    f = parse_generation_fields(body, engine, COMPLETIONS)
     return CompletionRequest(model, prompt, f.params, f.stop, f.stream, f.include_usage)
 
 

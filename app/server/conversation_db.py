@@ -11,7 +11,8 @@ server loads them back, least recently used first, within the same limits.
 Patterns from the TUI's store (app/store.py): a read-only `quick_check` before use; a
 damaged file is moved aside untouched (with its side files) and a new one begins, said in
 one log line; after an SQLite error, one log line and nothing more is written (the server
-keeps serving from memory).
+keeps serving from memory). The schema grows by the same numbered migrations
+(app/sqlite_migrations.py): a file a newer panechat wrote is left as it is.
 """
 
 from __future__ import annotations
@@ -22,27 +23,31 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..sqlite_migrations import SchemaTooNew, check_known, migrate, schema_version
 from ..sqlite_transaction import transaction
 from ..store import BUSY_TIMEOUT_S, SQLITE_MAGIC, is_damage, move_aside, read_only_uri
 
 __all__ = ["ConversationDB", "StoredConversation", "DB_NAME"]
 
 DB_NAME = "server-conversations.db"
-SCHEMA_VERSION = 1
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY,
-    created REAL NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS messages (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    role TEXT NOT NULL,
-    content TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
-"""
+# Each entry upgrades the schema by one version (app/sqlite_migrations.py); never edit a shipped one.
+MIGRATIONS: tuple[str, ...] = (
+    # 1: conversations and their messages, in order
+    """
+    CREATE TABLE IF NOT EXISTS conversations (
+        id TEXT PRIMARY KEY,
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    );
+    CREATE TABLE IF NOT EXISTS messages (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
+    """,
+)
 
 
 class ConversationDBError(Exception):
@@ -68,7 +73,7 @@ def _damage(path: Path) -> str | None:
         db = sqlite3.connect(read_only_uri(path), uri=True, timeout=BUSY_TIMEOUT_S)
         try:
             rows = db.execute("PRAGMA quick_check").fetchall()
-            version = db.execute("PRAGMA user_version").fetchone()[0]
+            version = schema_version(db)
         finally:
             db.close()
     except sqlite3.Error as e:
@@ -77,10 +82,16 @@ def _damage(path: Path) -> str | None:
         raise ConversationDBError(f"the conversation store {path} cannot be read ({e})") from None
     if rows != [("ok",)]:
         return "quick_check: " + " ".join(str(r[0]) for r in rows[:3])[:200]
-    if version > SCHEMA_VERSION:
-        raise ConversationDBError(f"the conversation store {path} is from a newer panechat (schema {version}); "
-                                  "it was left as it is: upgrade panechat or pass another --state-dir")
+    try:
+        check_known(version, MIGRATIONS)
+    except SchemaTooNew as e:
+        raise _too_new(path, e) from None
     return None
+
+
+def _too_new(path: Path, e: SchemaTooNew) -> ConversationDBError:
+    return ConversationDBError(f"the conversation store {path} is from a newer panechat ({e}); "
+                               "it was left as it is: upgrade panechat or pass another --state-dir")
 
 
 class ConversationDB:
@@ -107,8 +118,10 @@ class ConversationDB:
             self.db.execute("PRAGMA foreign_keys = ON")
             self.db.execute("PRAGMA journal_mode = WAL")
             self.db.execute("PRAGMA synchronous = NORMAL")
-            self.db.executescript(SCHEMA)
-            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            migrate(self.db, MIGRATIONS)
+        except SchemaTooNew as e:  # written by a newer panechat since _damage looked
+            self.db.close()
+            raise _too_new(self.path, e) from None
         except sqlite3.Error as e:
             raise ConversationDBError(f"the conversation store {self.path} cannot be written ({e})") from None
 

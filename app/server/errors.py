@@ -8,6 +8,7 @@ the message.
 from __future__ import annotations
 
 import json
+import logging
 
 from starlette.responses import JSONResponse
 
@@ -68,13 +69,29 @@ def too_large(limit: int) -> APIError:
 
 def refused(e: Exception) -> APIError | None:
     """The HTTP error for an exception from `Engine.submit`, classified by
-    app/engine_errors.py; None when it is no refusal (a bug: it becomes a 500)."""
+    app/engine_errors.py (the field at fault, when the exception names one, as `param`);
+    None when it is no refusal (a bug: see `internal`)."""
     r = classify(e)
     if r is None:
         return None
     wait = retry_after(e, r)
-    return APIError(r.http_status, str(e), type=r.http_type, param=r.http_param, code=r.http_code,
-                    headers={"Retry-After": str(wait)} if wait else None)
+    return APIError(r.http_status, str(e), type=r.http_type, param=getattr(e, "param", None) or r.http_param,
+                    code=r.http_code, headers={"Retry-After": str(wait)} if wait else None)
+
+
+def from_engine(e: Exception, log: logging.Logger, doing: str) -> APIError:
+    """The HTTP error for any exception met while `doing` something with an engine: an
+    APIError as it is, a refusal as `refused` words it, anything else as `internal`."""
+    if isinstance(e, APIError):
+        return e
+    return refused(e) or internal(e, log, doing)
+
+
+def internal(e: Exception, log: logging.Logger, doing: str) -> APIError:
+    """The 500 for a bug met while `doing` something: one log record with the traceback; the
+    client is told only the exception's type (its message may hold anything)."""
+    log.error("internal error while %s: %r", doing, e, exc_info=e)
+    return APIError(500, f"internal server error: {type(e).__name__}", type="server_error", code="internal_error")
 
 
 def loading() -> APIError:

@@ -3,7 +3,8 @@
 
 uvicorn (0.54, h11) has a keep-alive timeout but no header or body read timeout, and its
 `limit_concurrency` counts only HTTP connections once their headers are in. So the server
-runs uvicorn's h11 protocol through `GuardedH11Protocol`, which adds, per connection:
+runs uvicorn's h11 protocol through `GuardedH11Protocol`, which adds, per connection (it
+subclasses a private class, so pyproject.toml holds uvicorn to the 0.54 it was tested on):
 
 - a header deadline (nginx's `client_header_timeout`): the request line and headers must
   arrive within `header_timeout` of the connection (or of a kept-alive request's first

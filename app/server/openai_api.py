@@ -24,7 +24,8 @@ from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.sampling import SamplingParams
 from . import errors
 from .errors import APIError, bad_request
-from .request_fields import FieldError, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .request_fields import FieldError, parse_json
+from .request_schema import CHAT, read_fields, sampling_params
 from .request_log import set_log_detail
 from .state import DEFAULT_ALIAS, ServerState, state_of
 
@@ -90,9 +91,7 @@ async def engine_for(st: ServerState, model: str | None):
     try:
         return await st.engine_for(model)
     except Exception as e:
-        err = errors.refused(e)
-        if err is None:
-            raise
+        err = errors.from_engine(e, st.log, "loading a model")
         if err.status == 404:
             names = ", ".join(st.models.names())
             err = errors.not_found(f"the model '{model[:200]}' does not exist; this server serves {names} "
@@ -111,47 +110,21 @@ class GenerationFields:
     include_usage: bool
 
 
-def parse_generation_fields(body: dict, engine, default_max_tokens: int | None = None) -> GenerationFields:
-    """stream, stream_options, n, logprobs, max_tokens, seed and the sampling parameters,
-    validated as 400s naming the parameter. Without max_tokens: `default_max_tokens`, or
-    the context limit."""
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request("'stream' must be true or false", param="stream", code="invalid_type")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise bad_request("'stream_options' must be an object", param="stream_options")
-    include_usage = bool((opts or {}).get("include_usage", False))
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request("only n=1 is supported", param="n")
-    if body.get("logprobs"):
-        raise bad_request("logprobs are not supported by this server", param="logprobs")
+def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> GenerationFields:
+    """The generation fields of `protocol` (request_schema.py: its defaults, ranges and
+    refusals), validated as 400s naming the parameter."""
     try:
-        max_tokens = opt_int(body, "max_completion_tokens", None)
-        if max_tokens is None:
-            max_tokens = opt_int(body, "max_tokens", default_max_tokens)
-        seed = opt_int(body, "seed", None)
-        temperature = opt_num(body, "temperature", 1.0)  # OpenAI's default
-        top_p, top_k, min_p = opt_num(body, "top_p", 1.0), opt_int(body, "top_k", 0), opt_num(body, "min_p", 0.0)
-        stop = stop_strings(body.get("stop"))
+        f = read_fields(body, protocol)
     except FieldError as e:
-        raise bad_request(f"'{e.key}' {e.what}", param=e.key, code=e.code) from None
-    try:
-        params = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                 max_tokens=max_tokens, ctx=engine.ctx)
-    except ValueError as e:
-        msg = str(e)
-        raise bad_request(msg, param=msg.split(" ")[0], code="invalid_value") from None
-    return GenerationFields(params, stop, bool(stream), include_usage)
+        raise bad_request(e.worded(f"'{e.key}'"), param=e.key, code=e.code) from None
+    include_usage = bool((f["stream_options"] or {}).get("include_usage", False))
+    return GenerationFields(sampling_params(f, engine.ctx), list(f["stop"]), f["stream"], include_usage)
 
 
 def parse_chat_request(body, engine, model: str) -> ChatRequest:
     """The validated request for `engine`, the engine of `model`."""
     messages = parse_messages(body.get("messages"))
-    if body.get("tools"):
-        raise bad_request("tools are not supported by this server", param="tools")
-    f = parse_generation_fields(body, engine)
+    f = parse_generation_fields(body, engine, CHAT)
     return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage)
 
 
@@ -231,15 +204,13 @@ async def read_json(request: Request, st: ServerState):
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-async def submitted(submit):
-    """The Generation `submit()` queues, engine refusals as their HTTP errors."""
+async def submitted(st: ServerState, submit):
+    """The Generation `submit()` queues; engine refusals as their HTTP errors, anything else
+    (a bug) as a 500 logged once."""
     try:
         return await submit()
     except Exception as e:
-        err = errors.refused(e)
-        if err is None:
-            raise
-        raise err from None
+        raise errors.from_engine(e, st.log, "submitting a generation") from None
 
 
 async def chat_completions(request: Request) -> Response:
@@ -262,7 +233,7 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
     model = model_field(data)
     engine = await engine_for(st, model)
     req = parse(data, engine, model or st.model_id())
-    gen = await submitted(lambda: submit(st, req, engine))
+    gen = await submitted(st, lambda: submit(st, req, engine))
     cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:

@@ -1,6 +1,6 @@
-"""Reading what both protocols receive, for the OpenAI API and the websocket protocol
-alike: the JSON itself (`parse_json`), then typed reads of the fields they share
-(sampling parameters and stop strings).
+"""Reading what every protocol receives: the JSON itself (`parse_json`), then typed reads of
+one field each (`number`, `integer`, `boolean`, `json_object`, `stop_strings`), which the request
+schema (request_schema.py) names per field.
 
 A bad field raises `FieldError(key, what, code)`; each protocol words it as its own error
 (`'temperature' must be a number` over HTTP, `params.temperature must be a number` in a
@@ -9,17 +9,26 @@ websocket frame)."""
 from __future__ import annotations
 
 import json
+import math
 
-from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.serving.invalid_request import InvalidRequest
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 
 
-class FieldError(ValueError):
-    def __init__(self, key: str, what: str, code: str | None = "invalid_type"):
-        super().__init__(f"{key} {what}")
-        self.key, self.what, self.code = key, what, code
+class FieldError(InvalidRequest):
+    """One request field is wrong: `key` names it, `what` says how ("must be a number"),
+    `code` is OpenAI's error code. `sentence`, when set, is the whole message instead (a
+    refusal such as "only n=1 is supported")."""
+
+    def __init__(self, key: str, what: str, code: str | None = "invalid_type", sentence: str | None = None):
+        super().__init__(sentence or f"{key} {what}", param=key)
+        self.key, self.what, self.code, self.sentence = key, what, code, sentence
+
+    def worded(self, name: str) -> str:
+        """The one-line message with the field called `name` (`'top_p'`, `params.top_p`)."""
+        return self.sentence or f"{name} {self.what}"
 
 
 def is_int(v) -> bool:
@@ -30,49 +39,44 @@ def is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def opt_num(d: dict, key: str, default):
-    v = d.get(key)
-    if v is None:
-        return default
+def number(key: str, v) -> float:
+    """A JSON number as a float (an integer too large for one reads as infinite, which the
+    field's bound then refuses)."""
     if not is_num(v):
         raise FieldError(key, "must be a number")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
-def opt_int(d: dict, key: str, default):
-    v = d.get(key)
-    if v is None:
-        return default
+def integer(key: str, v) -> int:
     if not is_int(v):
         raise FieldError(key, "must be an integer")
     return v
 
 
-def stop_strings(v) -> list[str]:
+def boolean(key: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise FieldError(key, "must be true or false")
+    return v
+
+
+def json_object(key: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise FieldError(key, "must be an object", code=None)
+    return v
+
+
+def stop_strings(key: str, v) -> list[str]:
     """`stop`: a string or a list of strings; empty strings are dropped."""
-    if v is None:
-        return []
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise FieldError("stop", "must be a string or a list of strings", code=None)
+        raise FieldError(key, "must be a string or a list of strings", code=None)
     if len(v) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in v):
-        raise FieldError("stop", f"takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters", code=None)
+        raise FieldError(key, f"takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters", code=None)
     return [s for s in v if s]
-
-
-def sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, ctx: int) -> SamplingParams:
-    """SamplingParams from already type-checked values; ValueError for out-of-range ones."""
-    if max_tokens is None:
-        max_tokens = ctx
-    if max_tokens < 1:
-        raise ValueError("max_tokens must be >= 1")
-    if seed is not None:
-        seed %= 2**64  # numpy seeds are non-negative; keep any integer deterministic
-    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                       max_tokens=min(max_tokens, ctx))
-    p.validate()
-    return p
 
 
 def parse_json(raw: bytes | str):

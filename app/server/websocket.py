@@ -21,7 +21,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
 from ..engine_errors import classify, retry_after
 from .conversations import Conversation, HistoryTooLarge, message_bytes
-from .request_fields import FieldError, is_num, opt_int, opt_num, parse_json, sampling_params, stop_strings
+from .request_fields import FieldError, is_num, parse_json
+from .request_schema import WS, read_fields, sampling_params
 from .state import SERVER_NAME, ServerState
 
 PROTOCOL = 1
@@ -70,22 +71,17 @@ def _seed_messages(frame: dict) -> list[dict] | None:
 
 
 def parse_params(p, ctx: int, request: str | None):
-    """SamplingParams and stop strings from a `send` frame's `params` (engine defaults:
-    greedy, 256 tokens)."""
+    """SamplingParams and stop strings from a `send` frame's `params`: the websocket column
+    of the request schema (request_schema.py: greedy, 256 tokens)."""
     if p is None:
         p = {}
     if not isinstance(p, dict):
         raise FrameError("bad_params", "'params' must be an object", request)
     try:
-        stop = stop_strings(p.get("stop"))
-        params = sampling_params(temperature=opt_num(p, "temperature", 0.0), top_p=opt_num(p, "top_p", 1.0),
-                                 top_k=opt_int(p, "top_k", 0), min_p=opt_num(p, "min_p", 0.0),
-                                 seed=opt_int(p, "seed", None), max_tokens=opt_int(p, "max_tokens", 256), ctx=ctx)
+        f = read_fields(p, WS)
     except FieldError as e:
-        raise FrameError("bad_params", f"params.{e.key} {e.what}", request) from None
-    except ValueError as e:
-        raise FrameError("bad_params", str(e), request) from None
-    return params, stop
+        raise FrameError("bad_params", e.worded(f"params.{e.key}"), request) from None
+    return sampling_params(f, ctx), list(f["stop"])
 
 
 class Connection:

@@ -29,6 +29,7 @@ import numpy as np
 from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
 from panechat.engine.serving.events import Event, FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.model.invariance import check_model_invariance
 from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
 from panechat.engine.kv.manager import KVManager
@@ -41,13 +42,14 @@ from panechat.engine.serving.request import Request, RequestState
 from panechat.engine.serving.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
 from panechat.engine.serving.scheduler import QueueFull, Scheduler, StepPlan
 from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats
+from panechat.engine.text.chat_template import ChatTemplateError
 from panechat.engine.text.tokenizer import StreamDecoder
 
 #: The snapshot file's dtype name of each --kv-dtype (snapshots hold the cache's own bits).
 SNAPSHOT_DTYPES = {"f16": "float16", "f32": "float32"}
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "PromptTooLong", "KVBudgetTooSmall",
-           "EngineStopped"]
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "InvalidRequest", "PromptTooLong",
+           "KVBudgetTooSmall", "EngineStopped"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ _STREAM_STATE = {RequestState.WAITING: StreamState.QUEUED, RequestState.PREFILLI
                  RequestState.DECODING: StreamState.DECODING}
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(InvalidRequest):
     """The prompt does not fit the per-conversation context (never truncated silently)."""
 
 
@@ -239,20 +241,24 @@ class Engine:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Check `messages` and render them with the chat template into token ids, as
-        `submit(messages)` does; raises ValueError. A long history takes milliseconds, so
-        code on an event loop calls this in a worker thread, then `submit(prompt_ids=...)`."""
+        `submit(messages)` does; raises InvalidRequest (the template's refusal of the
+        conversation included). A long history takes milliseconds, so code on an event loop
+        calls this in a worker thread, then `submit(prompt_ids=...)`."""
         _validate_messages(messages)
-        return self.lm.prompt_ids(messages)
+        try:
+            return self.lm.prompt_ids(messages)
+        except ChatTemplateError as e:  # e.g. "roles must alternate": the conversation is the client's
+            raise InvalidRequest(str(e), param="messages") from None
 
     def completion_ids(self, text: str) -> list[int]:
         """A raw prompt (no chat template) as token ids, BOS per the file's flags; raises
-        ValueError for a non-string, empty or invalid-Unicode `text`."""
+        InvalidRequest for a non-string, empty or invalid-Unicode `text`."""
         if not isinstance(text, str) or not text:
-            raise ValueError("empty prompt: give the text to complete")
+            raise InvalidRequest("empty prompt: give the text to complete", param="prompt")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError("the prompt is not valid Unicode (lone surrogate)") from None
+            raise InvalidRequest("the prompt is not valid Unicode (lone surrogate)", param="prompt") from None
         return self.lm.completion_ids(text)
 
     @property
@@ -264,8 +270,9 @@ class Engine:
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> Generation:
-        """Queue one generation. Raises ValueError (bad input), PromptTooLong, QueueFull,
-        EngineStopped."""
+        """Queue one generation. Raises InvalidRequest (bad input; PromptTooLong among them),
+        QueueFull, EngineStopped. These checks protect the engine whoever calls it; the
+        server's request schema (app/server/request_schema.py) has refused bad fields before."""
         if self._stop:
             raise EngineStopped("the engine is stopped")
         params = params or SamplingParams()
@@ -275,7 +282,7 @@ class Engine:
         else:
             prompt_ids = _validated_ids(prompt_ids, self.lm.model.args.vocab_size)
         if not prompt_ids:
-            raise ValueError("empty prompt")
+            raise InvalidRequest("empty prompt")
         if len(prompt_ids) >= self.ctx:
             raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens but the context holds {self.ctx}; "
                                 "shorten the conversation or raise --ctx-size")
@@ -553,34 +560,36 @@ class Engine:
 
 
 def _validated_ids(prompt_ids, vocab_size: int) -> list[int]:
-    """prompt_ids as a list of ints, or ValueError (one line) unless each is a token id of
+    """prompt_ids as a list of ints, or InvalidRequest (one line) unless each is a token id of
     the model (0 <= id < vocab_size): an id outside would index past the embedding table
     in the shared forward pass, or, negative, silently read another token's row. About
     0.2 ms for 4k ids (submit may run on an event loop)."""
     try:
         ids = list(prompt_ids)
     except TypeError:
-        raise ValueError("prompt_ids must be a list of integer token ids") from None
+        raise InvalidRequest("prompt_ids must be a list of integer token ids") from None
     types = set(map(type, ids))
     if not types <= {int}:
         if not all(issubclass(t, Integral) and not issubclass(t, bool) for t in types):
-            raise ValueError("prompt_ids must be a list of integer token ids")
+            raise InvalidRequest("prompt_ids must be a list of integer token ids")
         ids = [int(t) for t in ids]  # numpy integers
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = min(ids) if min(ids) < 0 else max(ids)
-        raise ValueError(f"prompt_ids must be token ids in [0, {vocab_size}); got {bad}")
+        raise InvalidRequest(f"prompt_ids must be token ids in [0, {vocab_size}); got {bad}")
     return ids
 
 
 def _validate_messages(messages) -> None:
-    """Raise ValueError (one line) unless messages is a non-empty list of {role, content}
+    """Raise InvalidRequest (one line) unless messages is a non-empty list of {role, content}
     strings that are valid Unicode (a lone surrogate cannot be tokenized)."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("empty prompt: give at least one message")
+        raise InvalidRequest("empty prompt: give at least one message", param="messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i} must be an object with string 'role' and 'content'")
+            raise InvalidRequest(f"message {i} must be an object with string 'role' and 'content'",
+                                 param="messages")
         try:
             m["content"].encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"message {i} content is not valid Unicode (lone surrogate)") from None
+            raise InvalidRequest(f"message {i} content is not valid Unicode (lone surrogate)",
+                                 param="messages") from None

@@ -18,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from panechat.engine.serving.invalid_request import InvalidRequest
+
 Sampler = Callable[[np.ndarray], int]
 
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) mean greedy
@@ -38,6 +40,51 @@ def _is_int(v) -> bool:
 
 
 @dataclass(frozen=True)
+class Bound:
+    """What `SamplingParams` accepts for one field: an integer or a finite real number in
+    [lo, hi] (either end open where `lo_open`/`hi_open`; no `hi`: unbounded above). The
+    server's request schema (app/server/request_schema.py) shows and checks the same bound."""
+
+    integer: bool
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""  # what a special value means, said after the range
+
+    @property
+    def range(self) -> str:
+        """The range in words: "in (0, 1]", "an integer >= 1 (...)"."""
+        if self.hi is None:
+            span = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            span = f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        words = f"an integer {span}" if self.integer else f"in {span}"
+        return f"{words} ({self.note})" if self.note else words
+
+    def problem(self, v) -> str | None:
+        """Why `v` is refused ("must be ..."), or None when it is accepted."""
+        if self.integer and not _is_int(v):
+            return f"must be {self.range}"
+        if not self.integer and (not _is_real(v) or not math.isfinite(v)):
+            return "must be a finite number"
+        below = v <= self.lo if self.lo_open else v < self.lo
+        above = self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi)
+        return f"must be {self.range}" if below or above else None
+
+
+#: Each field's bound, in the order `validate` checks them (seed may also be None).
+BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(False, 0.0, MAX_TEMPERATURE, note=f"below {GREEDY_BELOW:g} means greedy"),
+    "top_k": Bound(True, 0, note="0 disables it"),
+    "top_p": Bound(False, 0.0, 1.0, lo_open=True),
+    "min_p": Bound(False, 0.0, 1.0, hi_open=True),
+    "seed": Bound(True, 0),
+    "max_tokens": Bound(True, 1),
+}
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler; a temperature below GREEDY_BELOW (0 included)
     means greedy."""
@@ -50,26 +97,15 @@ class SamplingParams:
     max_tokens: int = 256
 
     def validate(self) -> None:
-        """Raise ValueError (one line) for out-of-range parameters: floats must be finite
-        and in range, integers must be integers (any size; max_tokens is further capped by
-        the context)."""
-        for name in ("temperature", "top_p", "min_p"):
+        """Raise InvalidRequest (one line, naming the field) for a parameter outside its
+        `BOUNDS`: floats must be finite and in range, integers must be integers (any size;
+        max_tokens is further capped by the context). The engine's own defence: the
+        sampler's arithmetic is finite only within them."""
+        for name, bound in BOUNDS.items():
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number")
-        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be between 0 and {MAX_TEMPERATURE:g} "
-                             f"(below {GREEDY_BELOW:g} means greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError("top_k must be an integer >= 0 (0 disables it)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError("top_p must be in (0, 1]")
-        if not (0.0 <= self.min_p < 1.0):
-            raise ValueError("min_p must be in [0, 1)")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError("seed must be a non-negative integer")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError("max_tokens must be an integer >= 1")
+            why = None if name == "seed" and v is None else bound.problem(v)
+            if why is not None:
+                raise InvalidRequest(f"{name} {why}", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -30,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 if TYPE_CHECKING:
     from panechat.engine.text.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "CHATML_TEMPLATE"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -43,6 +43,12 @@ llama.cpp's: `llm_chat_apply_template` LLM_CHAT_TEMPLATE_CHATML renders the same
 
 TEMPLATE_KINDS = ("gguf", "chatml-fallback")
 """`ChatTemplate.kind`: the file's own template, or ChatML because the file has none."""
+
+
+class ChatTemplateError(ValueError):
+    """The template cannot render these messages: they are malformed, or the template
+    refuses them (its ``raise_exception``, e.g. roles that do not alternate) or fails on
+    them. One line; the engine refuses the request with it."""
 
 
 def _one_line(text: object) -> str:
@@ -85,18 +91,18 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 def _validate(messages: Any) -> None:
     if not isinstance(messages, list):
-        raise ValueError(
+        raise ChatTemplateError(
             f"messages must be a list of {{'role': str, 'content': str}} dicts, "
             f"not {type(messages).__name__}")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', "
+            raise ChatTemplateError(f"messages[{i}] must be a dict with 'role' and 'content', "
                              f"not {type(m).__name__}")
         for key in ("role", "content"):
             if key not in m:
-                raise ValueError(f"messages[{i}] has no {key!r}")
+                raise ChatTemplateError(f"messages[{i}] has no {key!r}")
             if not isinstance(m[key], str):
-                raise ValueError(
+                raise ChatTemplateError(
                     f"messages[{i}][{key!r}] must be str, not {type(m[key]).__name__}")
 
 
@@ -155,7 +161,7 @@ class ChatTemplate:
         ``content``; other keys are passed through to the template).
 
         With ``add_generation_prompt`` the text ends with the header that opens the
-        assistant's reply.  Raises ``ValueError`` with a one-line message for malformed
+        assistant's reply.  Raises ``ChatTemplateError`` with a one-line message for malformed
         messages, and for any error the template raises (``raise_exception``, undefined
         values, sandbox violations, ...).
         """
@@ -170,7 +176,7 @@ class ChatTemplate:
                 eos_token=self._eos_token,
             )
         except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {_one_line(e)}") from None
+            raise ChatTemplateError(f"chat template error: {_one_line(e)}") from None
         except Exception as e:  # noqa: BLE001 - a template is foreign code
-            raise ValueError(
+            raise ChatTemplateError(
                 f"chat template error: {type(e).__name__}: {_one_line(e)}") from None

@@ -2,11 +2,13 @@
 protocols: the OpenAI HTTP API, the websocket protocol and the embedded-engine client.
 
 A stand-in engine refuses every submission with a chosen exception, so each protocol's
-whole path from request to error runs without a model."""
+whole path from request to error runs without a model. Only panechat's own refusals are
+4xx; any other exception (a plain ValueError too) is a bug: a 500, logged once."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,7 @@ from panechat.app.engine_errors import (BAD_INPUT, ENGINE_STOPPED, PROMPT_TOO_LO
                                         Refusal, ShuttingDown, classify, retry_after)
 from panechat.app.server import create_app
 from panechat.app.server.request_fields import FieldError
-from panechat.engine.serving.engine import EngineStopped, PromptTooLong, QueueFull
+from panechat.engine.serving.engine import EngineStopped, InvalidRequest, PromptTooLong, QueueFull
 
 
 class RefusingEngine:
@@ -43,7 +45,7 @@ class RefusingEngine:
 
 
 REFUSALS = [
-    (ValueError("message 0 content is not valid Unicode (lone surrogate)"), BAD_INPUT),
+    (InvalidRequest("message 0 content is not valid Unicode (lone surrogate)"), BAD_INPUT),
     (PromptTooLong("prompt is 900 tokens but the context holds 512; shorten the conversation"), PROMPT_TOO_LONG),
     (QueueFull("the queue is full (--max-queue 8); retry shortly"), QUEUE_FULL),
     (EngineStopped("the engine is stopped"), ENGINE_STOPPED),
@@ -59,9 +61,10 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("error,refusal", REFUSALS + [
-    (FieldError("stop", "must be a string"), BAD_INPUT),  # any ValueError is bad input...
+    (FieldError("stop", "must be a string"), BAD_INPUT),  # the request schema's refusals are InvalidRequest...
     (RuntimeError("kernel failed"), None),  # ...and anything else a bug, not a refusal
     (KeyError("slot"), None),
+    (ValueError("too many values to unpack (expected 2)"), None),  # a ValueError of our own code too
 ])
 def test_classify(error, refusal):
     assert classify(error) is refusal
@@ -136,15 +139,36 @@ def test_local_client(error, refusal):
     assert fin.error == words
 
 
-def test_a_bug_is_reported_as_internal_everywhere():
-    bug = RuntimeError("kernel failed")
-    with TestClient(create_app(RefusingEngine(bug)), raise_server_exceptions=False) as client:
+BUGS = [RuntimeError("kernel failed"), ValueError("too many values to unpack (expected 2)"), KeyError("slot")]
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=lambda e: type(e).__name__)
+def test_a_bug_is_reported_as_internal_everywhere(bug, caplog):
+    caplog.set_level(logging.INFO, logger="panechat.server")
+
+    def errors_logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    # raise_server_exceptions stays on: the route answers the bug itself, nothing escapes it
+    with TestClient(create_app(RefusingEngine(bug))) as client:
         r = client.post("/v1/chat/completions", json={"messages": USER})
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.json()["error"]["message"] == f"internal server error: {type(bug).__name__}"
+    logged = errors_logged()
+    assert len(logged) == 1 and logged[0].exc_info[1] is bug  # one record, with the traceback
     frame = _ws_send(bug)
-    assert frame["code"] == "internal" and "kernel failed" not in frame["message"]
-    with pytest.raises(RuntimeError, match="kernel failed"):
+    assert frame["code"] == "internal" and str(bug) not in frame["message"]
+    assert len(errors_logged()) == 2
+    with pytest.raises(type(bug), match="kernel failed|unpack|slot"):
         _local_finish(bug)
+
+
+def test_a_refusal_logs_no_error(caplog):
+    caplog.set_level(logging.INFO, logger="panechat.server")
+    with TestClient(create_app(RefusingEngine(InvalidRequest("empty prompt")))) as client:
+        assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 400
+    assert _ws_send(InvalidRequest("empty prompt"))["code"] == "bad_params"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 def test_model_refusals_are_classified():
@@ -161,3 +185,12 @@ def test_model_refusals_are_classified():
             (UNKNOWN_MODEL, MODEL_DOES_NOT_FIT, MODEL_UNUSABLE)] == [
         (404, "model_not_found", "model", "unknown_model"), (503, "models_memory", "model", "models_memory"),
         (400, "model_not_loadable", "model", "model_not_loadable")]
+
+
+def test_an_http_error_on_the_way_passes_as_it_is(caplog):
+    """An APIError raised beside the engine (503 while a model loads) is no bug to log."""
+    from panechat.app.server import errors
+
+    loading = errors.loading()
+    assert errors.from_engine(loading, logging.getLogger("panechat.server"), "loading a model") is loading
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

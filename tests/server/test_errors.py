@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 
 import httpx
 import pytest
+from websockets.asyncio.client import connect
 
 from panechat.app.server import ServerThread, create_app
 from panechat.engine.serving.engine import Engine, EngineConfig
 
-from .conftest import wait_idle
+from .conftest import guarded_server, wait_idle
 
 OK = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 JSON = {"content-type": "application/json"}  # raw bodies say what they are (else 415)
@@ -157,6 +160,68 @@ def test_503_while_loading():
         assert err["code"] == "model_loading" and r.headers["retry-after"]
         m = c.get("/metrics")
         assert m.status_code == 200 and "panechat_ready 0.0" in m.text
+
+
+BREAK = "please BREAK the tokenizer"
+
+
+@pytest.fixture
+def broken_tokenizer(live, monkeypatch):
+    """A bug inside panechat's engine path: the tokenizer trips over a ValueError of its own
+    (as an unpacking slip would) on any text holding BREAK, and works on the rest."""
+    tok = live.engine.lm.tokenizer
+    real = tok.encode
+
+    def encode(text, *args, **kwargs):
+        if BREAK in text:
+            raise ValueError("not enough values to unpack (expected 2, got 1)")
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+
+
+async def _ws_send(url: str, content: str) -> dict:
+    async with connect(url) as ws:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1}))
+        assert json.loads(await ws.recv())["type"] == "welcome"
+        await ws.send(json.dumps({"type": "open", "conversation": "c-broken"}))
+        assert json.loads(await ws.recv())["type"] == "opened"
+        await ws.send(json.dumps({"type": "send", "conversation": "c-broken", "request": "r", "content": content,
+                                  "params": {"max_tokens": 2}}))
+        while True:
+            f = json.loads(await ws.recv())
+            if f["type"] in ("error", "finished"):
+                return f
+
+
+def test_a_bug_in_the_engine_path_is_a_500_logged_once(live, broken_tokenizer):
+    """A ValueError that is no refusal is panechat's bug: 500 `internal_error` (websocket
+    `internal`), one log record with its traceback, not the client's 400. The refusals
+    around it stay what they are and log no error; the server serves on."""
+    with guarded_server(live.engine) as (srv, log), httpx.Client(base_url=srv.url, timeout=120) as c:
+        broken = {"messages": [{"role": "user", "content": BREAK}], "max_tokens": 2}
+        err = _is_error(c.post("/v1/chat/completions", json=broken), 500)
+        assert (err["type"], err["code"], err["message"]) == ("server_error", "internal_error",
+                                                              "internal server error: ValueError")
+        assert len(log.bad()) == 1 and "internal error" in log.bad()[0] and "unpack" in log.bad()[0]
+        assert _is_error(c.post("/v1/completions", json={"prompt": BREAK, "max_tokens": 2}), 500)["code"] == \
+            "internal_error"
+        frame = asyncio.run(_ws_send(srv.ws_url, BREAK))
+        assert (frame["type"], frame["code"]) == ("error", "internal") and "unpack" not in frame["message"]
+        assert len(log.bad()) == 3
+        # panechat's own refusals: the 4xx they always were, without an error line
+        assert _is_error(c.post("/v1/chat/completions", json={**OK, "temperature": "hot"}), 400)["param"] == \
+            "temperature"
+        long = {"messages": [{"role": "user", "content": "word " * (live.engine.ctx + 50)}], "max_tokens": 2}
+        assert _is_error(c.post("/v1/chat/completions", json=long), 400)["code"] == "context_length_exceeded"
+        assert _is_error(c.post("/v1/chat/completions", json={**OK, "model": "gpt-4o"}), 404)["code"] == \
+            "model_not_found"
+        assert _is_error(c.post("/v1/completions", json={"prompt": "hi", "echo": True}), 400)["param"] == "echo"
+        assert asyncio.run(_ws_send(srv.ws_url, "word " * (live.engine.ctx + 50)))["code"] == "prompt_too_long"
+        assert len(log.bad()) == 3
+        assert c.post("/v1/chat/completions", json=OK).status_code == 200
+        assert asyncio.run(_ws_send(srv.ws_url, "Hi"))["type"] == "finished"
+    live.wait_idle()
 
 
 def test_server_still_healthy_after_errors(http, live):

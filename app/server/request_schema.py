@@ -1,0 +1,193 @@
+"""The generation fields of every protocol, in one table (docs/protocol.md, "Request fields").
+
+Each `Field` row names a field, how it is read (its type), its range (for the sampling
+fields, the engine's own `BOUNDS`, engine/serving/sampling.py) and the value an absent
+field means in each protocol that takes it: HTTP chat (`/v1/chat/completions`), HTTP
+completions (`/v1/completions`) and the websocket `send` frame's `params`. A field is
+honoured, refused unless it asks for nothing (`n` other than 1), or ignored metadata
+(`user`); one that a protocol's column lacks is unknown there, ignored like any unknown key.
+
+`read_fields(body, protocol)` reads a request's fields in table order; a bad or refused one
+raises FieldError naming it, which each protocol words as its own error (request_fields.py).
+The input itself (`messages`, `prompt`, a frame's `content`) has a shape per protocol and
+is read by that protocol. Adding a field: one row here, plus its handling where the value
+is used; docs/protocol.md shows `markdown_table()`, which a test keeps current.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from panechat.engine.serving.sampling import BOUNDS, Bound, SamplingParams
+from .request_fields import FieldError, boolean, integer, json_object, number, stop_strings
+
+CHAT, COMPLETIONS, WS = "chat", "completions", "ws"
+PROTOCOLS = (CHAT, COMPLETIONS, WS)
+HONOURED, REFUSED, IGNORED = "honoured", "refused", "ignored"
+
+
+class _Context:
+    """The default of `max_tokens` over HTTP chat: run to the context limit."""
+
+    def __repr__(self) -> str:
+        return "the context"
+
+
+CONTEXT = _Context()
+
+_TYPE_WORDS = {number: "a number", integer: "an integer", boolean: "true or false", json_object: "an object",
+               stop_strings: "a string or a list of strings"}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field: how each protocol that takes it reads it, and its default there."""
+
+    name: str
+    defaults: Mapping[str, Any]  # protocol -> what an absent field means; only the protocols taking it
+    status: str = HONOURED
+    read: Callable[[str, Any], Any] | None = None  # honoured: the typed read (request_fields.py)
+    bound: Bound | None = None  # honoured: the range (the engine's own)
+    convert: Callable[[Any], Any] | None = None  # honoured: applied after the read
+    alias_of: str | None = None  # honoured: the field this one is another name of (this one wins)
+    accepts: Callable[[Any], bool] | None = None  # refused: the values that ask for nothing, taken
+    unless: str = ""  # refused: those values in words
+    refusal: str = ""  # refused: the one-line message
+    note: str = ""  # said after the type in the docs
+
+    def value(self, v):
+        """The value of a present honoured field; FieldError when it is wrong."""
+        key = self.alias_of or self.name
+        x = self.read(self.name, v)
+        if self.convert is not None:
+            x = self.convert(x)
+        why = self.bound.problem(x) if self.bound is not None else None
+        if why is not None:
+            raise FieldError(key, why, code="invalid_value")
+        return x
+
+    def check_refused(self, v) -> None:
+        """FieldError unless `v` (present) asks for nothing."""
+        if not self.accepts(v):
+            raise FieldError(self.name, f"is refused unless {self.unless}", code=None, sentence=self.refusal)
+
+
+def _on(*protocols: str, default=None) -> dict[str, Any]:
+    """A `defaults` column set: `protocols` take the field, absent it means `default`."""
+    return dict.fromkeys(protocols, default)
+
+
+def _falsy(v) -> bool:
+    return not v
+
+
+HTTP = (CHAT, COMPLETIONS)
+
+#: Every field, in the order they are checked.
+FIELDS: tuple[Field, ...] = (
+    Field("stream", _on(*HTTP, default=False), read=boolean),
+    Field("stream_options", _on(*HTTP), read=json_object, note="; `include_usage`: true adds a usage-only chunk"),
+    Field("n", _on(*HTTP, default=1), REFUSED, accepts=lambda v: v == 1, unless="1",
+          refusal="only n=1 is supported"),
+    Field("logprobs", _on(*HTTP, default=False), REFUSED, accepts=_falsy, unless="false or 0",
+          refusal="logprobs are not supported by this server"),
+    Field("top_logprobs", _on(CHAT), REFUSED, accepts=_falsy, unless="0",
+          refusal="top_logprobs are not supported by this server"),
+    Field("tools", _on(CHAT), REFUSED, accepts=_falsy, unless="empty", refusal="tools are not supported by this server"),
+    Field("tool_choice", _on(CHAT), REFUSED, accepts=lambda v: v in ("none", "auto"), unless='"none" or "auto"',
+          refusal="tool_choice needs tools, which this server does not support"),
+    Field("response_format", _on(CHAT), REFUSED, accepts=lambda v: v == {"type": "text"}, unless='{"type": "text"}',
+          refusal='only response_format {"type": "text"} is supported'),
+    Field("frequency_penalty", _on(*HTTP, default=0), REFUSED, accepts=lambda v: v == 0, unless="0",
+          refusal="frequency_penalty is not supported by this server (send 0 or leave it out)"),
+    Field("presence_penalty", _on(*HTTP, default=0), REFUSED, accepts=lambda v: v == 0, unless="0",
+          refusal="presence_penalty is not supported by this server (send 0 or leave it out)"),
+    Field("logit_bias", _on(*HTTP), REFUSED, accepts=_falsy, unless="empty",
+          refusal="logit_bias is not supported by this server"),
+    Field("echo", _on(COMPLETIONS, default=False), REFUSED, accepts=_falsy, unless="false",
+          refusal="echo is not supported by this server"),
+    Field("suffix", _on(COMPLETIONS), REFUSED, accepts=_falsy, unless="empty",
+          refusal="suffix (insertion) is not supported by this server"),
+    Field("best_of", _on(COMPLETIONS, default=1), REFUSED, accepts=lambda v: v == 1, unless="1",
+          refusal="only best_of=1 is supported"),
+    Field("max_completion_tokens", _on(*HTTP), read=integer, bound=BOUNDS["max_tokens"], alias_of="max_tokens",
+          note="; `max_tokens` by its newer name"),
+    Field("max_tokens", {CHAT: CONTEXT, COMPLETIONS: 16, WS: 256}, read=integer, bound=BOUNDS["max_tokens"],
+          note="; capped by the context"),
+    Field("seed", _on(*PROTOCOLS), read=integer, convert=lambda v: v % 2**64,
+          note=", any (taken mod 2^64); none: a random one"),
+    Field("temperature", {CHAT: 1.0, COMPLETIONS: 1.0, WS: 0.0}, read=number, bound=BOUNDS["temperature"]),
+    Field("top_p", _on(*PROTOCOLS, default=1.0), read=number, bound=BOUNDS["top_p"]),
+    Field("top_k", _on(*PROTOCOLS, default=0), read=integer, bound=BOUNDS["top_k"]),
+    Field("min_p", _on(*PROTOCOLS, default=0.0), read=number, bound=BOUNDS["min_p"]),
+    Field("stop", _on(*PROTOCOLS, default=()), read=stop_strings,
+          note=", at most 16 of at most 256 characters; the reply ends before the first match"),
+    Field("user", _on(*HTTP), IGNORED),
+    Field("metadata", _on(CHAT), IGNORED),
+    Field("store", _on(CHAT), IGNORED),
+    Field("service_tier", _on(*HTTP), IGNORED),
+    Field("parallel_tool_calls", _on(CHAT), IGNORED),
+)
+
+_OF_PROTOCOL = {p: tuple(f for f in FIELDS if p in f.defaults) for p in PROTOCOLS}
+
+
+def read_fields(body: dict, protocol: str) -> dict[str, Any]:
+    """The honoured fields of `protocol` in `body` by name (an alias under its field's name),
+    absent ones at the protocol's default. FieldError for the first wrong or refused field,
+    in table order."""
+    out: dict[str, Any] = {}
+    for f in _OF_PROTOCOL[protocol]:
+        v = body.get(f.name)
+        if f.status == REFUSED and v is not None:
+            f.check_refused(v)
+        elif f.status == HONOURED and (f.alias_of or f.name) not in out:
+            if v is not None:
+                out[f.alias_of or f.name] = f.value(v)
+            elif f.alias_of is None:
+                out[f.name] = f.defaults[protocol]
+    return out
+
+
+def sampling_params(fields: dict[str, Any], ctx: int) -> SamplingParams:
+    """The SamplingParams `read_fields` values ask for; max_tokens capped by the context `ctx`."""
+    max_tokens = fields["max_tokens"]
+    return SamplingParams(temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
+                          min_p=fields["min_p"], seed=fields["seed"],
+                          max_tokens=ctx if max_tokens is CONTEXT else min(max_tokens, ctx))
+
+
+# -- the docs' table ------------------------------------------------------------------------------
+def _default_words(v) -> str:
+    if v is None or v == ():
+        return "none"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v) if v is CONTEXT or not isinstance(v, str) else f'"{v}"'
+
+
+def _type_words(f: Field) -> str:
+    if f.status != HONOURED:
+        return "any"
+    if f.bound is not None:
+        words = f.bound.range if f.bound.integer else f"a number {f.bound.range}"
+    else:
+        words = _TYPE_WORDS[f.read]
+    return words + f.note
+
+
+def _status_words(f: Field) -> str:
+    return {HONOURED: "honoured", REFUSED: f"refused unless {f.unless}", IGNORED: "ignored (metadata)"}[f.status]
+
+
+def markdown_table() -> str:
+    """FIELDS as the table docs/protocol.md shows (a test keeps the two the same)."""
+    rows = ["| Field | Type and range | HTTP chat | HTTP completions | `/ws` `params` | |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for f in FIELDS:
+        cols = [("-" if p not in f.defaults else f"as `{f.alias_of}`" if f.alias_of else
+                 _default_words(f.defaults[p])) for p in PROTOCOLS]
+        rows.append(f"| `{f.name}` | {_type_words(f)} | {' | '.join(cols)} | {_status_words(f)} |")
+    return "\n".join(rows)
+

@@ -1,0 +1,97 @@
+"""One migration mechanism for both SQLite stores (app/sqlite_migrations.py): numbered
+migrations by PRAGMA user_version, the pending ones in one transaction, a newer file
+refused untouched; the server's conversation store goes through it like the TUI's history."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+
+import pytest
+
+from panechat.app import store
+from panechat.app.server import conversation_db
+from panechat.app.server.conversation_db import DB_NAME, ConversationDB, ConversationDBError
+from panechat.app.sqlite_migrations import SchemaTooNew, migrate, schema_tables, schema_version
+
+LOG = logging.getLogger("panechat.test.sqlite_migrations")
+
+STEPS = (
+    "CREATE TABLE a (x INTEGER); INSERT INTO a VALUES (1);",
+    "CREATE TABLE b (s TEXT); INSERT INTO b VALUES ('semi;colon');"
+    "CREATE TRIGGER t AFTER INSERT ON a BEGIN INSERT INTO b VALUES ('x;y'); END;",
+    "ALTER TABLE a ADD COLUMN y INTEGER NOT NULL DEFAULT 7;",
+)
+
+
+def _db(path) -> sqlite3.Connection:
+    return sqlite3.connect(path, isolation_level=None)
+
+
+def test_pending_migrations_run_once_and_in_order(tmp_path):
+    db = _db(tmp_path / "x.db")
+    assert migrate(db, STEPS[:2]) == 2 and schema_version(db) == 2
+    assert db.execute("SELECT s FROM b").fetchall() == [("semi;colon",)]  # a ';' inside a string stays
+    assert migrate(db, STEPS) == 3  # only the third runs now
+    assert db.execute("SELECT x, y FROM a").fetchall() == [(1, 7)]
+    db.execute("INSERT INTO a (x) VALUES (2)")  # the trigger's body was one statement
+    assert db.execute("SELECT s FROM b ORDER BY rowid").fetchall() == [("semi;colon",), ("x;y",)]
+    assert migrate(db, STEPS) == 3 and db.execute("SELECT count(*) FROM a").fetchone() == (2,)
+    assert schema_tables(STEPS, 2) == {"a", "b"}
+
+
+def test_a_failing_migration_leaves_the_file_as_it_was(tmp_path):
+    """All pending migrations are one transaction: none is applied when a later one fails."""
+    db = _db(tmp_path / "x.db")
+    migrate(db, STEPS[:1])
+    with pytest.raises(sqlite3.OperationalError):
+        migrate(db, (*STEPS, "ALTER TABLE missing ADD COLUMN z;"))
+    assert schema_version(db) == 1
+    assert {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {"a"}
+    assert not db.in_transaction
+
+
+def test_a_newer_file_is_refused_untouched(tmp_path):
+    path = tmp_path / "x.db"
+    db = _db(path)
+    migrate(db, STEPS)
+    db.execute("PRAGMA user_version = 9")
+    data = path.read_bytes()
+    with pytest.raises(SchemaTooNew, match="schema 9, this one knows 3"):
+        migrate(db, STEPS)
+    assert path.read_bytes() == data
+
+
+def test_both_stores_use_it():
+    """The same module, each store with its own list (whose length is its schema version)."""
+    assert store.migrate is conversation_db.migrate
+    assert schema_tables(conversation_db.MIGRATIONS, 1) == {"conversations", "messages"}
+    assert schema_tables(store.MIGRATIONS, len(store.MIGRATIONS)) >= {"conversations", "messages", "layout"}
+
+
+def test_a_conversation_store_from_before_keeps_its_conversations(tmp_path):
+    """A file the earlier code wrote (its schema script, then user_version 1) opens as it is."""
+    db = _db(tmp_path / DB_NAME)
+    db.executescript(conversation_db.MIGRATIONS[0])
+    db.execute("INSERT INTO conversations VALUES ('old', 1.0, 2.0)")
+    db.execute("INSERT INTO messages (conversation_id, role, content) VALUES ('old', 'user', 'hi')")
+    db.execute("PRAGMA user_version = 1")
+    db.close()
+    cdb = ConversationDB(tmp_path, LOG)
+    assert [(c.id, c.messages) for c in cdb.load()] == [("old", [{"role": "user", "content": "hi"}])]
+    assert schema_version(cdb.db) == 1
+    cdb.close()
+
+
+def test_a_newer_conversation_store_is_left_alone(tmp_path):
+    ConversationDB(tmp_path, LOG).close()
+    path = tmp_path / DB_NAME
+    db = _db(path)
+    db.execute("PRAGMA user_version = 2")
+    db.close()
+    data = path.read_bytes()
+    with pytest.raises(ConversationDBError) as err:
+        ConversationDB(tmp_path, LOG)
+    msg = str(err.value)
+    assert "from a newer panechat (schema 2, this one knows 1)" in msg and "\n" not in msg
+    assert path.read_bytes() == data
