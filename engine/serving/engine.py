@@ -7,7 +7,7 @@ one-thread task loop; mlx-lm's BatchGenerator insert/next/remove). The output pr
 (output.py) turns the sampled tokens into events and says who ends.
 
 Faults stay with their request: input is validated at submit, and an exception on a row's
-behalf (its sampler, stop strings, decoder or emit) fails that row alone
+behalf (its logits processors, sampler, stop strings, decoder or emit) fails that row alone
 while the rest of the step carries on. Only a failure of the shared work (the KV copies, the
 forward pass) fails the requests of the step; the engine thread itself never dies.
 """
@@ -35,6 +35,7 @@ from panechat.engine.kv.blocks import BlockPool, blocks_for
 from panechat.engine.kv.persistence import KVPersistence
 from panechat.engine.kv.snapshot import KVShape
 from panechat.engine.model.loader import LoadedModel
+from panechat.engine.serving.logits_processors import StepProcessors, make_processors, step_processors
 from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
 from panechat.engine.serving.output import End, OutputProcessor
 from panechat.engine.model.forward import Batch
@@ -294,6 +295,7 @@ class Engine:
             id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
             sampler=make_sampler(params), emit=gen._emit,
             stop_ids=tok.stop_ids, stop_strings=tuple(s for s in stop if s),
+            processors=make_processors(params, self.lm.model.args.vocab_size),
         )
         with self._lock:
             try:
@@ -459,26 +461,31 @@ class Engine:
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64), tables)
         model, logits, picks = self.lm.model, None, None
+        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
         if sampled and model.samples_on_device:  # only token ids cross to the host
             picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
-                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]))
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), before_pick=procs)
         else:
             logits = model.forward(self.kv, batch)
+            if procs is not None:
+                procs(logits, np)
         now = time.perf_counter()
         with self._lock:
             prefilling = [r for r in plan.requests if r.state == RequestState.PREFILLING and r not in sampled]
-            picked = self._pick(sampled, logits, picks)
+            picked = self._pick(sampled, logits, picks, procs)
             for r, end in self.output.process(prefilling, picked, now):
                 self._end(r, end)
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
 
-    def _pick(self, sampled: list[Request], logits: np.ndarray | None,
-              picks: np.ndarray | None) -> list[tuple[Request, int]]:
+    def _pick(self, sampled: list[Request], logits: np.ndarray | None, picks: np.ndarray | None,
+              procs: StepProcessors | None) -> list[tuple[Request, int]]:
         """Each sampled row's token, from its host logits or its device pick; a row whose
-        sampler raises fails alone."""
+        logits processor or sampler raised fails alone."""
         picked = []
         for i, r in enumerate(sampled):
             try:  # whatever goes wrong with this row is this row's alone
+                if procs is not None:
+                    procs.check(i)
                 tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
             except Exception as e:
                 self._fail_row(r, e)

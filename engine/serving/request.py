@@ -35,6 +35,7 @@ class Request:
     emit: Callable[[object], None]
     stop_ids: frozenset[int]
     stop_strings: tuple[str, ...] = ()  # the reply text is the output processor's (output.py)
+    processors: tuple = ()  # LogitsProcessors on its logits before the sampler, in this order
     state: RequestState = RequestState.WAITING
     blocks: list[int] = field(default_factory=list)  # KV block table: position p in blocks[p // 16]
     n_hashed: int = 0  # leading blocks registered in the prefix cache
