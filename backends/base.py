@@ -70,10 +70,12 @@ class Backend(ABC):
     samples_on_device = False  # True: `sample_rows` picks tokens where the logits are
 
     def sample_rows(self, logits: Array, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray, before_pick: Any = None) -> np.ndarray:
         """Pick one token per row of logits [R, V] on the device (temperature 0: greedy),
         each row from its own logits, seed and step alone -> host int32 [R, 2] (token, bad:
-        the logits were not finite). Only backends with `samples_on_device`."""
+        the logits were not finite). `before_pick(logits, xp)`, when given, is called first
+        with the float32 logits on the device and their array module, to change rows in
+        place (the engine's logits processors). Only backends with `samples_on_device`."""
         raise NotImplementedError(f"{self.name} samples on the host")
 
     # -- the forward pass's operations -------------------------------------------------

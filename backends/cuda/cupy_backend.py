@@ -342,11 +342,14 @@ class CupyBackend(ArrayBackend):
                     None if tables is None else self.asarray(tables))
 
     def sample_rows(self, logits: Any, temperature: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+                    top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray, before_pick: Any = None) -> np.ndarray:
         """Tokens picked by the sample_rows kernel (greedy, temperature, top-k, top-p, min-p,
-        Philox keyed by seed and step); only [R, 2] int32 comes back to the host."""
+        Philox keyed by seed and step), after `before_pick(logits, xp)` changed rows on the
+        device; only [R, 2] int32 comes back to the host."""
         xp = self.xp
         logits = self._f32(logits)
+        if before_pick is not None:  # on the device, in the same stream, before the kernel reads them
+            before_pick(logits, xp)
         f, k, ss = sampling_table(temperature, top_p, min_p, top_k, seeds, steps)
         out = xp.empty((logits.shape[0], 2), xp.int32)
         self.kernels.sample_rows(logits, xp.empty_like(logits), xp.asarray(f), xp.asarray(k), xp.asarray(ss), out)

@@ -191,11 +191,13 @@ class Model:
         return self.backend.samples_on_device and not self.args.final_logit_softcap > 0
 
     def forward_tokens(self, kv: Any, batch: Batch, temperature: np.ndarray, top_p: np.ndarray,
-                       min_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+                       min_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray,
+                       before_pick: Any = None) -> np.ndarray:
         """Like `forward`, but each logit row is sampled on the device (`Backend.sample_rows`,
-        per-row parameters) and only int32 [L, 2] (token, bad) comes back."""
+        per-row parameters; `before_pick(logits, xp)` may first change rows there) and only
+        int32 [L, 2] (token, bad) comes back."""
         return self.backend.sample_rows(self._device_logits(kv, batch), temperature, top_p, min_p, top_k,
-                                        seeds, steps)
+                                        seeds, steps, before_pick)
 
     def _device_logits(self, kv: Any, batch: Batch) -> Any:
         a, be = self.args, self.backend

@@ -3,11 +3,12 @@
 Requests come in from any thread (or asyncio task) through `submit`; each step the
 scheduler picks the rows, the model computes them in one forward pass, and every
 sequence's sampled token goes back on its own event stream (llama.cpp server's
-one-thread task loop; mlx-lm's BatchGenerator insert/next/remove).
+one-thread task loop; mlx-lm's BatchGenerator insert/next/remove). The output processor
+(output.py) turns the sampled tokens into events and says who ends.
 
-Faults stay with their request: input is validated at submit, and an exception after the
-forward pass (a row's sampler, stop strings, decoder or emit) fails that row alone while
-the rest of the step carries on. Only a failure of the shared work (the KV copies, the
+Faults stay with their request: input is validated at submit, and an exception on a row's
+behalf (its logits processors, sampler, stop strings, decoder or emit) fails that row alone
+while the rest of the step carries on. Only a failure of the shared work (the KV copies, the
 forward pass) fails the requests of the step; the engine thread itself never dies.
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
-from panechat.engine.serving.events import Event, FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.serving.events import Event, FinishEvent
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.model.invariance import check_model_invariance
 from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
@@ -36,14 +37,15 @@ from panechat.engine.kv.manager import KVManager
 from panechat.engine.kv.persistence import KVPersistence
 from panechat.engine.kv.snapshot import KVShape
 from panechat.engine.model.loader import LoadedModel
+from panechat.engine.serving.logits_processors import StepProcessors, make_processors, step_processors
 from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
+from panechat.engine.serving.output import End, OutputProcessor
 from panechat.engine.model.forward import Batch
 from panechat.engine.serving.request import Request, RequestState
 from panechat.engine.serving.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
 from panechat.engine.serving.scheduler import QueueFull, Scheduler, StepPlan
 from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats
 from panechat.engine.text.chat_template import ChatTemplateError
-from panechat.engine.text.tokenizer import StreamDecoder
 
 #: The snapshot file's dtype name of each --kv-dtype (snapshots hold the cache's own bits).
 SNAPSHOT_DTYPES = {"f16": "float16", "f32": "float32"}
@@ -158,6 +160,7 @@ class Engine:
         self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
         self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
         self.metrics = EngineMetrics(cfg.max_concurrent)
+        self.output = OutputProcessor(lm.tokenizer, self.ctx)  # tokens -> events, and who ends
         self.metrics.kv_total = n_blocks
         self.metrics.kv_bytes_per_block = per_block
         self.kv_manager = KVManager(self.pool, self._open_snapshots())
@@ -297,8 +300,9 @@ class Engine:
         tok = self.lm.tokenizer
         req = Request(
             id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
-            sampler=make_sampler(params), decoder=StreamDecoder(tok), emit=gen._emit,
+            sampler=make_sampler(params), emit=gen._emit,
             stop_ids=tok.stop_ids, stop_strings=tuple(s for s in stop if s),
+            processors=make_processors(params, self.lm.model.args.vocab_size),
         )
         with self._lock:
             try:
@@ -308,6 +312,7 @@ class Engine:
                 e.retry_after = self.retry_after()
                 raise
             self._by_id[rid] = req
+            self.output.add(req)
             self._members_changed = True
         self._wake.set()
         return gen
@@ -416,26 +421,49 @@ class Engine:
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64), tables)
         model, logits, picks = self.lm.model, None, None
+        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
         if sampled and model.samples_on_device:  # only token ids cross to the host
             picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
-                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]))
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), before_pick=procs)
         else:
             logits = model.forward(self.kv, batch)
+            if procs is not None:
+                procs(logits, np)
         now = time.perf_counter()
         with self._lock:
-            for r in plan.requests:
-                if r.state == RequestState.PREFILLING and r not in sampled:
-                    try:
-                        r.emit(PrefillEvent(r.id, r.computed, len(r.prompt_ids)))
-                    except Exception as e:
-                        self._fail_row(r, e)
-            for i, r in enumerate(sampled):
-                try:  # whatever goes wrong with this row is this row's alone
-                    tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
-                    self._accept(r, tok, now)
-                except Exception as e:
-                    self._fail_row(r, e)
+            prefilling = [r for r in plan.requests if r.state == RequestState.PREFILLING and r not in sampled]
+            picked = self._pick(sampled, logits, picks, procs)
+            for r, end in self.output.process(prefilling, picked, now):
+                self._end(r, end)
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
+
+    def _pick(self, sampled: list[Request], logits: np.ndarray | None, picks: np.ndarray | None,
+              procs: StepProcessors | None) -> list[tuple[Request, int]]:
+        """Each sampled row's token, from its host logits or its device pick; a row whose
+        logits processor or sampler raised fails alone."""
+        picked = []
+        for i, r in enumerate(sampled):
+            try:  # whatever goes wrong with this row is this row's alone
+                if procs is not None:
+                    procs.check(i)
+                tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
+            except Exception as e:
+                self._fail_row(r, e)
+                continue
+            if r.state == RequestState.PREFILLING:
+                r.state = RequestState.DECODING
+            picked.append((r, tok))
+        return picked
+
+    def _end(self, r: Request, end: End) -> None:
+        """Act on what the output processor said of `r`: finish it, or fail it alone."""
+        if isinstance(end, Exception):
+            self._fail_row(r, end)
+            return
+        try:
+            self._finish(r, end)
+        except Exception as e:  # its FinishEvent's emit
+            self._fail_row(r, e)
 
     def _fail_row(self, r: Request, e: Exception) -> None:
         """Fail one request after an exception raised on its behalf (never its neighbours)."""
@@ -453,31 +481,6 @@ class Engine:
         except Exception:  # its emit raised: the request is already out of the scheduler
             pass
 
-    def _accept(self, r: Request, tok: int, now: float) -> None:
-        if r.state == RequestState.PREFILLING:
-            r.state = RequestState.DECODING
-            if not r.t_first:  # (not again after a preemption's recompute)
-                r.t_first = now
-                r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
-        if tok in r.stop_ids:
-            self._flush(r)
-            self._finish(r, "stop")
-            return
-        r.output_ids.append(tok)
-        r.emit(TokenEvent(r.id, tok, r.take_text(r.decoder.push(tok))))
-        if r.finish_reason == "stop":
-            self._finish(r, "stop")
-        elif len(r.output_ids) >= r.params.max_tokens or r.n_known >= self.ctx:
-            self._flush(r)
-            self._finish(r, "length")
-
-    @staticmethod
-    def _flush(r: Request) -> None:
-        """Emit text still held back (a partial character or a partial stop string)."""
-        tail = r.flush_text(r.decoder.flush())
-        if tail:
-            r.emit(TokenEvent(r.id, -1, tail))
-
     def _reap_cancelled(self) -> None:
         for r in [r for r in self._by_id.values() if r.cancelled]:
             self._finish(r, r.cancel_reason)
@@ -490,21 +493,10 @@ class Engine:
             self._remember(r.conversation, held)
         self._by_id.pop(r.id, None)
         r.t_end = time.perf_counter()
-        ttft = (r.t_first - r.t_submit) if r.t_first else None
-        n_out = len(r.output_ids)
-        decode_s = r.t_end - r.t_first if r.t_first else 0.0
-        usage = {"prompt_tokens": len(r.prompt_ids), "completion_tokens": n_out,
-                 "reused_tokens": r.reused}
-        timings = {
-            "queue_ms": 1000 * ((r.t_start or r.t_end) - r.t_submit),
-            "prompt_ms": 1000 * ((r.t_first - r.t_start) if r.t_first else 0.0),
-            "ttft_ms": 1000 * ttft if ttft is not None else None,
-            "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
-            "total_ms": 1000 * (r.t_end - r.t_submit),
-        }
         self._members_changed = True
-        self.metrics.record_finish(reason, ttft, (r.t_end - r.t_start) if r.t_start else None)
-        r.emit(FinishEvent(r.id, reason, r.text, list(r.output_ids), usage, timings, error))
+        self.metrics.record_finish(reason, (r.t_first - r.t_submit) if r.t_first else None,
+                                   (r.t_end - r.t_start) if r.t_start else None)
+        self.output.finish(r, reason, error)
 
     def _publish_state(self, force: bool) -> None:
         """Rebuild the per-stream stats before the next step. While the same requests run,

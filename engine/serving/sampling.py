@@ -12,7 +12,8 @@ has probability exactly 1 before the filters, which therefore always keep it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Callable
 
@@ -24,6 +25,7 @@ Sampler = Callable[[np.ndarray], int]
 
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) mean greedy
 MAX_TEMPERATURE = 10.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
 class SamplingError(ValueError):
@@ -37,6 +39,12 @@ def _is_real(v) -> bool:
 
 def _is_int(v) -> bool:
     return isinstance(v, Integral) and not isinstance(v, bool)
+
+
+def _is_bias(b) -> bool:
+    return isinstance(b, Mapping) and all(
+        _is_int(t) and t >= 0 and _is_real(v) and math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS
+        for t, v in b.items())
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,8 @@ BOUNDS: dict[str, Bound] = {
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler; a temperature below GREEDY_BELOW (0 included)
-    means greedy."""
+    means greedy. `logit_bias` (token id -> bias added to its logit) is applied by a
+    logits processor before the sampler (logits_processors.py)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -95,6 +104,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 256
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
 
     def validate(self) -> None:
         """Raise InvalidRequest (one line, naming the field) for a parameter outside its
@@ -106,6 +116,9 @@ class SamplingParams:
             why = None if name == "seed" and v is None else bound.problem(v)
             if why is not None:
                 raise InvalidRequest(f"{name} {why}", param=name)
+        if self.logit_bias is not None and not _is_bias(self.logit_bias):
+            raise InvalidRequest(f"logit_bias must map token ids (integers >= 0) to numbers in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
 
     @property
     def greedy(self) -> bool:

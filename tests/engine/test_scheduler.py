@@ -13,7 +13,7 @@ from panechat.engine.serving.scheduler import BlockCopy, QueueFull, Scheduler
 
 def req(rid, prompt, conversation=None, max_tokens=4):
     return Request(id=rid, conversation=conversation or rid, prompt_ids=list(prompt),
-                   params=SamplingParams(max_tokens=max_tokens), sampler=lambda l: 0, decoder=None,
+                   params=SamplingParams(max_tokens=max_tokens), sampler=lambda l: 0,
                    emit=lambda ev: None, stop_ids=frozenset())
 
 
