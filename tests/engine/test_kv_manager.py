@@ -29,7 +29,7 @@ TAIL = list(range(2000, 2000 + B)) + [7]  # the same second block and one more t
 
 def req(rid, prompt, max_tokens=1):
     return Request(id=rid, conversation=rid, prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens),
-                   sampler=lambda logits: 0, decoder=None, emit=lambda ev: None, stop_ids=frozenset())
+                   sampler=lambda logits: 0, emit=lambda ev: None, stop_ids=frozenset())
 
 
 def cache(kv, rid, tokens):
