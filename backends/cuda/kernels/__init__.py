@@ -2,12 +2,16 @@
 
   constants.py  the geometry (NT, KSPLIT, tiles, ...), defined once; the CUDA source gets
                 it as -D defines
-  source.py     the CUDA C source (a string), its NVRTC options, kernel names, signatures
+  kernels.cu    the CUDA C (its parts: common, weights, linear, norm, activation, rope_kv,
+                attention, sampling .cuh); mma.cu the tensor-core products (mma_source.py)
+  cu_files.py   reads a .cu file as one string, its parts inlined
+  source.py     SOURCE (kernels.cu's text and the generated linear_* entry points), its
+                NVRTC options, kernel names, signatures
   build.py      NVRTC: PTX without a GPU, the device's module cached on disk
   launch.py     `Kernels`: tile choice, grids and argument lists of every launch
   emulation.py  the numpy emulation of every kernel, and `EmulatedModule`
 
-Importing this package needs neither cupy nor a GPU: the source is a string, the launch
+Importing this package needs neither cupy nor a GPU: the source is read as text, the launch
 wrappers take any object with CuPy's ``RawModule.get_function`` interface, and the
 emulation is plain numpy. The names below are re-exported here.
 
@@ -17,7 +21,7 @@ panechat promises that batching never changes an answer: a row's logits are bit-
 whether it is decoded alone or beside other rows, at any row position. cuBLAS chooses its
 algorithm (tile shapes, split-K, tensor-core paths) by problem shape, so an output row's
 summation order -- and its last bits -- changes with the number of rows M. The kernels
-(source.py) fix each output element's arithmetic in the source, independent of M and of the
+(kernels.cu) fix each output element's arithmetic in the source, independent of M and of the
 row's position; only the *tiling* (which elements one block computes together) may vary
 with the shapes, and tiling never changes how one element is computed.
 
@@ -65,7 +69,7 @@ directly -- see ``build.build_module``). Float32 throughout, subnormals kept.
   (``rope_one``, shared), k turned the same way and v stored straight into the paged KV
   blocks (block table -> block, position % 16 -> offset); float16 by ``cvt.rn.f16.f32``
   (round to nearest even, as numpy's astype and the CuPy scatter it replaces).
-* ``sample_rows`` (one block per row): see the comment above the kernel in source.py.
+* ``sample_rows`` (one block per row): see the comment above the kernel in sampling.cuh.
 
 Rows, the row's position in the batch, other rows' slots and positions, and the number of
 rows never enter an element's arithmetic, so every kernel is batch-invariant by

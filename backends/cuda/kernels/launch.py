@@ -227,7 +227,7 @@ class Kernels(ModuleKernels):
         return out
 
     def sample_rows(self, logits: Any, prob: Any, fparams: Any, top_k: Any, seed_step: Any, out: Any) -> Any:
-        """(token, bad) int32 [R, 2] for logits [R, V] (the sample_rows contract in source.py);
+        """(token, bad) int32 [R, 2] for logits [R, V] (the sample_rows contract in sampling.cuh);
         `prob` [R, V] float32 is scratch, the other inputs come from sampling.sampling_table."""
         R, V = logits.shape
         if R:

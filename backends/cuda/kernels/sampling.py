@@ -1,6 +1,6 @@
 """Sampling on the device: the Philox4x32-10 counter-based generator the `sample_rows`
 kernel draws from, and the per-row parameter table it reads (`sampling_table`); the
-kernel's contract is the comment above it in source.py, its emulation
+kernel's contract is the comment above it in sampling.cuh, its emulation
 `emulation.emulate_sample_rows`.
 
 Each row is sampled from its own logits and its own (seed, step) alone: the token does not
