@@ -10,9 +10,9 @@ check them against float64 and batch invariance, and compare the product's
 
 They are built from numpy_kernels' parts (`_linear_driver`, `_attend_heads`, the SIMD
 vocabulary), so each output element has that module's arithmetic. numba caches them
-(cache=True) in scripts/__pycache__, keyed on this file alone: after an edit of
-numpy_kernels delete scripts/__pycache__/reference_kernels.*, or the old machine code of
-the inlined parts is loaded.
+(cache=True) in the CPU kernels' cache folder, which importing panechat.backends.cpu names
+by a hash of its sources (backends/cpu/__init__.py): an edit of numpy_kernels starts a new
+folder, an edit of this file changes this file's own stamp, so no stale kernel is loaded.
 """
 
 from __future__ import annotations
