@@ -7,7 +7,8 @@ forward pass reads its features from it, and the one-call decode step
 step does not know, set to anything but its default, makes the step decline.
 
 Fields marked `shape` are sizes every path takes as they come; every other field is a
-feature, whose default is the plain llama layer.
+feature, whose default is the plain llama layer. phi3's fused QKV and gate-up tensors are
+split at load into separate matrices, so they are no feature here.
 """
 
 from __future__ import annotations
