@@ -19,7 +19,7 @@ sequences (prefill chunks and decode tokens alike) share one pass.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -184,10 +184,17 @@ class Model:
         why = spec.unsupported_by(OP_BY_OP)
         if why:
             raise ModelFileError(f"{gf.path}: the forward pass cannot run this model: {why}")
-        decoder = backend.prepare_decoder(
-            spec, [{f.name: getattr(L, f.name) for f in fields(L)} for L in layers], output_norm, output, rope)
+        decoder = backend.prepare_decoder(spec, _layer_dicts(layers), output_norm, output, rope)
         return cls(args, backend, embd, output_norm, output, layers, rope=rope,
                    load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, spec=spec, decoder=decoder)
+
+    def with_args(self, args: ModelArgs) -> "Model":
+        """These weights and RoPE tables under other `args` (a test's shorter window): the
+        description and the one-call plan are built again from them, so both paths follow."""
+        spec = decoder_spec(args, self.layers)
+        decoder = self.backend.prepare_decoder(spec, _layer_dicts(self.layers), self.output_norm, self.output,
+                                               self.rope)
+        return replace(self, args=args, spec=spec, decoder=decoder)
 
     def turn_off_decoder(self, why: str) -> None:
         """Stop using the one-call decode step (`Backend.run_decoder`): every later step
@@ -262,6 +269,11 @@ class Model:
             gate, up = be.norm_linear_many(x, L.ffn_norm, eps, (L.ffn_gate, L.ffn_up))
             x = _residual(be, x, ffn_act(gate, up), L.ffn_down, L.post_ffw_norm, eps)
         return be.norm_linear_many(x if rows is None else x[rows], self.output_norm, eps, (self.output,))[0]
+
+
+def _layer_dicts(layers: list[Layer]) -> list[dict]:
+    """Each layer's weights keyed by GGUF name, as `Backend.prepare_decoder` takes them."""
+    return [{f.name: getattr(L, f.name) for f in fields(L)} for L in layers]
 
 
 def _rope_freq_factors(gf: GGUFFile, a: ModelArgs, max_pos: int) -> np.ndarray | None:
