@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from panechat.backends.layer_spec import DecoderSpec
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV
 
@@ -89,12 +90,12 @@ class Backend(ABC):
         return body(kv, x, self.asarray(slots), self.asarray(positions),
                     None if tables is None else self.asarray(tables))
 
-    def prepare_decoder(self, layers: list[dict], output_norm: Array, output: Any, rope: list,
-                        windows: list[int], n_head: int, n_kv: int, head_dim: int, eps: float, scale: float,
-                        rope_style: str, ffn_act: str) -> Any:
-        """A plan for `run_decoder`: the whole decode step of this model in one call (the
-        layers' prepared weights and vectors as dicts keyed by GGUF names, as `Model`
-        holds them), or None (the default): the model runs op by op."""
+    def prepare_decoder(self, spec: DecoderSpec, layers: list[dict], output_norm: Array, output: Any,
+                        rope: list) -> Any:
+        """A plan for `run_decoder`: the whole decode step of the model `spec` describes in
+        one call (the layers' prepared weights and vectors as dicts keyed by GGUF names, as
+        `Model` holds them; `rope` each layer's (cos, sin)), or None (the default, and
+        wherever `spec` has a feature the step does not implement): the model runs op by op."""
         return None
 
     def run_decoder(self, plan: Any, kv: Any, x: Array, slots: np.ndarray, positions: np.ndarray,

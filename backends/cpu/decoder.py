@@ -20,8 +20,11 @@ products, `norm_kernels._rms_norm`, `decode_attention`'s RoPE, K/V write and att
 `activation_kernels`), in the same order, so the step equals `Model.layers_and_head` bit
 for bit (tests/backends/test_cpu_decoder.py) and a row's bits never depend on the batch
 or on the thread count. A plan (`build_plan`) holds the model's weights, vectors and RoPE
-tables by address; models it cannot hold (F16/BF16/F32 matrices, other RoPE styles) keep the
-op-by-op path, as do steps where a sequence has several rows (prefill chunks).
+tables by address. It reads the model's features from the same description the op-by-op
+path reads (`layer_spec.DecoderSpec`) and is built only when the step implements every
+one that is set (`IMPLEMENTS`); models it cannot hold (a feature it lacks, F16/BF16/F32
+matrices) keep the op-by-op path, as do steps where a sequence has several rows (prefill
+chunks).
 
 numba's cache keys `decode_step` on this file only, yet it inlines code from
 decode_attention, norm_kernels, activation_kernels, step_threads and block_tasks: after
@@ -30,7 +33,7 @@ editing one of those, delete backends/__pycache__/cpu_decoder.*.nbi and *.nbc.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numba
@@ -47,11 +50,23 @@ from panechat.backends.cpu.decode_attention import check_rows as decode_check_ro
 from panechat.backends.cpu.norm_kernels import _rms_norm
 from panechat.backends.cpu.numpy_kernels import _JIT
 from panechat.backends.cpu.step_threads import barrier
+from panechat.backends.layer_spec import OPTIONAL_VECTORS, DecoderSpec
 
-# per-layer vectors, in this order in the plan's table (absent ones: length 0)
-VECTORS = ("attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm",
-           "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+# the features of a `DecoderSpec` this step computes: allowed values, None for any (a
+# feature not listed declines unless at its default). The model scales the embeddings
+# and caps the logits around either path.
+IMPLEMENTS = {"rope_style": ("normal", "neox"), "activation": ("silu", "gelu_tanh"), "attn_q_bias": None,
+              "attn_k_bias": None, "attn_v_bias": None, "attn_q_norm": None, "attn_k_norm": None,
+              "post_attention_norm": None, "post_ffw_norm": None, "uneven_layers": (False,), "embed_scale": None,
+              "logit_softcap": None}
+
+# per-layer vectors, in this order in the plan's table (absent ones: length 0); the
+# numba code reads them by these indices (module constants, frozen at compile time)
+VECTORS = ("attn_norm", "ffn_norm", *OPTIONAL_VECTORS)
+ATTN_NORM, FFN_NORM, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFW_NORM = range(len(VECTORS))
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+Q, K, V, OUT, GATE, UP, DOWN = range(len(MATRICES))
+N_VECTORS, N_MATRICES = len(VECTORS), len(MATRICES)
 _NO_SCALES = np.zeros((1, 1), np.float32)
 _NO_VECTOR = np.zeros(1, np.float32)
 
@@ -60,48 +75,63 @@ _NO_VECTOR = np.zeros(1, np.float32)
 class DecoderPlan:
     """A model's weights and shape as the one-call step takes them: each array by its
     address and shape in int64 tables (a numba typed list would compile its methods at
-    every start, ~1 s), the arrays themselves held in `keep`."""
+    every start, ~1 s), the arrays themselves held in `keep`. `weights` and `form` are
+    `decode_step`'s arguments of the same names, built once here."""
 
-    mats: np.ndarray  # int64 [L*7 + 1, 8]: blocks address, N, bytes a row, QTYPE_CODES, d address,
+    spec: DecoderSpec  # the description the plan was built from
+    mats: np.ndarray  # int64 [L*N_MATRICES + 1, 8]: blocks address, N, bytes a row, QTYPE_CODES, d address,
     #                   dmin address, d rows, d columns (the head last; d: K-quants' per-super-block scales)
-    vectors: np.ndarray  # int64 [L*9 + 1, 2]: address, length (0: absent), VECTORS order; the output norm last
-    has: np.ndarray  # int64 [9]: which of VECTORS the layers have
+    vectors: np.ndarray  # int64 [L*N_VECTORS + 1, 2]: address, length (0: absent), VECTORS order; output norm last
+    has: np.ndarray  # int64 [N_VECTORS]: which of VECTORS the layers have (the spec's flags)
     rope: np.ndarray  # int64 [L, 4]: cos address, sin address, rows, columns
     windows: np.ndarray  # int64 [L]
     fns: np.ndarray  # int64: block_tasks.range_functions of the matrices' types
     keep: list  # every array the tables point into
-    n_embd: int
-    n_head: int
-    n_kv: int
-    head_dim: int
     n_ff: int
     vocab: int
     max_pos: int
-    eps: float
-    scale: float
-    neox: bool
-    gelu: bool
+    weights: tuple = field(init=False)  # (fns, mats, vectors, has, rope, windows)
+    form: tuple = field(init=False)  # (n_head, n_kv, eps, scale, neox, gelu)
+
+    def __post_init__(self):
+        s = self.spec
+        self.weights = (self.fns, self.mats, self.vectors, self.has, self.rope, self.windows)
+        self.form = (s.n_head, s.n_kv, np.float32(s.eps), np.float32(s.scale), s.rope_style == "neox",
+                     s.activation == "gelu_tanh")
 
 
-def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: list, windows: list[int],
-               n_head: int, n_kv: int, head_dim: int, eps: float, scale: float, rope_style: str,
-               ffn_act: str, stored: Any) -> DecoderPlan | None:
-    """The plan for these weights (numpy backend forms: `stored(w)` -> (qtype, blocks, d,
-    dmin) or None), or None when some part is not one the step computes."""
-    if rope_style not in ("neox", "normal") or ffn_act not in ("silu", "gelu_tanh") or not layers:
+def build_plan(spec: DecoderSpec, layers: list[dict], output_norm: np.ndarray, output: Any, rope: list,
+               stored: Any) -> DecoderPlan | None:
+    """The plan for the model `spec` describes, with these weights (numpy backend forms:
+    `stored(w)` -> (qtype, blocks, d, dmin) or None), or None when `spec` has a feature
+    the step does not implement (`IMPLEMENTS`) or some part is not one the step computes."""
+    if spec.unsupported_by(IMPLEMENTS) or not layers or len(layers) != spec.n_layer:
         return None
-    keep, mats = [], []
+    has = np.array([True, True, *(getattr(spec, n) for n in OPTIONAL_VECTORS)], np.int64)
+    if any((L[n] is not None) != bool(h) for L in layers for n, h in zip(VECTORS, has)):
+        return None  # the layers do not hold what the spec says
+    D, hd = spec.n_embd, spec.head_dim
+    q_rows, kv_rows = spec.n_head * hd, spec.n_kv * hd
+    keep = []
 
     def address(a: np.ndarray) -> int:
         keep.append(a)
         return a.ctypes.data
 
-    D, hd, q_rows, kv_rows = np.size(output_norm), head_dim, n_head * head_dim, n_kv * head_dim
-    gate = stored(layers[0]["ffn_gate"])
-    if gate is None:
+    mats = _matrices(layers, output, D, q_rows, kv_rows, spec.n_ff, stored, address)
+    sizes = dict(zip(VECTORS, (D, D, q_rows, kv_rows, kv_rows, hd, hd, D, D)))
+    vectors = _vectors([(L[n], sizes[n]) for L in layers for n in VECTORS] + [(output_norm, D)], address)
+    rope_rows = _rope_rows(rope, hd, address)
+    if mats is None or vectors is None or rope_rows is None or len(rope_rows) != len(layers):
         return None
-    F = gate[1].shape[0]
+    return DecoderPlan(spec, mats, vectors, has, rope_rows, np.array(spec.windows, np.int64),
+                       range_functions(mats[:, 3]), keep, spec.n_ff, int(mats[-1, 1]), int(rope_rows[:, 2].min()))
+
+
+def _matrices(layers, output, D, q_rows, kv_rows, F, stored, address) -> np.ndarray | None:
+    """The `mats` table, or None when a matrix is not of a type and shape the step reads."""
     want = dict(zip(MATRICES, [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, q_rows), (F, D), (F, D), (D, F)]))
+    mats = []
     # every shape checked once here: the step reads by address and would not notice
     for w, shape in [(L[name], want[name]) for L in layers for name in MATRICES] + [(output, (None, D))]:
         s = stored(w)
@@ -111,32 +141,32 @@ def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: l
         d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
         dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
         mats.append((address(b), *b.shape, QTYPE_CODES[qtype], address(d), address(dmin), *d.shape))
-    has = np.array([all(L[n] is not None for L in layers) for n in VECTORS], np.int64)
-    if any(any(L[n] is not None for L in layers) != bool(h) for n, h in zip(VECTORS, has)):
-        return None  # some layers have a vector others lack
-    sizes = dict(zip(VECTORS, (D, D, q_rows, kv_rows, kv_rows, hd, hd, D, D)))
-    vectors = []
-    for v, size in [(L[n], sizes[n]) for L in layers for n in VECTORS] + [(output_norm, D)]:
+    return np.array(mats, np.int64)
+
+
+def _vectors(pairs: list, address) -> np.ndarray | None:
+    """The `vectors` table of (vector or None, its length) pairs, or None when one's size is wrong."""
+    rows = []
+    for v, size in pairs:
         if v is None:
-            vectors.append((address(_NO_VECTOR), 0))
+            rows.append((address(_NO_VECTOR), 0))
             continue
         v = np.ascontiguousarray(v, np.float32).reshape(-1)
         if v.size != size:
             return None
-        vectors.append((address(v), v.size))
-    rope_rows = []
+        rows.append((address(v), v.size))
+    return np.array(rows, np.int64)
+
+
+def _rope_rows(rope: list, head_dim: int, address) -> np.ndarray | None:
+    """The `rope` table of each layer's (cos, sin), or None when one is not float32 [P, <= hd/2]."""
+    rows = []
     for c, s in rope:
         if not (c.dtype == s.dtype == np.float32 and c.ndim == 2 and c.shape == s.shape and 2 * c.shape[1] <= head_dim):
             return None
         c, s = np.ascontiguousarray(c), np.ascontiguousarray(s)
-        rope_rows.append((address(c), address(s), *c.shape))
-    if len(rope_rows) != len(layers) or len(windows) != len(layers):
-        return None
-    mats = np.array(mats, np.int64)
-    return DecoderPlan(mats, np.array(vectors, np.int64), has, np.array(rope_rows, np.int64),
-                       np.array(windows, np.int64), range_functions(mats[:, 3]), keep, D, n_head, n_kv, head_dim, F,
-                       int(mats[-1, 1]), min(r[2] for r in rope_rows), eps, scale, rope_style == "neox",
-                       ffn_act == "gelu_tanh")
+        rows.append((address(c), address(s), *c.shape))
+    return np.array(rows, np.int64).reshape(-1, 4)
 
 
 def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
@@ -198,15 +228,16 @@ def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
 
 
 @njit(**_JIT)
-def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables, seqs, pos, n_head, n_kv, eps, scale,
-                neox, gelu, hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits, sync, tid, n):
+def decode_step(x, weights, rows, form, bufs, sync, tid, n):
     """One decode step for rows x [R, D] (embedded tokens; updated in place), thread tid of
-    n: see the module docstring. Buffers: hbuf [n, R, D], q [R, H*hd], k, v [R, G*hd],
-    qr [R, H, hd], att [R, H*hd], p [R, D], gate, up, act [R, F], kr [n, hd],
-    logits [R, V]; sync int64 [2] zeroed; fns: `block_tasks.range_functions`
-    (addresses); the rest
-    from a `DecoderPlan`. The rows were
-    checked by `check_rows`."""
+    n: see the module docstring. `weights` and `form` come from a `DecoderPlan`;
+    rows = (k_all, v_all, tables, seqs, pos), checked by `check_rows`; bufs = (hbuf [n, R, D],
+    q [R, H*hd], k, v [R, G*hd], qr [R, H, hd], att [R, H*hd], p [R, D], gate, up, act [R, F],
+    kr [n, hd], logits [R, V]); sync int64 [2] zeroed."""
+    fns, mats, vectors, has, rope, windows = weights
+    k_all, v_all, tables, seqs, pos = rows
+    n_head, n_kv, eps, scale, neox, gelu = form
+    hbuf, q, k, v, qr, att, p, gate, up, act, kr, logits = bufs
     R, D = x.shape
     L = windows.shape[0]
     hd = q.shape[1] // n_head
@@ -215,11 +246,11 @@ def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables,
     h = hbuf[tid]
     q3, att3 = q.reshape((R, n_head, hd)), att.reshape((R, n_head, hd))
     for i in range(L):
-        mi, vi = i * 7, i * 9
-        _rms_norm(x, _vector(vectors, vi), eps, h)
-        _product(fns, mats, mi, h, q, tid, n)
-        _product(fns, mats, mi + 1, h, k, tid, n)
-        _product(fns, mats, mi + 2, h, v, tid, n)
+        mi, vi = i * N_MATRICES, i * N_VECTORS
+        _rms_norm(x, _vector(vectors, vi + ATTN_NORM), eps, h)
+        _product(fns, mats, mi + Q, h, q, tid, n)
+        _product(fns, mats, mi + K, h, k, tid, n)
+        _product(fns, mats, mi + V, h, v, tid, n)
         barrier(sync, n)
         kb, vb = k_all[i], v_all[i]
         c = numba.carray(f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
@@ -231,12 +262,12 @@ def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables,
             for g in range(g0, g1):
                 ko = r * k.shape[1] + g * hd
                 kg, vg = k[r, g * hd:(g + 1) * hd], v[r, g * hd:(g + 1) * hd]
-                if has[3]:
-                    _add(kg, _vector(vectors, vi + 3), g * hd)
-                if has[4]:
-                    _add(vg, _vector(vectors, vi + 4), g * hd)
-                if has[6]:
-                    _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + 6), eps, kg.reshape((1, hd)))
+                if has[K_BIAS]:
+                    _add(kg, _vector(vectors, vi + K_BIAS), g * hd)
+                if has[V_BIAS]:
+                    _add(vg, _vector(vectors, vi + V_BIAS), g * hd)
+                if has[K_NORM]:
+                    _rms_norm(kg.reshape((1, hd)), _vector(vectors, vi + K_NORM), eps, kg.reshape((1, hd)))
                 o = ((blk * n_kv + g) * B + pr % B) * hd
                 kt = kr[tid]
                 _rope_row(k, ko, pr, c, s, neox, kt, 0, hd)
@@ -245,23 +276,23 @@ def decode_step(x, fns, mats, vectors, has, rope, windows, k_all, v_all, tables,
                 for j in range(grp):
                     hh = g * grp + j
                     qh = q3[r, hh]
-                    if has[2]:
-                        _add(qh, _vector(vectors, vi + 2), hh * hd)
-                    if has[5]:
-                        _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + 5), eps, qh.reshape((1, hd)))
+                    if has[Q_BIAS]:
+                        _add(qh, _vector(vectors, vi + Q_BIAS), hh * hd)
+                    if has[Q_NORM]:
+                        _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + Q_NORM), eps, qh.reshape((1, hd)))
                     _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
             _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g0, g1, first_position(pr, windows[i]), pr, scale, att3)
         barrier(sync, n)
-        c0, c1 = _product(fns, mats, mi + 3, att, p, tid, n)
-        _residual(x, p, _vector(vectors, vi + 7), has[7], eps, c0, c1, sync, tid, n)
+        c0, c1 = _product(fns, mats, mi + OUT, att, p, tid, n)
+        _residual(x, p, _vector(vectors, vi + POST_ATTN_NORM), has[POST_ATTN_NORM], eps, c0, c1, sync, tid, n)
         barrier(sync, n)
-        _rms_norm(x, _vector(vectors, vi + 1), eps, h)
-        g0, g1 = _product(fns, mats, mi + 4, h, gate, tid, n)
-        _product(fns, mats, mi + 5, h, up, tid, n)  # the same columns: same N
+        _rms_norm(x, _vector(vectors, vi + FFN_NORM), eps, h)
+        g0, g1 = _product(fns, mats, mi + GATE, h, gate, tid, n)
+        _product(fns, mats, mi + UP, h, up, tid, n)  # the same columns: same N
         gated_columns(gate, up, act, g0, g1, gelu)
         barrier(sync, n)
-        c0, c1 = _product(fns, mats, mi + 6, act, p, tid, n)
-        _residual(x, p, _vector(vectors, vi + 8), has[8], eps, c0, c1, sync, tid, n)
+        c0, c1 = _product(fns, mats, mi + DOWN, act, p, tid, n)
+        _residual(x, p, _vector(vectors, vi + POST_FFW_NORM), has[POST_FFW_NORM], eps, c0, c1, sync, tid, n)
         barrier(sync, n)
-    _rms_norm(x, _vector(vectors, L * 9), eps, h)
-    _product(fns, mats, L * 7, h, logits, tid, n)
+    _rms_norm(x, _vector(vectors, L * N_VECTORS), eps, h)
+    _product(fns, mats, L * N_MATRICES, h, logits, tid, n)

@@ -172,21 +172,21 @@ class NumpyBackend(ArrayBackend):
             return w.qtype, w.data, None, None
         return None
 
-    def prepare_decoder(self, layers, output_norm, output, rope, windows, n_head, n_kv, head_dim, eps, scale,
-                        rope_style, ffn_act):
-        """The one-call decode step's plan (`cpu_decoder`), unless PANECHAT_CPU_STEP=ops."""
+    def prepare_decoder(self, spec, layers, output_norm, output, rope):
+        """The one-call decode step's plan (`cpu_decoder.build_plan`: None where `spec` has a
+        feature the step does not implement), unless PANECHAT_CPU_STEP=ops."""
         if os.environ.get("PANECHAT_CPU_STEP", "one-call") == "ops":
             return None
-        return self.cpu_decoder.build_plan(layers, output_norm, output, rope, windows, n_head, n_kv, head_dim,
-                                           eps, scale, rope_style, ffn_act, self._stored)
+        return self.cpu_decoder.build_plan(spec, layers, output_norm, output, rope, self._stored)
 
     def run_decoder(self, plan, kv, x, slots, positions, tables):
         """The decode step on the crew (`cpu_decoder.decode_step`); None, having written
         nothing, when a sequence has several rows, the store is not stacked or does not
         match the plan's shape, or the KV is float16 and the CPU lacks F16C."""
+        spec = plan.spec
         if (kv.stacked is None or (kv.stacked[0].dtype == np.float16 and not self.decode_attention.HAS_F16C)
-                or kv.n_kv != plan.n_kv or kv.head_dim != plan.head_dim or len(kv.k) != len(plan.windows)
-                or x.shape[-1] != plan.n_embd):
+                or kv.n_kv != spec.n_kv or kv.head_dim != spec.head_dim or len(kv.k) != spec.n_layer
+                or x.shape[-1] != spec.n_embd):
             return None
         c = np.ascontiguousarray
         t = c(kv.slot_table if tables is None else tables, np.int32)
@@ -202,19 +202,17 @@ class NumpyBackend(ArrayBackend):
         x = np.array(x, np.float32, order="C", copy=True)
         R, D = x.shape
         n = self._threads()  # the governor's count for this step
-        H, G, hd, F = plan.n_head, plan.n_kv, plan.head_dim, plan.n_ff
-        f32 = np.float32
+        H, G, hd, F = spec.n_head, spec.n_kv, spec.head_dim, plan.n_ff
 
         def e(*shape):
-            return np.empty(shape, f32)
+            return np.empty(shape, np.float32)
 
         logits = e(R, plan.vocab)
+        bufs = (e(n, R, D), e(R, H * hd), e(R, G * hd), e(R, G * hd), e(R, H, hd), e(R, H * hd), e(R, D),
+                e(R, F), e(R, F), e(R, F), e(n, hd), logits)
         self._sync[:] = 0
         self.crew.run(self.cpu_decoder.decode_step,
-                      (x, plan.fns, plan.mats, plan.vectors, plan.has, plan.rope, plan.windows, k_all, v_all, t, seqs, pos,
-                       H, G, f32(plan.eps), f32(plan.scale), plan.neox, plan.gelu,
-                       e(n, R, D), e(R, H * hd), e(R, G * hd), e(R, G * hd), e(R, H, hd), e(R, H * hd), e(R, D),
-                       e(R, F), e(R, F), e(R, F), e(n, hd), logits, self._sync), n)
+                      (x, plan.weights, (k_all, v_all, t, seqs, pos), plan.form, bufs, self._sync), n)
         return logits
 
     def rms_norm(self, x, weight, eps):

@@ -8,6 +8,9 @@ scaling) and optional tensors (QKV biases, per-head q/k norms, norms after atten
 FFN), skipped when absent. phi3's fused tensors (`attn_qkv`: Q, K, V rows; `ffn_up`: gate
 rows, then up rows) are split at load into row ranges of their stored blocks, so the
 forward pass sees the same separate matrices as for the others.
+What the layers compute is described once at load (`backends.layer_spec.DecoderSpec`,
+built by `decoder_spec`): this pass reads its features from it, and a backend's one-call
+decode step (`Backend.prepare_decoder`) takes it or declines.
 The forward pass holds no cache state of its own: the KV store comes in as an argument,
 and each row of a batch carries its own slot and position, so rows of different
 sequences (prefill chunks and decode tokens alike) share one pass.
@@ -16,16 +19,25 @@ sequences (prefill chunks and decode tokens alike) share one pass.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from panechat.backends.base import Backend
+from panechat.backends.layer_spec import DecoderSpec
 from panechat.backends.quant.gguf_tensor import GGUFTensor, TensorError
 from panechat.engine.gguf.file import GGUFFile, ModelFileError
 from panechat.engine.model.args import ModelArgs
+from panechat.engine.model.decoder_spec import decoder_spec
 from panechat.engine.model.rope_scaling import global_rope
+
+
+# the features this pass computes (`DecoderSpec.unsupported_by`): any value of the others
+OP_BY_OP = {"rope_style": ("normal", "neox"), "activation": ("silu", "gelu_tanh"), "attn_q_bias": None,
+            "attn_k_bias": None, "attn_v_bias": None, "attn_q_norm": None, "attn_k_norm": None,
+            "post_attention_norm": None, "post_ffw_norm": None, "uneven_layers": None, "embed_scale": None,
+            "logit_softcap": None}
 
 
 @dataclass
@@ -79,7 +91,9 @@ class Model:
     rope: list = ()  # per layer, (cos, sin) tables on the backend (shared between layers)
     load_seconds: float = 0.0
     weight_bytes: int = 0
+    spec: DecoderSpec | None = None  # what the layers and head compute: both paths read it
     decoder: Any = None  # the backend's whole-decode-step plan (`Backend.prepare_decoder`), if any
+    decoder_off: str | None = None  # why the one-call step was turned off after load (`turn_off_decoder`)
 
     @classmethod
     def load(cls, gf: GGUFFile, backend: Backend, max_positions: int | None = None) -> "Model":
@@ -166,12 +180,26 @@ class Model:
         max_pos = max_positions or args.context_length
         rope = _rope_per_layer(args, backend, max_pos, _rope_freq_factors(gf, args, max_pos))
         output_norm = vec("output_norm.weight")
-        decoder = backend.prepare_decoder(
-            [{f.name: getattr(L, f.name) for f in fields(L)} for L in layers], output_norm, output, rope,
-            [args.window(i) for i in range(args.n_layer)], args.n_head, args.n_kv_head, args.head_dim,
-            args.rms_eps, args.scale, args.rope_style, args.ffn_act)
+        spec = decoder_spec(args, layers)
+        why = spec.unsupported_by(OP_BY_OP)
+        if why:
+            raise ModelFileError(f"{gf.path}: the forward pass cannot run this model: {why}")
+        decoder = backend.prepare_decoder(spec, _layer_dicts(layers), output_norm, output, rope)
         return cls(args, backend, embd, output_norm, output, layers, rope=rope,
-                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, decoder=decoder)
+                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, spec=spec, decoder=decoder)
+
+    def with_args(self, args: ModelArgs) -> "Model":
+        """These weights and RoPE tables under other `args` (a test's shorter window): the
+        description and the one-call plan are built again from them, so both paths follow."""
+        spec = decoder_spec(args, self.layers)
+        decoder = self.backend.prepare_decoder(spec, _layer_dicts(self.layers), self.output_norm, self.output,
+                                               self.rope)
+        return replace(self, args=args, spec=spec, decoder=decoder)
+
+    def turn_off_decoder(self, why: str) -> None:
+        """Stop using the one-call decode step (`Backend.run_decoder`): every later step
+        runs op by op. `why` is kept in `decoder_off`."""
+        self.decoder, self.decoder_off = None, why
 
     def forward(self, kv: Any, batch: Batch) -> np.ndarray:
         """Run every row of `batch`; return float32 logits [L, vocab] for `logit_rows`.
@@ -180,15 +208,15 @@ class Model:
         `Backend.run_decode_step`, which may replay a captured CUDA graph of the layers and
         head (CuPy); the result is the same bit for bit."""
         logits = self.backend.to_numpy(self._device_logits(kv, batch))
-        if self.args.final_logit_softcap > 0:  # gemma2-style; elementwise on the host
-            cap = np.float32(self.args.final_logit_softcap)
+        if self.spec.logit_softcap > 0:  # gemma2-style; elementwise on the host
+            cap = np.float32(self.spec.logit_softcap)
             logits = np.tanh(logits / cap) * cap
         return logits
 
     @property
     def samples_on_device(self) -> bool:
         """Whether `forward_tokens` can pick the tokens where the logits are."""
-        return self.backend.samples_on_device and not self.args.final_logit_softcap > 0
+        return self.backend.samples_on_device and not self.spec.logit_softcap > 0
 
     def forward_tokens(self, kv: Any, batch: Batch, temperature: np.ndarray, top_p: np.ndarray,
                        min_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray,
@@ -200,12 +228,12 @@ class Model:
                                         seeds, steps, before_pick)
 
     def _device_logits(self, kv: Any, batch: Batch) -> Any:
-        a, be = self.args, self.backend
+        s, be = self.spec, self.backend
         be.begin_step()
         R = len(batch.tokens)
         x = be.embed(self.token_embd, batch.tokens)  # (R, D)
-        if a.embed_scale != 1.0:
-            x = x * np.float32(a.embed_scale)
+        if s.embed_scale != 1.0:
+            x = x * np.float32(s.embed_scale)
         rows = np.asarray(batch.logit_rows, dtype=np.int64)
         if len(rows) == R and np.array_equal(rows, np.arange(R)):
             if self.decoder is not None:  # the whole step in one backend call, where it can
@@ -227,23 +255,27 @@ class Model:
         a slotted store), then the output norm and head for `rows` (None: all rows) ->
         logits on the backend. Launches the same kernels for the same shapes
         whatever the values, so a backend may capture it as a graph."""
-        a, be = self.args, self.backend
-        R = x.shape[0]
-        ffn_act = be.silu_mul if a.ffn_act == "silu" else be.gelu_mul
+        s, be = self.spec, self.backend
+        R, eps = x.shape[0], s.eps
+        ffn_act = be.silu_mul if s.activation == "silu" else be.gelu_mul
         for i, L in enumerate(self.layers):
             # the norm and the products (and biases) in one call where the backend can
-            q, k, v = be.norm_linear_many(x, L.attn_norm, a.rms_eps, (L.attn_q, L.attn_k, L.attn_v),
+            q, k, v = be.norm_linear_many(x, L.attn_norm, eps, (L.attn_q, L.attn_k, L.attn_v),
                                           (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-            q, k, v = (q.reshape(R, a.n_head, a.head_dim), k.reshape(R, a.n_kv_head, a.head_dim),
-                       v.reshape(R, a.n_kv_head, a.head_dim))
-            q, k = _normed(be, q, L.attn_q_norm, a.rms_eps), _normed(be, k, L.attn_k_norm, a.rms_eps)
-            o = be.rope_attend(kv, i, q, k, v, slots, positions, a.scale, a.window(i), tables, a.rope_style,
+            q, k, v = (q.reshape(R, s.n_head, s.head_dim), k.reshape(R, s.n_kv, s.head_dim),
+                       v.reshape(R, s.n_kv, s.head_dim))
+            q, k = _normed(be, q, L.attn_q_norm, eps), _normed(be, k, L.attn_k_norm, eps)
+            o = be.rope_attend(kv, i, q, k, v, slots, positions, s.scale, s.windows[i], tables, s.rope_style,
                                self.rope[i])  # RoPE on q and k, then attention: (R, n_head, hd)
-            x = _residual(be, x, o.reshape(R, a.n_head * a.head_dim), L.attn_output, L.post_attention_norm,
-                          a.rms_eps)
-            gate, up = be.norm_linear_many(x, L.ffn_norm, a.rms_eps, (L.ffn_gate, L.ffn_up))
-            x = _residual(be, x, ffn_act(gate, up), L.ffn_down, L.post_ffw_norm, a.rms_eps)
-        return be.norm_linear_many(x if rows is None else x[rows], self.output_norm, a.rms_eps, (self.output,))[0]
+            x = _residual(be, x, o.reshape(R, s.n_head * s.head_dim), L.attn_output, L.post_attention_norm, eps)
+            gate, up = be.norm_linear_many(x, L.ffn_norm, eps, (L.ffn_gate, L.ffn_up))
+            x = _residual(be, x, ffn_act(gate, up), L.ffn_down, L.post_ffw_norm, eps)
+        return be.norm_linear_many(x if rows is None else x[rows], self.output_norm, eps, (self.output,))[0]
+
+
+def _layer_dicts(layers: list[Layer]) -> list[dict]:
+    """Each layer's weights keyed by GGUF name, as `Backend.prepare_decoder` takes them."""
+    return [{f.name: getattr(L, f.name) for f in fields(L)} for L in layers]
 
 
 def _rope_freq_factors(gf: GGUFFile, a: ModelArgs, max_pos: int) -> np.ndarray | None:

@@ -4,6 +4,9 @@ Runs a sequence alone, then the same sequence inside a mixed batch (other sequen
 prefill and decode rows around it, at another row position), and compares the logits
 bit for bit; a decode row also beside another sequence's prefill chunk, which takes the
 op-by-op path where a decode-only step may run in one call. The engine turns batching off when this fails.
+
+`check_one_call_step` compares the one-call decode step with op by op directly: a
+difference condemns that step, not batching, and the engine turns the step off.
 """
 
 from __future__ import annotations
@@ -46,6 +49,28 @@ def check_model_invariance(model: Model, kv: Any) -> str | None:
         return ("decode logits differ beside a prefill chunk from a decode-only step "
                 f"(max |diff| {np.abs(alone - beside).max():.3g})")
     return None
+
+
+def check_one_call_step(model: Model, kv: Any) -> str | None:
+    """None when the model's one-call decode step (`Backend.run_decoder`) gives op by op's
+    logits bit for bit, or it has none; else a one-line description. Uses KV blocks 0..2
+    of `kv` as `check_model_invariance` does."""
+    if model.decoder is None or kv.n_blocks < 3:
+        return None
+    rng = np.random.default_rng(1)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(0, vocab, n).astype(np.int32) for n in (6, 11)]
+    model.forward(kv, _rows([(0, prompts[0], 0), (1, prompts[1], 0)]))  # a prefill: op by op
+    step = _rows([(s, rng.integers(0, vocab, 1).astype(np.int32), len(p)) for s, p in enumerate(prompts)])
+    one_call = model.forward(kv, step)
+    plan, model.decoder = model.decoder, None
+    try:
+        ops = model.forward(kv, step)  # rewrites the step's K and V: the same bits when the step is right
+    finally:
+        model.decoder = plan
+    if np.array_equal(one_call.view(np.uint32), ops.view(np.uint32)):
+        return None
+    return f"the one-call decode step's logits differ from op by op's (max |diff| {np.abs(one_call - ops).max():.3g})"
 
 
 _TABLES = np.array([[2], [0], [1]], np.int32)  # sequence i's one block: not block i

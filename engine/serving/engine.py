@@ -31,7 +31,7 @@ from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
 from panechat.engine.serving.events import Event, FinishEvent
 from panechat.engine.serving.invalid_request import InvalidRequest
-from panechat.engine.model.invariance import check_model_invariance
+from panechat.engine.model.invariance import check_model_invariance, check_one_call_step
 from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
 from panechat.engine.kv.manager import KVManager
 from panechat.engine.kv.persistence import KVPersistence
@@ -209,6 +209,8 @@ class Engine:
             f"{kv.n_blocks} blocks of {BLOCK_TOKENS} tokens = {kv.n_blocks * BLOCK_TOKENS} tokens "
             f"({kv.n_blocks * BLOCK_TOKENS / self.ctx:.1f} full contexts), shared prefixes cached",
         ]
+        if m.decoder_off:
+            lines.append(f"decode step: op by op, the one-call step turned off by the self-check: {m.decoder_off}")
         k = self.cfg.max_concurrent
         if self.batching:
             lines.append(f"concurrency: {k} generations at once, decode batched, answers identical to solo")
@@ -340,6 +342,7 @@ class Engine:
     def _self_check(self) -> None:
         if self.cfg.verify_invariance:
             try:
+                self._check_one_call_step()
                 self.invariance_problem = check_model_invariance(self.lm.model, self.kv)
             except Exception as e:  # a broken check must not pass for a proof
                 self.invariance_problem = f"self-check failed to run: {type(e).__name__}: {e}"
@@ -347,6 +350,14 @@ class Engine:
         # rows are only proven independent of each other when the check passed
         self.scheduler.max_seqs_per_step = None if self.batching else 1
         self._checked.set()
+
+    def _check_one_call_step(self) -> None:
+        """A one-call decode step unlike op by op is turned off (one log line): the model
+        decodes op by op from then on, and the invariance check proves that path."""
+        problem = check_one_call_step(self.lm.model, self.kv)
+        if problem:
+            self.lm.model.turn_off_decoder(problem)
+            log.warning("one-call decode step turned off, decode runs op by op: %s", problem)
 
     def _run(self) -> None:
         self._self_check()

@@ -2,22 +2,48 @@
 bit for bit: logits and every layer's stored K and V, on the default model, a K-quant
 copy of it and tiny models of every architecture (biases, q/k norms, post norms, gelu,
 sliding windows, fused QKV), at 1..5 rows with shuffled block tables, f16 and f32 KV,
-on one thread and on two."""
+on one thread and on two. Both paths read one description of the layers
+(`layer_spec.DecoderSpec`): the step takes each family's, and declines one with a feature
+it does not implement."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numba
 import numpy as np
 import pytest
 
+from panechat.backends.cpu import decoder as cpu_decoder
 from panechat.backends.cpu.numpy_backend import NumpyBackend
+from panechat.backends.layer_spec import DecoderSpec
 from panechat.backends.paged_kv import BLOCK_TOKENS
-from panechat.engine.gguf.file import GGUFFile
+from panechat.engine.gguf.file import GGUFFile, ModelFileError
+from panechat.engine.model import forward
+from panechat.engine.model.decoder_spec import decoder_spec
 from panechat.engine.model.forward import Batch, Model
 
 from .kquant_model import write_kquant_copy
 
 TINY = [("llama", "Q8_0"), ("qwen2", "Q5_1"), ("qwen3", "Q4_0"), ("gemma3", "Q8_0"), ("phi3", "Q4_1")]
+# each family's features in its description, beside the defaults (the plain llama layer)
+FAMILY = {"llama": {},
+          "qwen2": dict(rope_style="neox", attn_q_bias=True, attn_k_bias=True, attn_v_bias=True),
+          "qwen3": dict(rope_style="neox", attn_q_norm=True, attn_k_norm=True),
+          "gemma3": dict(rope_style="neox", activation="gelu_tanh", attn_q_norm=True, attn_k_norm=True,
+                         post_attention_norm=True, post_ffw_norm=True, embed_scale=8.0),
+          "phi3": dict(rope_style="neox")}
+
+
+def _tiny_model(tiny, arch: str, qtype: str) -> Model:
+    path, _ = tiny(arch, qtype)
+    return Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
+
+
+def _prepare(model: Model, spec: DecoderSpec):
+    """The backend's one-call plan for `spec` with `model`'s weights (None: declined)."""
+    layers = [{f.name: getattr(L, f.name) for f in dataclasses.fields(L)} for L in model.layers]
+    return model.backend.prepare_decoder(spec, layers, model.output_norm, model.output, model.rope)
 
 
 def _prefilled(model: Model, lengths: list[int], kv_dtype: str, seed: int):
@@ -88,10 +114,65 @@ def test_f32_store(loaded_model):
 
 @pytest.mark.parametrize("arch,qtype", TINY)
 def test_tiny_architectures_one_call_equals_ops(tiny, arch, qtype):
-    path, _ = tiny(arch, qtype)
-    model = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
+    """The step takes each family's description and gives op by op's bits."""
+    model = _tiny_model(tiny, arch, qtype)
+    assert model.spec.features_set() == FAMILY[arch]
+    assert model.decoder is not None and model.decoder.spec is model.spec
     for rows in (1, 4):
         _assert_same(*_step_both_ways(model, [7, 12, 3, 9][:rows], "f16", seed=rows))
+
+
+@pytest.mark.parametrize("arch,qtype", TINY)
+def test_the_step_declines_a_family_feature_it_lacks(tiny, monkeypatch, arch, qtype):
+    """Were the step to lack one of a family's features (taken out of `IMPLEMENTS`), it
+    declines that family; the model still loads and decodes op by op."""
+    model = _tiny_model(tiny, arch, qtype)
+    assert _prepare(model, model.spec) is not None
+    implements = cpu_decoder.IMPLEMENTS
+    for name, value in {"rope_style": model.spec.rope_style, **FAMILY[arch]}.items():
+        # the step computing this feature for every value but the family's
+        lacking = {**implements, name: tuple(v for v in implements[name] or () if v != value)}
+        monkeypatch.setattr(cpu_decoder, "IMPLEMENTS", lacking)
+        assert _prepare(model, model.spec) is None, name
+    path, _ = tiny(arch, qtype)
+    declined = Model.load(GGUFFile.open(path), NumpyBackend(), max_positions=128)
+    assert declined.decoder is None
+    _, ops, _, _ = _step_both_ways(model, [7, 12], "f16", seed=5)
+    kv, tables, pos = _prefilled(declined, [7, 12], "f16", seed=5)
+    order = np.random.default_rng(6).permutation(2).astype(np.int32)
+    toks = np.random.default_rng(7).integers(0, declined.args.vocab_size, 2).astype(np.int32)
+    got = declined.forward(kv, Batch(toks, order, pos[order], np.arange(2), tables))
+    assert np.array_equal(got.view(np.uint32), ops.view(np.uint32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithAttentionSoftcap(DecoderSpec):
+    """A family feature neither path knows (gemma2's attention logit softcap)."""
+
+    attn_logit_softcap: float = 0.0
+
+
+def test_a_feature_unknown_to_the_step_makes_it_decline(tiny, monkeypatch):
+    model = _tiny_model(tiny, "gemma3", "Q8_0")
+    unset = _WithAttentionSoftcap(**dataclasses.asdict(model.spec))
+    assert _prepare(model, unset) is not None  # at its default the feature changes nothing
+    capped = dataclasses.replace(unset, attn_logit_softcap=50.0)
+    assert "attn_logit_softcap" in capped.unsupported_by(cpu_decoder.IMPLEMENTS)
+    assert _prepare(model, capped) is None
+    # the op-by-op pass refuses it too: the model does not load, rather than compute it wrongly
+    monkeypatch.setattr(forward, "decoder_spec", lambda args, layers: _WithAttentionSoftcap(
+        **dataclasses.asdict(decoder_spec(args, layers)), attn_logit_softcap=50.0))
+    with pytest.raises(ModelFileError, match="attn_logit_softcap=50.0"):
+        Model.load(GGUFFile.open(tiny("gemma3", "Q8_0")[0]), NumpyBackend(), max_positions=128)
+
+
+def test_layers_unlike_each_other_run_op_by_op(tiny):
+    """A vector some layers hold and others lack (`uneven_layers`): the step declines."""
+    model = _tiny_model(tiny, "qwen3", "Q4_0")
+    model.layers[1].attn_k_norm = None
+    spec = decoder_spec(model.args, model.layers)
+    assert spec.uneven_layers and not spec.attn_k_norm and spec.attn_q_norm
+    assert _prepare(model, spec) is None
 
 
 def test_kquant_model(model_path, tmp_path):

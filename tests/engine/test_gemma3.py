@@ -37,7 +37,7 @@ def test_logits_bit_identical_alone_vs_batched(gemma, gemma_golden, window):
     (same weights) to have every sequence slide past it."""
     model = gemma.model
     if window:
-        model = replace(model, args=replace(model.args, sliding_window=window))
+        model = model.with_args(replace(model.args, sliding_window=window))
     prompts = [gemma_golden["completion"][i]["prompt_ids"] for i in (2, 3, 1, 0)]  # 11, 15, 7, 6 tokens
     steps = 3
     alone = [run_batched(model, new_kv(model, 1, 64), [p], steps, 0)[0] for p in prompts[:3]]
