@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.kv.snapshot_store import default_root
 from panechat.engine.model.loader import load_model

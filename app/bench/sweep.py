@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from panechat.engine.model.loader import load_model
 from panechat.engine.model.forward import Batch
 

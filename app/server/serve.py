@@ -29,7 +29,7 @@ from pathlib import Path
 import uvicorn
 
 from panechat.backends.errors import one_line
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from ..engine_factory import build_models, engine_config
 from ..startup_clock import since_start
 from ..store import data_dir

@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import sys
 
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from panechat.engine.gguf.file import ModelFileError
 from ..clients import backend_for_url
 from ..clients.local import LocalBackend

@@ -23,7 +23,7 @@ from typing import Callable
 
 from panechat.backends.paged_kv import bytes_per_block
 from panechat.engine.serving.config import EngineConfig
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from panechat.engine.serving.engine import Engine
 from panechat.engine.gguf.header import read_gguf_header
 from panechat.engine.kv.blocks import blocks_for

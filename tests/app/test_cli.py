@@ -13,7 +13,7 @@ import pytest
 import panechat.app.cli as cli_module
 from panechat.app.cli import SHARED_DEFAULTS, build_parser
 from panechat.app.engine_factory import engine_config
-from panechat.engine.catalog import default_model
+from panechat.engine import default_model
 from panechat.engine.catalog import shipped_models
 from panechat.engine.serving.config import EngineConfig
 from panechat.engine.gguf.file import ModelFileError

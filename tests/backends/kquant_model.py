@@ -104,7 +104,7 @@ def write_kquant_copy(src: Path, dst: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    from panechat.engine.catalog.default_model import resolve_model_path
+    from panechat.engine.default_model import resolve_model_path
 
     out = Path(sys.argv[1])
     source = Path(sys.argv[2]) if len(sys.argv) > 2 else resolve_model_path(None)

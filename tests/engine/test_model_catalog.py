@@ -15,7 +15,7 @@ import pytest
 
 from panechat.engine.catalog import model_catalog
 from panechat.engine.catalog import shipped_models
-from panechat.engine.catalog.default_model import resolve_model_path
+from panechat.engine.default_model import resolve_model_path
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.catalog.model_catalog import find_model, find_models
 from panechat.engine.catalog.shipped_models import ShippedModel

@@ -1,5 +1,8 @@
 """Where the model comes from: `--model PATH` or a name `panechat models` lists, else the
-default model shipped on PyPI."""
+default model shipped on PyPI.
+
+The engine's one entry point for "which file": the app, the benchmarks and the shared tools
+(../shared/tools/compare-cpu, make-shape-model) import `resolve_model_path` from here."""
 
 from __future__ import annotations
 
