@@ -39,9 +39,8 @@ from numba import njit
 
 from panechat.backends.cpu.activation_kernels import gated_columns
 from panechat.backends.cpu.addresses import call_void, f32_at
-from panechat.backends.cpu.block_tasks import QTYPE_CODES, range_functions, share
-from panechat.backends.quant.gguf_blocks import KQUANT_BYTES, QK_K
-from panechat.backends.cpu.quant_kernels import BLOCK32_BYTES
+from panechat.backends.cpu.block_tasks import range_functions, share, step_codes
+from panechat.backends.quant import registry
 from panechat.backends.cpu.decode_attention import _attend_blocks, _rope_row, _write_row, first_position, share_tasks
 from panechat.backends.cpu.decode_attention import check_rows as decode_check_rows
 from panechat.backends.cpu.norm_kernels import _rms_norm
@@ -62,7 +61,7 @@ class DecoderPlan:
     address and shape in int64 tables (a numba typed list would compile its methods at
     every start, ~1 s), the arrays themselves held in `keep`."""
 
-    mats: np.ndarray  # int64 [L*7 + 1, 8]: blocks address, N, bytes a row, QTYPE_CODES, d address,
+    mats: np.ndarray  # int64 [L*7 + 1, 8]: blocks address, N, bytes a row, step_codes, d address,
     #                   dmin address, d rows, d columns (the head last; d: K-quants' per-super-block scales)
     vectors: np.ndarray  # int64 [L*9 + 1, 2]: address, length (0: absent), VECTORS order; the output norm last
     has: np.ndarray  # int64 [9]: which of VECTORS the layers have
@@ -90,7 +89,7 @@ def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: l
     dmin) or None), or None when some part is not one the step computes."""
     if rope_style not in ("neox", "normal") or ffn_act not in ("silu", "gelu_tanh") or not layers:
         return None
-    keep, mats = [], []
+    keep, mats, codes = [], [], step_codes()
 
     def address(a: np.ndarray) -> int:
         keep.append(a)
@@ -105,12 +104,12 @@ def build_plan(layers: list[dict], output_norm: np.ndarray, output: Any, rope: l
     # every shape checked once here: the step reads by address and would not notice
     for w, shape in [(L[name], want[name]) for L in layers for name in MATRICES] + [(output, (None, D))]:
         s = stored(w)
-        if s is None or s[0] not in QTYPE_CODES or not _blocks_fit(*s, shape):
+        if s is None or s[0] not in codes or not _blocks_fit(*s, shape):
             return None
         qtype, b, d, dmin = s
         d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
         dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
-        mats.append((address(b), *b.shape, QTYPE_CODES[qtype], address(d), address(dmin), *d.shape))
+        mats.append((address(b), *b.shape, codes[qtype], address(d), address(dmin), *d.shape))
     has = np.array([all(L[n] is not None for L in layers) for n in VECTORS], np.int64)
     if any(any(L[n] is not None for L in layers) != bool(h) for n, h in zip(VECTORS, has)):
         return None  # some layers have a vector others lack
@@ -144,11 +143,11 @@ def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
     N, K = shape
     if blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous or N not in (None, blocks.shape[0]):
         return False
-    if qtype in KQUANT_BYTES:
-        sb = (blocks.shape[0], K // QK_K)
-        return (K % QK_K == 0 and blocks.shape[1] == K // QK_K * KQUANT_BYTES[qtype] and d is not None
-                and dmin is not None and d.shape == sb and dmin.shape == sb)
-    return K % 32 == 0 and blocks.shape[1] == K // 32 * BLOCK32_BYTES[qtype]
+    t = registry.get(qtype)
+    if not t.fits(K) or blocks.shape[1] != t.row_bytes(K):
+        return False
+    sb = (blocks.shape[0], K // t.block_weights)
+    return not t.scales_at_load or (d is not None and dmin is not None and d.shape == sb and dmin.shape == sb)
 
 
 @njit(**_JIT)

@@ -47,7 +47,7 @@ from panechat.backends.cuda.mma import build_mma, emulated_mma, mma_requested, w
 from panechat.backends.cuda.step_graphs import GraphCapture, ReplayByRerun, StepGraphs
 from panechat.backends.cuda.packed import can_pack, can_split_q5, can_split_q6k, split_blocks, split_q5, split_q6k
 from panechat.backends.cuda.widen import WIDENED, can_widen, random_blocks, widen
-from panechat.backends.quant.gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
+from panechat.backends.quant.gguf_blocks import UNPACKED, kept_quantized, unpack
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.self_check import AttentionCase, CheckPlan
 
@@ -435,7 +435,7 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
     few = [(1, 40, 512), (5, 8200, 256), (17, 33, 256), (3, 50, 77)]
     for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
         for M, N, K in (linear_cases if qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0") else few):
-            if (qtype in BLOCK_BYTES or qtype in WIDENED) and K % 32 or qtype.endswith("_K") and K % 256:
+            if (qtype in UNPACKED or qtype in WIDENED) and K % 32 or qtype.endswith("_K") and K % 256:
                 continue
             if qtype.endswith("_K"):
                 t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))
