@@ -187,18 +187,34 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd
     return stored
 
 
-# (weights, bytes) a block; bytes where its f16 scales are; the weights' RMS over d for
-# random codes and sub-block scales (kvalues reach 127, IQ4_XS's ls - 32 reaches 32, Q3_K's
-# (sc - 32) * q reaches 128, Q2_K's sc * q 45)
-_RAW = {"IQ4_NL": ((32, 18), (0,), 80), "IQ4_XS": ((256, 136), (0,), 1280),
-        "Q2_K": ((256, 84), (80, 82), 13), "Q3_K": ((256, 110), (108,), 43)}
+# The weights' RMS over d for random codes and sub-block scales (kvalues reach 127, IQ4_XS's
+# ls - 32 reaches 32, Q3_K's (sc - 32) * q reaches 128, Q2_K's sc * q 45); other types: measured
+_RAW_RMS = {"IQ4_NL": 80, "IQ4_XS": 1280, "Q2_K": 13, "Q3_K": 43}
+
+
+def _measured_rms(qtype: str) -> float:
+    """The RMS of gguf's weights of random `qtype` blocks with every f16 scale 1."""
+    from gguf import GGMLQuantizationType, quants
+
+    from panechat.backends.quant import registry
+
+    t = registry.get(qtype)
+    b = np.random.default_rng(0).integers(0, 256, (64, t.block_bytes), dtype=np.uint8)
+    for o in t.f16_at:
+        b[:, o:o + 2] = np.array([1.0], np.float16).view(np.uint8)
+    return float(np.sqrt(np.mean(quants.dequantize(b, GGMLQuantizationType[qtype]).astype(np.float64) ** 2)))
 
 
 def random_raw_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
-    """uint8 [n, k/block * bytes] blocks of IQ4_NL, IQ4_XS, Q2_K or Q3_K as a GGUF file
-    stores them: random codes and sub-block scales, each block's f16 d (Q2_K: and dmin,
-    positive as llama.cpp's) drawn so that the weights are about 1/sqrt(k)."""
-    (per, size), f16_at, rms = _RAW[qtype]
+    """uint8 [n, k/block * bytes] blocks of a registered block type (IQ4_NL, IQ4_XS, Q2_K, Q3_K:
+    gguf cannot quantize them) as a GGUF file stores them: random codes and sub-block scales,
+    each block's f16 d (Q2_K: and dmin, positive as llama.cpp's) drawn so that the weights
+    are about 1/sqrt(k)."""
+    from panechat.backends.quant import registry
+
+    t = registry.get(qtype)
+    (per, size), f16_at = (t.block_weights, t.block_bytes), t.f16_at
+    rms = _RAW_RMS.get(qtype) or _measured_rms(qtype)
     b = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
     scale = 1 / (np.sqrt(k) * rms)
     for o in f16_at:

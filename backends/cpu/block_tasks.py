@@ -5,8 +5,9 @@ The columns are computed by `block_linear`'s own paths (register tiles up to
 REG_MAX_ROWS rows, dequantized float32 panels above), so every output element has the
 bits `quant_kernels.linear_block32` / `linear_kquant` give it: which thread computes a
 column, and with which neighbours, never changes its arithmetic. Each block type is its
-own C-callable function (`range_function`), compiled on first use and cached; the step
-calls them through a table of pointers indexed by a small integer code (`QTYPE_CODES`),
+own C-callable function (`range_function`, made from the type's registry entry by
+`generated`), compiled on first use and cached; the step calls them through a table of
+pointers indexed by a small integer code (`step_codes`, from the registry's order),
 so one compiled step serves a file of mixed types (Q4_K_M mixes Q4_K and Q6_K), and a
 model compiles only the types it holds (each takes ~20 s of CPU the first time).
 
@@ -16,8 +17,6 @@ numba's cache keys a function on its own module's file only: after editing
 
 from __future__ import annotations
 
-import functools
-
 import numba
 import numpy as np
 from numba import cfunc, njit, types
@@ -25,11 +24,8 @@ from numba import cfunc, njit, types
 from panechat.backends.cpu.addresses import f32_at, u8_at
 from panechat.backends.cpu.block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from panechat.backends.cpu.numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
-from panechat.backends.cpu.quant_kernels import (_pair_iq4_nl, _pair_iq4_xs, _pair_q2_k, _pair_q3_k, _pair_q4_0, _pair_q4_1, _pair_q4_k,
-                            _pair_q5_0, _pair_q5_1, _pair_q5_k, _pair_q6_k, _pair_q8_0)
-
-QTYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7,
-               "IQ4_NL": 8, "IQ4_XS": 9, "Q2_K": 10, "Q3_K": 11}
+from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of
+from panechat.backends.quant import registry
 
 
 @njit(inline="always", **_JIT)
@@ -73,72 +69,38 @@ def _range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_
     _range(x, w, d, dmin, out, c0, c1, load2)
 
 
-# One named function per type, not made by a factory: numba's cache keys a function on its
-# name and line, so closures from one factory would share (and overwrite) one cache entry.
-def _range_q8_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q8_0)
+def _range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    """Template of each type's range function (`generated.bind_loader` binds `_load2`)."""
+    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
 
 
-def _range_q4_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q4_0)
-
-
-def _range_q4_1(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q4_1)
-
-
-def _range_q5_0(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q5_0)
-
-
-def _range_q5_1(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q5_1)
-
-
-def _range_q4_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q4_k)
-
-
-def _range_q5_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q5_k)
-
-
-def _range_q6_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q6_k)
-
-
-def _range_iq4_nl(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_iq4_nl)
-
-
-def _range_iq4_xs(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_iq4_xs)
-
-
-def _range_q2_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q2_k)
-
-
-def _range_q3_k(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _pair_q3_k)
-
-
-_RANGES = (_range_q8_0, _range_q4_0, _range_q4_1, _range_q5_0, _range_q5_1, _range_q4_k, _range_q5_k, _range_q6_k,
-           _range_iq4_nl, _range_iq4_xs, _range_q2_k, _range_q3_k)
+_load2 = None  # bound per type
 RANGE_SIGNATURE = types.void(*[types.int64] * 14)
 
 
-@functools.cache
-def range_function(code: int):
-    """The C-callable product over columns c0..c1 for block type `code`, compiled (or read
-    from numba's cache) on first use: a model compiles only the types it holds. Arguments,
-    all int64: x address, M, K; the blocks' address, N, bytes a row; d and dmin addresses,
-    their rows and columns; out's address and columns; c0, c1."""
-    return cfunc(RANGE_SIGNATURE, **_JIT)(_RANGES[code])
+def step_codes() -> dict[str, int]:
+    """The one-call step's code of each type the CPU keeps in blocks: its position among the
+    registry's block types (`range_functions` lists them in the same order)."""
+    return {t.name: i for i, t in enumerate(registry.block_types())}
+
+
+_COMPILED: dict = {}  # registry entry -> its compiled range function
+
+
+def range_function(t: registry.QuantType):
+    """The C-callable product over columns c0..c1 for block type `t`, compiled (or read from
+    numba's cache) on first use: a model compiles only the types it holds. Arguments, all
+    int64: x address, M, K; the blocks' address, N, bytes a row; d and dmin addresses, their
+    rows and columns; out's address and columns; c0, c1."""
+    if t not in _COMPILED:
+        f = bind_loader(_range_template, kernel_name("_range", t), loader_of(t))
+        _COMPILED[t] = cfunc(RANGE_SIGNATURE, **dict(_JIT, cache=cacheable(t)))(f)
+    return _COMPILED[t]
 
 
 def range_functions(codes) -> np.ndarray:
-    """int64 [len(QTYPE_CODES)]: the address of each type's range function, for
+    """int64 [len(step_codes())]: the address of each type's range function, for
     `decode_step` (`addresses.call_void`); compiled for the codes used, 0 for the rest."""
     used = set(int(c) for c in codes)
-    return np.array([range_function(c).address if c in used else 0 for c in range(len(QTYPE_CODES))], np.int64)
+    return np.array([range_function(t).address if c in used else 0 for c, t in enumerate(registry.block_types())],
+                    np.int64)

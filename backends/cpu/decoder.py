@@ -42,9 +42,8 @@ from numba import njit
 
 from panechat.backends.cpu.activation_kernels import gated_columns
 from panechat.backends.cpu.addresses import call_void, f32_at
-from panechat.backends.cpu.block_tasks import QTYPE_CODES, range_functions, share
-from panechat.backends.quant.gguf_blocks import KQUANT_BYTES, QK_K
-from panechat.backends.cpu.quant_kernels import BLOCK32_BYTES
+from panechat.backends.cpu.block_tasks import range_functions, share, step_codes
+from panechat.backends.quant import registry
 from panechat.backends.cpu.decode_attention import _attend_blocks, _rope_row, _write_row, first_position, share_tasks
 from panechat.backends.cpu.decode_attention import check_rows as decode_check_rows
 from panechat.backends.cpu.norm_kernels import _rms_norm
@@ -79,7 +78,7 @@ class DecoderPlan:
     `decode_step`'s arguments of the same names, built once here."""
 
     spec: DecoderSpec  # the description the plan was built from
-    mats: np.ndarray  # int64 [L*N_MATRICES + 1, 8]: blocks address, N, bytes a row, QTYPE_CODES, d address,
+    mats: np.ndarray  # int64 [L*N_MATRICES + 1, 8]: blocks address, N, bytes a row, step_codes, d address,
     #                   dmin address, d rows, d columns (the head last; d: K-quants' per-super-block scales)
     vectors: np.ndarray  # int64 [L*N_VECTORS + 1, 2]: address, length (0: absent), VECTORS order; output norm last
     has: np.ndarray  # int64 [N_VECTORS]: which of VECTORS the layers have (the spec's flags)
@@ -131,16 +130,16 @@ def build_plan(spec: DecoderSpec, layers: list[dict], output_norm: np.ndarray, o
 def _matrices(layers, output, D, q_rows, kv_rows, F, stored, address) -> np.ndarray | None:
     """The `mats` table, or None when a matrix is not of a type and shape the step reads."""
     want = dict(zip(MATRICES, [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, q_rows), (F, D), (F, D), (D, F)]))
-    mats = []
+    mats, codes = [], step_codes()
     # every shape checked once here: the step reads by address and would not notice
     for w, shape in [(L[name], want[name]) for L in layers for name in MATRICES] + [(output, (None, D))]:
         s = stored(w)
-        if s is None or s[0] not in QTYPE_CODES or not _blocks_fit(*s, shape):
+        if s is None or s[0] not in codes or not _blocks_fit(*s, shape):
             return None
         qtype, b, d, dmin = s
         d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
         dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
-        mats.append((address(b), *b.shape, QTYPE_CODES[qtype], address(d), address(dmin), *d.shape))
+        mats.append((address(b), *b.shape, codes[qtype], address(d), address(dmin), *d.shape))
     return np.array(mats, np.int64)
 
 
@@ -174,11 +173,11 @@ def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
     N, K = shape
     if blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous or N not in (None, blocks.shape[0]):
         return False
-    if qtype in KQUANT_BYTES:
-        sb = (blocks.shape[0], K // QK_K)
-        return (K % QK_K == 0 and blocks.shape[1] == K // QK_K * KQUANT_BYTES[qtype] and d is not None
-                and dmin is not None and d.shape == sb and dmin.shape == sb)
-    return K % 32 == 0 and blocks.shape[1] == K // 32 * BLOCK32_BYTES[qtype]
+    t = registry.get(qtype)
+    if not t.fits(K) or blocks.shape[1] != t.row_bytes(K):
+        return False
+    sb = (blocks.shape[0], K // t.block_weights)
+    return not t.scales_at_load or (d is not None and dmin is not None and d.shape == sb and dmin.shape == sb)
 
 
 @njit(**_JIT)

@@ -27,14 +27,15 @@ import numpy as np
 
 from panechat.backends.array_backend import ArrayBackend
 from panechat.backends.cpu.threads import ThreadGovernor
-from panechat.backends.quant.gguf_blocks import kept_in_blocks
+from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
 
 
 @dataclass
 class KQuantWeight:
-    """A Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS weight [N, K] as stored: `blocks` uint8 [N, K/256 * bytes]
+    """A weight [N, K] of a type whose scales the kernels take at load (registry
+    `scales_at_load`: Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS) as stored: `blocks` uint8 [N, K/256 * bytes]
     (a view of the memory map), with each super-block's f16 d and dmin as float32 [N, K/256]
     (Q3_K, Q6_K and IQ4_XS: no dmin, `dmin` is `d`)."""
 
@@ -51,8 +52,8 @@ class KQuantWeight:
 
 @dataclass
 class StoredWeight:
-    """An F16/BF16 weight or one of 32-weight blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) [N, K]
-    as stored, a view of the memory map: `data` uint16 [N, K] (16-bit floats as integers)
+    """An F16/BF16 weight or one of blocks whose kernels read the scales in the blocks (Q4_0,
+    Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) [N, K] as stored, a view of the memory map: `data` uint16 [N, K] (16-bit floats as integers)
     or uint8 [N, K/32 * bytes] (blocks, f16 scales included)."""
 
     qtype: str
@@ -64,8 +65,7 @@ class StoredWeight:
         return self.data.nbytes
 
 
-_HALF = ("F16", "BF16")
-_BLOCK32 = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")  # quant_kernels.linear_block32
+_HALF = ("F16", "BF16")  # quant_kernels.linear_half; the block types are the registry's
 _LANES = 16  # numpy_kernels.LANES: a 16-bit weight row must be whole vectors
 
 
@@ -100,23 +100,25 @@ class NumpyBackend(ArrayBackend):
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
+        stored = "/".join(t.name for t in registry.block_types())
         return (f"numpy on CPU ({threads}), numba row-invariant kernels, "
-                "Q4_x/Q5_x/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS read as stored, F16/BF16 in 16 bits")
+                f"{stored} read as stored, F16/BF16 in 16 bits")
 
     def begin_step(self) -> None:
         if self.governor is not None:
             self.governor.tick()
 
     def linear_weight(self, t: GGUFTensor) -> np.ndarray | KQuantWeight | StoredWeight:
-        if kept_in_blocks(t):
+        kind = registry.get(t.qtype)
+        if kind is not None and kind.cpu_loader and len(t.shape) == 2 and kind.fits(t.shape[1]):
             blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
-            return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
-                                t.shape)
+            if kind.scales_at_load:
+                return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
+                                    t.shape)
+            return StoredWeight(t.qtype, blocks, t.shape)
         if t.qtype in _HALF and len(t.shape) == 2 and t.shape[1] % _LANES == 0:
             bits = np.ascontiguousarray(t.blocks).view(np.uint16).reshape(t.shape)  # no copy
             return StoredWeight(t.qtype, bits, t.shape)
-        if t.qtype in _BLOCK32 and len(t.shape) == 2 and t.shape[1] % 32 == 0:
-            return StoredWeight(t.qtype, np.ascontiguousarray(t.blocks, dtype=np.uint8), t.shape)
         return t.dequantize()
 
     def linear(self, x: np.ndarray, w: np.ndarray | KQuantWeight | StoredWeight) -> np.ndarray:
@@ -124,7 +126,7 @@ class NumpyBackend(ArrayBackend):
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
         if isinstance(w, KQuantWeight):
             self.quant_kernels.linear_kquant(x, w.blocks, w.qtype, w.d, w.dmin, out)
-        elif isinstance(w, StoredWeight) and w.qtype in _BLOCK32:
+        elif isinstance(w, StoredWeight) and w.qtype not in _HALF:
             self.quant_kernels.linear_block32(x, w.data, w.qtype, out)
         elif isinstance(w, StoredWeight):
             self.quant_kernels.linear_half(x, w.data, w.qtype, out)
@@ -142,7 +144,7 @@ class NumpyBackend(ArrayBackend):
         if same and isinstance(first, KQuantWeight):
             return tuple(self.quant_kernels.linear_kquant_many(x, [(w.blocks, w.d, w.dmin) for w in ws],
                                                                 first.qtype))
-        if same and isinstance(first, StoredWeight) and first.qtype in _BLOCK32:
+        if same and isinstance(first, StoredWeight) and first.qtype not in _HALF:
             return tuple(self.quant_kernels.linear_block32_many(x, [w.data for w in ws], first.qtype))
         return super().linear_many(x, ws)
 
@@ -168,7 +170,7 @@ class NumpyBackend(ArrayBackend):
         """(qtype, blocks, d, dmin) of a weight kept in GGUF blocks, else None."""
         if isinstance(w, KQuantWeight):
             return w.qtype, w.blocks, w.d, w.dmin
-        if isinstance(w, StoredWeight) and w.qtype in _BLOCK32:
+        if isinstance(w, StoredWeight) and w.qtype not in _HALF:
             return w.qtype, w.data, None, None
         return None
 

@@ -65,7 +65,8 @@ from numba.extending import intrinsic
 from panechat.backends.cpu.block_linear import block_linear_driver
 from panechat.backends.cpu.block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
                         vsplat_f16_pair)
-from panechat.backends.quant.gguf_blocks import KQUANT_BYTES, QK_K
+from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of
+from panechat.backends.quant import registry
 from panechat.backends.cpu.numpy_kernels import (
     _JIT,
     LANES,
@@ -80,8 +81,8 @@ from panechat.backends.cpu.numpy_kernels import (
     vsplat,
 )
 
-__all__ = ["QK_K", "KQUANT_BYTES", "BLOCK32_BYTES", "linear_kquant", "superblock_scales", "linear_half",
-           "linear_block32", "linear_block32_many", "linear_kquant_many", "linear_q5"]
+__all__ = ["kernels", "linear_kquant", "superblock_scales", "linear_half", "linear_block32", "linear_block32_many",
+           "linear_kquant_many", "linear_q5"]
 
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _U8VEC = ir.VectorType(ir.IntType(8), LANES)
@@ -477,122 +478,6 @@ _pair_q5_1 = _lut_q5_1 if HAS_LUT else _arith_q5_1
 _pair_iq4_nl = _lut_iq4_nl if HAS_LUT else _arith_iq4_nl
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q8_0(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q8_0)
-
-
-@njit(parallel=True, **_JIT)
-def _linear_q4_0(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_0)
-
-
-@njit(parallel=True, **_JIT)
-def _linear_q4_1(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_1)
-
-
-@njit(parallel=True, **_JIT)
-def _linear_q5_0(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_0)
-
-
-@njit(parallel=True, **_JIT)
-def _linear_q5_1(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
-
-
-@njit(parallel=True, **_JIT)
-def _linear_iq4_nl(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_iq4_nl)
-
-
-# The same drivers compiled without `parallel`: prange runs as a plain loop, so each
-# element is computed exactly as above (the split over columns never changes an
-# element's arithmetic). When the kernels run on one thread (the governor's choice while
-# other processes hold the cores, or NUMBA_NUM_THREADS=1) these skip the parallel
-# launch, which at decode sizes costs more than it saves: measured 15-20% per product
-# for SmolLM2-135M's B=1 products. Separate functions, not re-jitted `py_func`s: numba's
-# cache keys a kernel on its name and line, not on the parallel flag.
-@njit(**_JIT)
-def _serial_q8_0(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q8_0)
-
-
-@njit(**_JIT)
-def _serial_q4_0(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_0)
-
-
-@njit(**_JIT)
-def _serial_q4_1(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q4_1)
-
-
-@njit(**_JIT)
-def _serial_q5_0(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_0)
-
-
-@njit(**_JIT)
-def _serial_q5_1(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_q5_1)
-
-
-@njit(**_JIT)
-def _serial_iq4_nl(x, ws, outs, count):
-    block_linear_driver(x, ws, ws, ws, outs, count, _pair_iq4_nl)
-
-
-def _pick(kernels: dict, serial: dict, qtype: str):
-    """The parallel kernel for `qtype`, or its serial twin when numba runs one thread."""
-    return serial[qtype] if numba.get_num_threads() == 1 else kernels[qtype]
-
-
-BLOCK32_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18}  # bytes per 32 weights
-_BLOCK32_KERNELS = {"Q8_0": _linear_q8_0, "Q4_0": _linear_q4_0, "Q4_1": _linear_q4_1,
-                    "Q5_0": _linear_q5_0, "Q5_1": _linear_q5_1, "IQ4_NL": _linear_iq4_nl}
-_BLOCK32_SERIAL = {"Q8_0": _serial_q8_0, "Q4_0": _serial_q4_0, "Q4_1": _serial_q4_1,
-                   "Q5_0": _serial_q5_0, "Q5_1": _serial_q5_1, "IQ4_NL": _serial_iq4_nl}
-
-
-def _check_block32(x, blocks, qtype, out):
-    _require("x", x, np.float32, 2)
-    _require("blocks", blocks, np.uint8, 2)
-    _require("out", out, np.float32, 2)
-    M, K = x.shape
-    if K % 32 or blocks.shape[1] != K // 32 * BLOCK32_BYTES[qtype] or out.shape != (M, blocks.shape[0]):
-        raise ValueError(f"linear_block32: shapes x{x.shape} {qtype} blocks{blocks.shape} out{out.shape} "
-                         "do not match (K a multiple of 32)")
-
-
-def linear_block32(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
-    """out[M, N] = x[M, K] @ W.T for W stored as 32-weight blocks of `qtype` (Q4_0, Q4_1,
-    Q8_0, Q5_0, Q5_1, IQ4_NL), uint8 [N, K/32 * bytes] (C-contiguous; a memory-map view is fine);
-    the f16 scales are widened in the kernel. Bit-identical to
-    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
-    _check_block32(x, blocks, qtype, out)
-    _pick(_BLOCK32_KERNELS, _BLOCK32_SERIAL, qtype)(x, (blocks, blocks, blocks), (out, out, out), 1)
-    return out
-
-
-def _three(items: list) -> tuple:
-    """`items` (1..3) padded to a 3-tuple by repeating the first: the kernels' arity."""
-    if not 1 <= len(items) <= 3:
-        raise ValueError(f"a fused linear takes 1 to 3 weights, got {len(items)}")
-    return tuple(items) + (items[0],) * (3 - len(items))
-
-
-def linear_block32_many(x: np.ndarray, blocks: list[np.ndarray], qtype: str) -> list[np.ndarray]:
-    """[x @ W.T for W in blocks] (1 to 3 weights of one 32-weight `qtype`, same K) in one
-    parallel region; each product bit-identical to `linear_block32`'s."""
-    outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b in blocks]
-    for b, o in zip(blocks, outs):
-        _check_block32(x, b, qtype, o)
-    _pick(_BLOCK32_KERNELS, _BLOCK32_SERIAL, qtype)(x, _three(blocks), _three(outs), len(blocks))
-    return outs
-
-
 def linear_q5(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
     """`linear_block32` for Q5_0/Q5_1."""
     return linear_block32(x, blocks, qtype, out)
@@ -776,87 +661,109 @@ def _pair_q3_k(w, wd, wdm, n, k):
     return _q3_k_group(w, wd, n, sb, rb, i), _q3_k_group(w, wd, n, sb, rb, i + 16)
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q2_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q2_k)
+_load2 = None  # the templates' pair loader, bound per type by `generated.bind_loader`
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q3_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q3_k)
+def _linear_in_block(x, ws, outs, count):
+    """Template: a product over 1-3 weights of a type whose kernel reads its scales in the blocks."""
+    block_linear_driver(x, ws, ws, ws, outs, count, _load2)
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q4_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q4_k)
+def _linear_at_load(x, ws, wds, wdms, outs, count):
+    """Template: a product over 1-3 weights with float32 scales taken at load (`superblock_scales`)."""
+    block_linear_driver(x, ws, wds, wdms, outs, count, _load2)
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q5_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q5_k)
+# Each type gets a parallel kernel and a serial twin, the same driver compiled without
+# `parallel`: prange runs as a plain loop, so each element is computed exactly as in the
+# parallel one (the split over columns never changes an element's arithmetic). When the
+# kernels run on one thread (the governor's choice while other processes hold the cores,
+# or NUMBA_NUM_THREADS=1) the twin skips the parallel launch, which at decode sizes costs
+# more than it saves: measured 15-20% per product for SmolLM2-135M's B=1 products. Both
+# get names of their own: numba's cache keys a kernel on its name and line, not on the
+# parallel flag.
+_BUILT: dict[str, tuple] = {}  # qtype -> (registry entry, parallel kernel, serial kernel)
 
 
-@njit(parallel=True, **_JIT)
-def _linear_q6_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
+def kernels(qtype: str) -> tuple:
+    """(parallel, serial) numba kernels of `qtype`, made from its registry entry on first use
+    (`generated`: "_linear_q4_k" / "_serial_q4_k", its pair loader bound in)."""
+    t = registry.get(qtype)
+    built = _BUILT.get(qtype)
+    if built is None or built[0] is not t:
+        if t is None or not t.cpu_loader:
+            raise ValueError(f"no CPU block kernel reads {qtype}")
+        template = _linear_at_load if t.scales_at_load else _linear_in_block
+        load2, jit = loader_of(t), dict(_JIT, cache=cacheable(t))
+        built = _BUILT[qtype] = (t, njit(parallel=True, **jit)(bind_loader(template, kernel_name("_linear", t), load2)),
+                                 njit(**jit)(bind_loader(template, kernel_name("_serial", t), load2)))
+    return built[1], built[2]
 
 
-@njit(parallel=True, **_JIT)
-def _linear_iq4_xs(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_iq4_xs)
+def _pick(qtype: str):
+    """The parallel kernel for `qtype`, or its serial twin when numba runs one thread."""
+    parallel, serial = kernels(qtype)
+    return serial if numba.get_num_threads() == 1 else parallel
 
 
-@njit(**_JIT)
-def _serial_q2_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q2_k)
+def _entry(qtype: str, at_load: bool) -> registry.QuantType:
+    t = registry.get(qtype)
+    if t is None or not t.cpu_loader or t.scales_at_load != at_load:
+        raise ValueError(f"{qtype} is not a type of {'linear_kquant' if at_load else 'linear_block32'}")
+    return t
 
 
-@njit(**_JIT)
-def _serial_q3_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q3_k)
+def _check_block32(x, blocks, qtype, out):
+    _require("x", x, np.float32, 2)
+    _require("blocks", blocks, np.uint8, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    t = _entry(qtype, False)
+    if not t.fits(K) or blocks.shape[1] != t.row_bytes(K) or out.shape != (M, blocks.shape[0]):
+        raise ValueError(f"linear_block32: shapes x{x.shape} {qtype} blocks{blocks.shape} out{out.shape} "
+                         f"do not match (K a multiple of {t.block_weights})")
 
 
-@njit(**_JIT)
-def _serial_q4_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q4_k)
+def linear_block32(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W stored as blocks of `qtype` whose kernel reads the scales
+    in the blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL), uint8 [N, K/32 * bytes] (C-contiguous;
+    a memory-map view is fine); the f16 scales are widened in the kernel. Bit-identical to
+    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    _check_block32(x, blocks, qtype, out)
+    _pick(qtype)(x, (blocks, blocks, blocks), (out, out, out), 1)
+    return out
 
 
-@njit(**_JIT)
-def _serial_q5_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q5_k)
+def _three(items: list) -> tuple:
+    """`items` (1..3) padded to a 3-tuple by repeating the first: the kernels' arity."""
+    if not 1 <= len(items) <= 3:
+        raise ValueError(f"a fused linear takes 1 to 3 weights, got {len(items)}")
+    return tuple(items) + (items[0],) * (3 - len(items))
 
 
-@njit(**_JIT)
-def _serial_q6_k(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_q6_k)
-
-
-@njit(**_JIT)
-def _serial_iq4_xs(x, ws, wds, wdms, outs, count):
-    block_linear_driver(x, ws, wds, wdms, outs, count, _pair_iq4_xs)
-
-
-_KERNELS = {"Q2_K": _linear_q2_k, "Q3_K": _linear_q3_k, "Q4_K": _linear_q4_k, "Q5_K": _linear_q5_k,
-            "Q6_K": _linear_q6_k, "IQ4_XS": _linear_iq4_xs}
-_SERIAL = {"Q2_K": _serial_q2_k, "Q3_K": _serial_q3_k, "Q4_K": _serial_q4_k,  # one thread: see _pick
-           "Q5_K": _serial_q5_k, "Q6_K": _serial_q6_k, "IQ4_XS": _serial_iq4_xs}
-_D_AT = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}  # where d is when not at byte 0 (dmin follows it)
+def linear_block32_many(x: np.ndarray, blocks: list[np.ndarray], qtype: str) -> list[np.ndarray]:
+    """[x @ W.T for W in blocks] (1 to 3 weights of one 32-weight `qtype`, same K) in one
+    parallel region; each product bit-identical to `linear_block32`'s."""
+    outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b in blocks]
+    for b, o in zip(blocks, outs):
+        _check_block32(x, b, qtype, o)
+    _pick(qtype)(x, _three(blocks), _three(outs), len(blocks))
+    return outs
 
 
 def superblock_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """The f16 d and dmin of every super-block as float32 [N, K/256] each, exactly (f16 ->
-    f32 is exact); Q3_K, Q6_K and IQ4_XS have no dmin and return their d array twice."""
+    """The f16 d and dmin of every block as float32 [N, K / block weights] each, exactly (f16 ->
+    f32 is exact), from the bytes the registry names; a type without dmin (Q3_K, Q6_K,
+    IQ4_XS) returns its d array twice."""
+    t = _entry(qtype, True)
     n = blocks.shape[0]
-    b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, KQUANT_BYTES[qtype])
+    b = np.asarray(blocks, dtype=np.uint8).reshape(n, -1, t.block_bytes)
 
     def f16_at(o):
         return b[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    at = _D_AT.get(qtype, 0)
-    if qtype in ("Q3_K", "Q6_K", "IQ4_XS"):
-        d = f16_at(at)
-        return d, d
-    return f16_at(at), f16_at(at + 2)
+    d = f16_at(t.f16_at[0])
+    return (d, d) if len(t.f16_at) == 1 else (d, f16_at(t.f16_at[1]))
 
 
 def _check_kquant(x, blocks, qtype, d, dmin, out):
@@ -867,20 +774,22 @@ def _check_kquant(x, blocks, qtype, d, dmin, out):
     _require("dmin", dmin, np.float32, 2)
     M, K = x.shape
     N, nbytes = blocks.shape
-    if K % QK_K or nbytes != K // QK_K * KQUANT_BYTES[qtype] or out.shape != (M, N):
+    t = _entry(qtype, True)
+    if not t.fits(K) or nbytes != t.row_bytes(K) or out.shape != (M, N):
         raise ValueError(f"linear_kquant: shapes x{x.shape} {qtype} blocks{blocks.shape} "
-                         f"out{out.shape} do not match (K a multiple of {QK_K})")
-    if d.shape != (N, K // QK_K) or dmin.shape != d.shape:
-        raise ValueError("linear_kquant: d and dmin must be float32 [N, K/256]")
+                         f"out{out.shape} do not match (K a multiple of {t.block_weights})")
+    if d.shape != (N, K // t.block_weights) or dmin.shape != d.shape:
+        raise ValueError(f"linear_kquant: d and dmin must be float32 [N, K/{t.block_weights}]")
 
 
 def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, dmin: np.ndarray,
                   out: np.ndarray) -> np.ndarray:
-    """out[M, N] = x[M, K] @ W.T for W stored as `qtype` blocks: uint8 [N, K/256 * bytes]
-    (C-contiguous; a memory-map view is fine), with `d`, `dmin` from `superblock_scales`.
-    Bit-identical to ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
+    """out[M, N] = x[M, K] @ W.T for W stored as `qtype` blocks whose scales are taken at load
+    (the K-quants, IQ4_XS): uint8 [N, K/256 * bytes] (C-contiguous; a memory-map view is fine),
+    with `d`, `dmin` from `superblock_scales`. Bit-identical to
+    ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
     _check_kquant(x, blocks, qtype, d, dmin, out)
-    _pick(_KERNELS, _SERIAL, qtype)(x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
+    _pick(qtype)(x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
     return out
 
 
@@ -891,6 +800,6 @@ def linear_kquant_many(x: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray
     outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b, _, _ in weights]
     for (b, d, dm), o in zip(weights, outs):
         _check_kquant(x, b, qtype, d, dm, o)
-    _pick(_KERNELS, _SERIAL, qtype)(x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
-                    _three([w[2] for w in weights]), _three(outs), len(weights))
+    _pick(qtype)(x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
+                 _three([w[2] for w in weights]), _three(outs), len(weights))
     return outs

@@ -45,9 +45,10 @@ from panechat.backends.cuda.kernels import MAX_HEAD_DIM, WIDE_N, EmulatedModule,
 from panechat.backends.cuda.kernels.sampling import sampling_table
 from panechat.backends.cuda.mma import build_mma, emulated_mma, mma_requested, with_mma_checks
 from panechat.backends.cuda.step_graphs import GraphCapture, ReplayByRerun, StepGraphs
-from panechat.backends.cuda.packed import can_pack, can_split_q5, can_split_q6k, split_blocks, split_q5, split_q6k
+from panechat.backends.cuda.packed import split_blocks, split_q5, split_q6k
 from panechat.backends.cuda.widen import WIDENED, can_widen, random_blocks, widen
-from panechat.backends.quant.gguf_blocks import BLOCK_BYTES, kept_quantized, unpack
+from panechat.backends.quant.gguf_blocks import UNPACKED, kept_quantized, unpack
+from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.self_check import AttentionCase, CheckPlan
 
@@ -90,19 +91,9 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = Fa
     `widened`: Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K as int8 codes + float32 scales (the q8 kernels; the same
     floats) instead of their block form."""
     n, k = t.shape
-    if can_pack(t.qtype, t.shape) and not widened:  # block form, as stored
-        qs, d, m = split_blocks(t.blocks, t.qtype, n, k)
-        return CupyWeight("q80" if t.qtype == "Q8_0" else "q4", n, k, qs, d, m)
-    if t.qtype == "Q4_K" and can_widen(t.qtype, t.shape) and not widened:  # the super-blocks as stored
-        return CupyWeight("q4k", n, k, np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, k // 256 * 144))
-    if can_split_q5(t.qtype, t.shape) and not widened:  # block form, the fifth bits split off too
-        qs, d, m, qh = split_q5(t.blocks, t.qtype, n, k)
-        return CupyWeight("q5", n, k, qs, d, m, qh=qh)
-    if t.qtype == "Q5_K" and can_widen(t.qtype, t.shape) and not widened:  # the super-blocks as stored
-        return CupyWeight("q5k", n, k, np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, k // 256 * 176))
-    if can_split_q6k(t.qtype, t.shape) and not widened:  # as stored, the f16 d split off
-        body, d = split_q6k(t.blocks, n, k)
-        return CupyWeight("q6k", n, k, body, d)
+    kind = registry.get(t.qtype)
+    if kind is not None and kind.cuda_form and kind.fits(k) and not widened:  # block form, as stored
+        return _STORED_FORMS[kind.cuda_form](t, n, k)
     if kept_quantized(t):
         q, d, m = unpack(t.blocks, t.qtype, n, k)
         return CupyWeight("q8", n, k, q, d, m)
@@ -119,6 +110,31 @@ def prepare_weight(t: GGUFTensor, float_weights: str = "f16", widened: bool = Fa
     if not w.size or float(np.abs(w).max()) <= F16_MAX:
         return CupyWeight("f16", n, k, w.astype(np.float16))
     return CupyWeight("f32", n, k, w)
+
+
+def _q4_blocks(t: GGUFTensor, n: int, k: int) -> CupyWeight:
+    qs, d, m = split_blocks(t.blocks, t.qtype, n, k)
+    return CupyWeight("q80" if t.qtype == "Q8_0" else "q4", n, k, qs, d, m)
+
+
+def _q5_blocks(t: GGUFTensor, n: int, k: int) -> CupyWeight:  # the fifth bits split off too
+    qs, d, m, qh = split_q5(t.blocks, t.qtype, n, k)
+    return CupyWeight("q5", n, k, qs, d, m, qh=qh)
+
+
+def _super_blocks(t: GGUFTensor, n: int, k: int) -> CupyWeight:  # the super-blocks as stored
+    return CupyWeight(registry.get(t.qtype).cuda_form, n, k,
+                      np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, registry.get(t.qtype).row_bytes(k)))
+
+
+def _q6k_blocks(t: GGUFTensor, n: int, k: int) -> CupyWeight:  # as stored, the f16 d split off
+    body, d = split_q6k(t.blocks, n, k)
+    return CupyWeight("q6k", n, k, body, d)
+
+
+# The block-form kernel families a registry entry's `cuda_form` names, and how each is laid out.
+_STORED_FORMS = {"q80": _q4_blocks, "q4": _q4_blocks, "q5": _q5_blocks, "q4k": _super_blocks, "q5k": _super_blocks,
+                 "q6k": _q6k_blocks}
 
 
 def _import_cupy():
@@ -438,7 +454,7 @@ def compare_kernels_with_emulation(backend: CupyBackend, seed: int = 7) -> list[
     few = [(1, 40, 512), (5, 8200, 256), (17, 33, 256), (3, 50, 77)]
     for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
         for M, N, K in (linear_cases if qtype in ("F32", "F16", "Q8_0", "Q4_1", "Q4_0") else few):
-            if (qtype in BLOCK_BYTES or qtype in WIDENED) and K % 32 or qtype.endswith("_K") and K % 256:
+            if (qtype in UNPACKED or qtype in WIDENED) and K % 32 or qtype.endswith("_K") and K % 256:
                 continue
             if qtype.endswith("_K"):
                 t = GGUFTensor("w", (N, K), qtype, random_blocks(rng, qtype, N, K))

@@ -13,6 +13,7 @@ import numpy as np
 from panechat.backends.cuda.cupy_backend import CupyBackend, CupyWeight, prepare_weight
 from panechat.backends.cuda.kernels.mma_emulation import block_codes, from_bf16, mma_error_bound, split_x
 from panechat.backends.cuda.widen import random_blocks
+from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 #: (GGUF type, N, K): every MMA weight form -- f16, bf16; int8 codes with one scale per 32
@@ -21,7 +22,6 @@ from panechat.backends.quant.gguf_tensor import GGUFTensor
 MMA_CASES = (("F16", 72, 320), ("BF16", 40, 256), ("Q8_0", 200, 512), ("Q4_0", 40, 96), ("Q4_1", 70, 256),
              ("Q4_K", 48, 512), ("Q6_K", 33, 256),
              ("Q8_0 blocks", 40, 256), ("Q4_0 blocks", 24, 320), ("Q4_1 blocks", 33, 256))
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 BATCHES = (2, 3, 5, 8, 9, 16, 17, 31, 33, 64)
 
 
@@ -37,7 +37,7 @@ def block_form(t: GGUFTensor) -> CupyWeight:
     32 weights, byte j = weight j low nibble, j + 16 high), float16 d (and m) split off."""
     n, k = t.shape
     nb = k // 32
-    b = np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, nb, BLOCK_BYTES[t.qtype])
+    b = np.ascontiguousarray(t.blocks, dtype=np.uint8).reshape(n, nb, registry.get(t.qtype).block_bytes)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
     if t.qtype == "Q8_0":
         return CupyWeight("q80", n, k, np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k), d)

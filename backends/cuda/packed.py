@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-PACKED = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
-
-
-def can_pack(qtype: str, shape: tuple) -> bool:
-    return qtype in PACKED and len(shape) == 2 and shape[1] % 32 == 0
+from panechat.backends.quant import registry
 
 
 def split_blocks(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Blocks [n, k/32 * bytes] -> (qs uint8 [n, k/2], d float16 [n, k/32], m float16
     [n, k/32] or None), every byte as the file has it."""
     nb = k // 32
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, PACKED[qtype])
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, registry.get(qtype).block_bytes)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
     if qtype == "Q8_0":  # (q int8 [n, k], d, None)
         return np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k), d, None
@@ -39,10 +35,6 @@ def split_blocks(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nda
     return np.ascontiguousarray(qs).reshape(n, nb * 16), d, m
 
 
-def can_split_q6k(qtype: str, shape: tuple) -> bool:
-    return qtype == "Q6_K" and len(shape) == 2 and shape[1] % 256 == 0
-
-
 def split_q6k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Q6_K super-blocks [n, k/256 * 210] -> (body uint8 [n, k/256 * 208]: ql[128], qh[64],
     int8 scales[16] as stored; d float16 [n, k/256] as stored)."""
@@ -52,18 +44,11 @@ def split_q6k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarra
     return body, np.ascontiguousarray(b[..., 208:210]).view(np.float16).reshape(n, nb)
 
 
-Q5_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes per 32-weight block
-
-
-def can_split_q5(qtype: str, shape: tuple) -> bool:
-    return qtype in Q5_BYTES and len(shape) == 2 and shape[1] % 32 == 0
-
-
 def split_q5(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
     """Q5_0 / Q5_1 blocks [n, k/32 * 22 or 24] -> (qs uint8 [n, k/2], d float16 [n, k/32],
     m float16 [n, k/32] or None, qh uint32 [n, k/32]), every byte as the file has it."""
     nb = k // 32
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, Q5_BYTES[qtype])
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, registry.get(qtype).block_bytes)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, nb)
     m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, nb) if qtype == "Q5_1" else None
     o = 4 if qtype == "Q5_1" else 2

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
-WIDENED = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24}  # bytes per block
-_WEIGHTS_PER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32}
+from panechat.backends.quant import registry
+
+WIDENED = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")  # the types `widen` reads (geometry: the registry)
 
 
 def can_widen(qtype: str, shape: tuple) -> bool:
-    return qtype in WIDENED and len(shape) == 2 and shape[1] % _WEIGHTS_PER_BLOCK[qtype] == 0
+    return qtype in WIDENED and len(shape) == 2 and registry.get(qtype).fits(shape[1])
 
 
 def _f16(b: np.ndarray, o: int) -> np.ndarray:
@@ -45,8 +46,9 @@ def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def widen(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
     """Blocks [n, k / block * bytes] -> (q int8 [n, k], S float32 [n, k/G], M float32
     [n, k/G] or None, G)."""
-    nb = k // _WEIGHTS_PER_BLOCK[qtype]
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, WIDENED[qtype])
+    t = registry.get(qtype)
+    nb = k // t.block_weights
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, nb, t.block_bytes)
     if qtype in ("Q5_0", "Q5_1"):
         d = _f16(b, 0)
         off = 4 if qtype == "Q5_1" else 2
@@ -93,8 +95,9 @@ def _done(q, S, M, n: int, k: int, g: int):
 def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
     """Valid blocks of `qtype` [n, k / block * bytes] with random codes and scales and
     small finite f16 d (and dmin): test data for the kernels."""
-    nb = k // _WEIGHTS_PER_BLOCK[qtype]
-    raw = rng.integers(0, 256, (n, nb, WIDENED[qtype]), dtype=np.uint8)
+    t = registry.get(qtype)
+    nb = k // t.block_weights
+    raw = rng.integers(0, 256, (n, nb, t.block_bytes), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.5, (n, nb, 2)) * 0.01).astype(np.float16).view(np.uint8)
     if qtype == "Q6_K":
         raw[..., 208:210] = d[..., 0:2]

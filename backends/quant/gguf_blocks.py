@@ -6,28 +6,25 @@ ggml-common.h: Q8_0 = {f16 d; int8 q[32]}, Q4_0 = {f16 d; u8 qs[16]} with w = d*
 Q4_1 = {f16 d; f16 m; u8 qs[16]} with w = d*q + m; byte j of qs holds element j in its
 low nibble and element j+16 in its high nibble.
 
-The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS (256-weight super-blocks) are not unpacked: a
-backend that keeps them reads the blocks as stored (numpy: `quant_kernels`, which also
-reads Q5_0/Q5_1/IQ4_NL blocks and F16/BF16 as stored)."""
+Other block types are not unpacked: a backend that keeps them reads the blocks as stored
+(numpy: `quant_kernels`, for every type of the registry with a CPU loader)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the types kept quantized
-QK_K = 256  # weights per K-quant super-block
-KQUANT_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
-                "IQ4_XS": 136}  # bytes per super-block
+UNPACKED = ("Q8_0", "Q4_0", "Q4_1")  # the types `unpack` turns into int8 codes (its arithmetic)
 
 
 def unpack(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Blocks [n, k/32 * bytes] -> (q int8 [n, k], d float32 [n, k/32], m float32
     [n, k/32] or None) with w[i, j] = q[i, j] * d[i, j // 32] (+ m[i, j // 32]), exactly
     the floats ggml dequantizes (f16 -> f32 is exact)."""
-    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // BLOCK, BLOCK_BYTES[qtype])
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // BLOCK, registry.get(qtype).block_bytes)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if qtype == "Q8_0":
         return np.ascontiguousarray(b[..., 2:].copy().view(np.int8).reshape(n, k)), d, None
@@ -44,9 +41,4 @@ def unpack(blocks: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, 
 
 def kept_quantized(t: GGUFTensor) -> bool:
     """True when the weight `t` can stay quantized: a 2-D tensor of a kept type."""
-    return t.qtype in BLOCK_BYTES and len(t.shape) == 2 and t.shape[1] % BLOCK == 0
-
-
-def kept_in_blocks(t: GGUFTensor) -> bool:
-    """True when the weight `t` is a 2-D K-quant (or IQ4_XS) whose rows are whole super-blocks."""
-    return t.qtype in KQUANT_BYTES and len(t.shape) == 2 and t.shape[1] % QK_K == 0
+    return t.qtype in UNPACKED and len(t.shape) == 2 and t.shape[1] % BLOCK == 0

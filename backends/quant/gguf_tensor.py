@@ -13,21 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from panechat.backends.errors import one_line
-
-#: The GGML tensor types panechat reads, each kept in its stored form by the CPU kernels:
-#: name -> (values per block, bytes per block), as ggml-common.h / gguf.GGML_QUANT_SIZES.
-#: A file holding any other type is refused at load in one line naming it.
-READ_TYPES = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-}
-
-
-def read_types_text() -> str:
-    """The types panechat reads, for messages: "F32, F16, BF16, Q4_0, ..."."""
-    return ", ".join(READ_TYPES)
+from panechat.backends.quant.registry import read_types_text
 
 
 class TensorError(ValueError):

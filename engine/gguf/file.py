@@ -21,7 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from panechat.backends.quant.gguf_tensor import READ_TYPES, GGUFTensor, read_types_text
+from panechat.backends.quant import registry
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+from panechat.backends.quant.registry import read_types_text
 
 # GGUF value types (gguf.GGUFValueType) -> struct format of one element; 8 STRING, 9 ARRAY.
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -29,11 +31,6 @@ _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 _MAX_COUNT = 1 << 40  # a count this large is a damaged header, not a model
 
-# GGML type ids of the types panechat reads (ggml.h enum ggml_type); any other id is
-# named through the `gguf` package, imported only then.
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS",
-               30: "BF16"}
 # numpy dtype of the stored values, for the types stored element by element (as gguf.GGUFReader)
 _ELEMENT_DTYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
 
@@ -73,9 +70,9 @@ class ParsedHeader:
 
 def type_name(type_id: int) -> str:
     """The GGML name of a tensor type id ("Q4_K"), or "type N" for an id unknown to gguf."""
-    name = _TYPE_NAMES.get(type_id)
-    if name is not None:
-        return name
+    t = registry.by_id(type_id)
+    if t is not None:
+        return t.name
     from gguf import GGMLQuantizationType  # deferred: only for types panechat does not read
 
     try:
@@ -86,8 +83,9 @@ def type_name(type_id: int) -> str:
 
 def type_size(name: str) -> tuple[int, int] | None:
     """(values per block, bytes per block) of a GGML type name; None when unknown."""
-    if name in READ_TYPES:
-        return READ_TYPES[name]
+    t = registry.get(name)
+    if t is not None:
+        return t.block_weights, t.block_bytes
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred, as above
 
     try:
@@ -214,7 +212,7 @@ def _tensors(header: ParsedHeader, buf: mmap.mmap, size: int) -> tuple[dict[str,
         else:  # blocks: uint8 [rows..., bytes per row]
             values = raw.reshape(*shape[:-1], row // block * block_bytes)
         tensors[info.name] = GGUFTensor(info.name, shape, qtype, values)
-        if qtype not in READ_TYPES:
+        if registry.get(qtype) is None:
             unread[info.name] = qtype
     return tensors, unread
 

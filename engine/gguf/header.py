@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from panechat.backends.quant.gguf_tensor import READ_TYPES
+from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFormatError, ModelFileError, TensorInfo, parse_header, type_name, type_size
 
 
@@ -45,7 +45,7 @@ class GGUFHeader:
     @property
     def unread_types(self) -> list[str]:
         """Tensor types in the file that panechat does not read (a load refuses them)."""
-        return sorted(t for t in self.type_elements if t not in READ_TYPES)
+        return sorted(t for t in self.type_elements if registry.get(t) is None)
 
     @property
     def architecture(self) -> str | None:

@@ -80,18 +80,17 @@ def assert_kernels_are_linear_at_every_row_count(qtype, seed):
                     assert np.array_equal(fused[j], want[j][pick]), (qtype, threads, B, j)
     finally:
         numba.set_num_threads(before)
-    serial = qk._SERIAL if qtype in qk._SERIAL else qk._BLOCK32_SERIAL
-    parallel = qk._KERNELS if qtype in qk._KERNELS else qk._BLOCK32_KERNELS
-    assert serial[qtype].signatures and parallel[qtype].signatures  # both kernels ran
+    parallel, serial = qk.kernels(qtype)
+    assert serial.signatures and parallel.signatures  # both kernels ran
 
 
 def tiny_model(path, qtypes, seed):
-    """A tiny llama (n_embd 256) whose layer i matrices are all qtypes[i] (the rest Q8_0),
-    loaded on the numpy backend: (model, GGUFFile)."""
+    """A tiny llama (n_embd 256, a layer per type, at least 2) whose layer i matrices are all
+    qtypes[i] (the rest Q8_0), loaded on the numpy backend: (model, GGUFFile)."""
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     raw = {f"blk.{i}.{m}.weight": t for i, t in enumerate(qtypes) for m in names}
-    write_tiny_gguf(path, "llama", n_embd=256, n_ff=256, n_head=4, n_kv=2, qtype="Q8_0", tied=False, seed=seed,
-                    random_raw=raw)
+    write_tiny_gguf(path, "llama", n_layer=max(2, len(qtypes)), n_embd=256, n_ff=256, n_head=4, n_kv=2, qtype="Q8_0",
+                    tied=False, seed=seed, random_raw=raw)
     gf = GGUFFile.open(path)
     gf.check_types()  # read, not refused
     return Model.load(gf, NumpyBackend(), max_positions=128), gf

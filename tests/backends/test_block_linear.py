@@ -84,8 +84,7 @@ def test_one_thread_serial_kernels_equal_the_parallel_ones(rng, qtype):
                 assert np.array_equal(a, b), (qtype, M)
     finally:
         numba.set_num_threads(before)
-    table = qk._SERIAL if qtype in qk._SERIAL else qk._BLOCK32_SERIAL
-    assert table[qtype].signatures  # the one-thread calls above went through the serial kernel
+    assert qk.kernels(qtype)[1].signatures  # the one-thread calls above went through the serial kernel
 
 
 class _Float32Unfused(NumpyBackend):

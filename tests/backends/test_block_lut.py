@@ -12,6 +12,7 @@ from numba import njit
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.cpu.block_linear import _dequantize_panel
 from panechat.backends.cpu.block_lut import HAS_LUT
+from panechat.backends.quant import registry
 
 from .test_numpy_kernels import _F16_AT, raw_blocks
 
@@ -34,7 +35,7 @@ def _dequantize(w, wd, wdm, load2, buf):
 
 
 def _scales(blocks, qtype):
-    if qtype in qk.KQUANT_BYTES:
+    if registry.get(qtype).scales_at_load:
         return qk.superblock_scales(blocks, qtype)
     return blocks, blocks  # 32-weight types read their f16 scales from the blocks
 
@@ -50,7 +51,7 @@ def _adversarial(rng, qtype, N, K):
     """Random codes; every f16 scale field drawn from ADVERSARIAL_F16 (and, for one row in
     four, random f16 bits of any kind)."""
     b = raw_blocks(rng, qtype, N, K).copy()  # raw_blocks are read-only, as a model's; written here
-    size = qk.KQUANT_BYTES[qtype] if qtype in qk.KQUANT_BYTES else qk.BLOCK32_BYTES[qtype]
+    size = registry.get(qtype).block_bytes
     v = b.reshape(N, -1, size)
     for o in _F16_AT[qtype]:
         bits = rng.choice(ADVERSARIAL_F16, v.shape[:2])
@@ -97,7 +98,7 @@ def test_loader_weights_are_gguf_dequantize(qtype, table):
     rng = np.random.default_rng(5)
     N, K = 16, 512
     blocks = _adversarial(rng, qtype, N, K).copy()
-    size = qk.KQUANT_BYTES[qtype] if qtype in qk.KQUANT_BYTES else qk.BLOCK32_BYTES[qtype]
+    size = registry.get(qtype).block_bytes
     v = blocks.reshape(N, -1, size)
     for o in _F16_AT[qtype]:  # finite only: gguf's NaN payloads are numpy's business
         h = v[..., o:o + 2].copy().view("<u2")

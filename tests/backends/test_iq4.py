@@ -11,6 +11,7 @@ import pytest
 
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.cpu.block_lut import HAS_LUT
+from panechat.backends.quant import registry
 
 from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
                         assert_one_call_equals_ops, gguf_weights, tiny_model)
@@ -34,7 +35,7 @@ def test_loader_weights_are_gguf_dequantize_any_scale(qtype, table):
     and IQ4_XS sub-block scales: gguf's floats, bit for bit."""
     if table and not HAS_LUT:
         pytest.skip("the table loaders need AVX-512 permutes")
-    assert_loader_is_gguf_any_scale(LOADERS[qtype][table], qtype, 40, 0, qk.KQUANT_BYTES.get(qtype, 18))
+    assert_loader_is_gguf_any_scale(LOADERS[qtype][table], qtype, 40, 0, registry.get(qtype).block_bytes)
 
 
 @pytest.mark.parametrize("qtype", IQ4)

@@ -11,6 +11,7 @@ import pytest
 from panechat.backends.cpu import numpy_kernels as nk
 from panechat.backends.cpu.numpy_backend import NumpyBackend
 from panechat.backends.paged_kv import BLOCK_TOKENS
+from panechat.backends.quant import registry
 from scripts import reference_kernels as ref
 
 BATCHES = (2, 3, 4, 5, 8, 17, 32)
@@ -98,11 +99,7 @@ def test_linear_q8_row_invariant(rng):
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 BLOCK_TYPES = KQUANTS + ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "F16", "BF16")
-_F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
-           "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-           "Q2_K": (80, 82), "Q3_K": (108,)}  # f16 d (m)
-_SUPER = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_0": (32, 18), "Q4_1": (32, 20),
-          "Q8_0": (32, 34), "IQ4_NL": (32, 18)}  # 32-weight types: (weights, bytes) a block
+_F16_AT = {t.name: t.f16_at for t in registry.block_types()}  # f16 d (m)
 
 
 def raw_blocks(rng, qtype, N, K):
@@ -122,16 +119,14 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _raw_blocks(rng, qtype, N, K):
-    from panechat.backends.quant.gguf_blocks import KQUANT_BYTES, QK_K
-
     if qtype in ("F16", "BF16"):
         w = (rng.standard_normal((N, K)) * 10.0 ** rng.integers(-8, 4, (N, K))).astype(np.float32)
         if qtype == "F16":
             return w.astype(np.float16).view(np.uint8)
         return np.ascontiguousarray((w.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
-    per, size = _SUPER.get(qtype, (QK_K, KQUANT_BYTES.get(qtype)))
-    b = rng.integers(0, 256, (N, K // per, size), dtype=np.uint8)
-    sign = -1 if qtype in _SUPER else 1  # K-quant d, dmin are positive by construction
+    t = registry.get(qtype)
+    b = rng.integers(0, 256, (N, K // t.block_weights, t.block_bytes), dtype=np.uint8)
+    sign = 1 if t.block_weights == 256 else -1  # K-quant d, dmin are positive by construction
     for o in _F16_AT[qtype]:
         v = rng.uniform(sign * 0.01, 0.01, b.shape[:2] + (1,))
         b[..., o:o + 2] = v.astype(np.float16).view(np.uint8)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from panechat.backends.cpu import quant_kernels as qk
+from panechat.backends.quant import registry
 
 from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
                         assert_one_call_equals_ops, gguf_weights, tiny_model)
@@ -56,7 +57,7 @@ def test_loader_weights_are_gguf_dequantize_any_scale(qtype):
     """Every f16 d (and dmin) from the adversarial list (subnormals, +-0, largest, +-inf,
     NaN) or random bits, random codes and sub-block scales: gguf's floats, bit for bit (a
     NaN matches any NaN: `_same_bits`)."""
-    assert_loader_is_gguf_any_scale(LOADERS[qtype], qtype, 50, _F16_AT[qtype][0], qk.KQUANT_BYTES[qtype])
+    assert_loader_is_gguf_any_scale(LOADERS[qtype], qtype, 50, _F16_AT[qtype][0], registry.get(qtype).block_bytes)
 
 
 @pytest.mark.parametrize("qtype", Q23)
@@ -64,7 +65,7 @@ def test_loader_decodes_every_code_and_scale(qtype):
     """d = dmin = 1, every scale byte (Q2_K: 0..255, each (scale, min) pair) or 6-bit scale
     (Q3_K: 0..63) in each of the 16 groups, and bytes of codes and hmask covering every
     value at every shift: the weights of ggml's C loop, which gguf and the loader give."""
-    N, K, size = 256, 512, qk.KQUANT_BYTES[qtype]
+    N, K, size = 256, 512, registry.get(qtype).block_bytes
     rng = np.random.default_rng(51)
     b = rng.integers(0, 256, (N, K // 256, size), dtype=np.uint8)
     row = np.arange(N)[:, None, None]

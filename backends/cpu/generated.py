@@ -1,0 +1,48 @@
+"""Per-type numba functions made from one template and a type's registry entry
+(`backends.quant.registry`): the pair loader it names, bound as the template's global
+`_load2`, under a name of the type's own.
+
+Why a copy of the template with its own globals and name, not a closure: numba's on-disk
+cache (numba/core/caching.py, 0.68) names a function's index file by its qualname and
+first line, and keys entries by signature and hashes of the bytecode and of the pickled
+closure cells. A dispatcher pickles with a uuid drawn fresh in each process, so a closure
+over a loader would never hit the cache (and would add an entry every start); closures
+from one factory would also share one index file. A copy with the loader as a global has
+no cells (its key is stable) and its own qualname (its own index file), exactly like a
+hand-written function per type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+from panechat.backends.quant.registry import QuantType
+
+
+def loader_of(t: QuantType):
+    """The CPU pair loader that `t.cpu_loader` names ("module:function")."""
+    module, _, name = t.cpu_loader.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def cacheable(t: QuantType) -> bool:
+    """Whether `t`'s generated code may go to numba's on-disk cache: only when its loader is
+    panechat's own (a loader elsewhere, a test's, is not in the sources that key the cache)."""
+    return t.cpu_loader.startswith("panechat.")
+
+
+def bind_loader(template, name: str, load2):
+    """A copy of the plain function `template` named `name` (a valid identifier) whose global
+    `_load2` is `load2`; the other globals are the template module's."""
+    if not name.isidentifier():
+        raise ValueError(f"{name!r} is no function name")
+    g = dict(template.__globals__, _load2=load2)
+    f = types.FunctionType(template.__code__, g, name, template.__defaults__)
+    f.__qualname__ = name
+    return f
+
+
+def kernel_name(prefix: str, t: QuantType) -> str:
+    """The generated function's name for type `t`: "_linear_q4_k" for ("_linear", Q4_K)."""
+    return f"{prefix}_{t.name.lower()}"

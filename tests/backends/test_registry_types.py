@@ -1,0 +1,65 @@
+"""The checks every block type of the quant-type registry gets, parametrized from the
+registry itself (backends/quant/registry.py), so a newly registered type gets them all:
+its entry agrees with gguf (id, block geometry); its CPU loader gives gguf's float32
+weights bit for bit under adversarial scales; its kernels give the float32 kernel's
+product at rows 1..33 on one thread and two; and a tiny model with a layer of each type
+runs its one-call decode step bit for bit as its op-by-op step."""
+
+import numba
+import pytest
+
+from panechat.backends.cpu.generated import loader_of
+from panechat.backends.quant import registry
+
+from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
+                        assert_one_call_equals_ops, tiny_model)
+
+
+def _gguf_type(name):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType.__members__.get(name)
+
+
+BLOCK_TYPES = [t.name for t in registry.block_types()]
+GGUF_BLOCK_TYPES = [n for n in BLOCK_TYPES if _gguf_type(n) is not None]  # gguf dequantizes these
+
+
+@pytest.mark.parametrize("name", [t.name for t in registry.types()])
+def test_entry_agrees_with_gguf(name):
+    from gguf import GGML_QUANT_SIZES
+
+    t, g = registry.get(name), _gguf_type(name)
+    assert g is not None and t.type_id == g.value and (t.block_weights, t.block_bytes) == GGML_QUANT_SIZES[g]
+    assert registry.by_id(t.type_id) is t
+    assert all(0 <= o <= t.block_bytes - 2 for o in t.f16_at)
+
+
+@pytest.mark.parametrize("name", GGUF_BLOCK_TYPES)
+def test_loader_weights_are_gguf_dequantize_any_scale(name):
+    t = registry.get(name)
+    assert_loader_is_gguf_any_scale(loader_of(t), name, 60, t.f16_at[0], t.block_bytes)
+
+
+@pytest.mark.parametrize("name", GGUF_BLOCK_TYPES)
+def test_kernels_equal_linear_at_every_row_count(name):
+    assert_kernels_are_linear_at_every_row_count(name, 61)
+
+
+@pytest.fixture(scope="module")
+def every_type_model(tmp_path_factory):
+    """A tiny llama whose layer i matrices are all of GGUF_BLOCK_TYPES[i] (random blocks)."""
+    return tiny_model(tmp_path_factory.mktemp("types") / "types.gguf", GGUF_BLOCK_TYPES, 11)
+
+
+def test_every_type_model_runs_the_one_call_step(every_type_model):
+    model, gf = every_type_model
+    assert [model.layers[i].ffn_down.qtype for i in range(len(GGUF_BLOCK_TYPES))] == GGUF_BLOCK_TYPES
+    assert model.decoder is not None  # the one-call step takes every type
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_type_model_one_call_equals_ops(every_type_model, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("one core")
+    assert_one_call_equals_ops(every_type_model[0], threads)
