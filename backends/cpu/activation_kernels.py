@@ -2,7 +2,7 @@
 (llama, qwen, phi3) and gelu_tanh(g) * u (gemma).
 
 The numpy backend computes them here both per operation (`NumpyBackend.silu_mul`) and
-inside the one-call decode step (`cpu_decoder`), so the two give the same bits. numpy's
+inside the one-call decode step (`decoder`), so the two give the same bits. numpy's
 own exp and tanh cannot be matched from numba, and a libm call is not safe in a loop the
 vectoriser may split into vector body and scalar tail with other code; so exp is
 `numpy_kernels._expf` (Cephes, ~1 ulp, plain IEEE operations only: the same value

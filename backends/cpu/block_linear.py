@@ -21,9 +21,9 @@ same at every batch size and position:
   float32 tiles of `numpy_kernels` over every row, so a weight is decoded once per step
   whatever the batch, and a quantized product costs about what a float32 one does.
 
-numba's on-disk cache keys a kernel on its own module's file only: after editing this
-module, delete backends/__pycache__/quant_kernels.*.nbi and *.nbc (the kernels that
-inline it), or the old machine code is loaded.
+The kernels that inline these loops are cached in a folder named by a hash of every
+source under backends/cpu and backends/quant (backends/cpu/__init__.py), so an edit here
+can never leave stale machine code in use.
 """
 
 from __future__ import annotations

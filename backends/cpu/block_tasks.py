@@ -1,5 +1,5 @@
 """One thread's share of a product with weights read as stored: output columns c0..c1 of
-x @ W.T, for the crew threads of the one-call decode step (`cpu_decoder`).
+x @ W.T, for the crew threads of the one-call decode step (`decoder`).
 
 The columns are computed by `block_linear`'s own paths (register tiles up to
 REG_MAX_ROWS rows, dequantized float32 panels above), so every output element has the
@@ -11,8 +11,9 @@ pointers indexed by a small integer code (`step_codes`, from the registry's orde
 so one compiled step serves a file of mixed types (Q4_K_M mixes Q4_K and Q6_K), and a
 model compiles only the types it holds (each takes ~20 s of CPU the first time).
 
-numba's cache keys a function on its own module's file only: after editing
-`block_linear` or `quant_kernels`, delete backends/__pycache__/block_tasks.*.nbi/.nbc too.
+These functions inline `block_linear` and `quant_kernels`; numba's cache folder is keyed
+on a hash of all of backends/cpu and backends/quant (backends/cpu/__init__.py), so an edit
+to either starts a fresh cache.
 """
 
 from __future__ import annotations

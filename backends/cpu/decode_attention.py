@@ -21,7 +21,7 @@ numpy calls. At decode every row belongs to a different sequence, so here one ca
   stays in L1 and serves every query head of the group (GQA), and likewise each block of
   values (three heads accumulate from each loaded value vector).
 
-Every output element's float32 arithmetic is `numpy_kernels.attention`'s, operation for
+Every output element's float32 arithmetic is `numpy_kernels.paged_attention`'s, operation for
 operation: the same lane scheme per score (16 keys at a time through `_scores16`, the
 others through `_dot`, both the same bits per key), max and exp in position order, the
 weighted V sum accumulated in position order from zero, the same `_sum` and division.

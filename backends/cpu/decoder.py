@@ -26,9 +26,10 @@ one that is set (`IMPLEMENTS`); models it cannot hold (a feature it lacks, F16/B
 matrices) keep the op-by-op path, as do steps where a sequence has several rows (prefill
 chunks).
 
-numba's cache keys `decode_step` on this file only, yet it inlines code from
-decode_attention, norm_kernels, activation_kernels, step_threads and block_tasks: after
-editing one of those, delete backends/__pycache__/cpu_decoder.*.nbi and *.nbc.
+`decode_step` inlines code from decode_attention, norm_kernels, activation_kernels,
+step_threads and block_tasks; numba's cache folder is keyed on a hash of all of
+backends/cpu and backends/quant (backends/cpu/__init__.py), so an edit to any of them
+starts a fresh cache.
 """
 
 from __future__ import annotations

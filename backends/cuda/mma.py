@@ -3,8 +3,8 @@
 BF16, and the int8 codes of Q8_0 / Q4_x / Q5_x / K-quants; K % 32 == 0) runs on tensor cores
 at every batch size, B = 1 included: the mode is chosen by the weight, never by the
 number of rows, so a conversation gets the same tokens alone or in any batch. The
-kernels, their contract and error bound: cupy_kernels/mma_source.py, mma_emulation.py;
-device checks: cupy_mma_check.py; docs/cupy.md, "Tensor-core mode"."""
+kernels, their contract and error bound: kernels/mma.cu, kernels/mma_source.py, mma_emulation.py;
+device checks: mma_check.py; docs/cupy.md, "Tensor-core mode"."""
 
 from __future__ import annotations
 
