@@ -32,6 +32,7 @@ from panechat.engine.serving.config import EngineConfig, format_size
 from panechat.engine.serving.events import Event, FinishEvent
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.model.invariance import check_model_invariance, check_one_call_step
+from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
 from panechat.engine.kv.manager import KVManager
 from panechat.engine.kv.persistence import KVPersistence
@@ -151,8 +152,8 @@ class Engine:
         args = lm.model.args
         self.ctx = min(cfg.ctx_size, args.context_length)
         if self.ctx < cfg.MIN_CTX:  # the config is valid, so the model's own context is this short
-            raise ValueError(f"the model's context ({args.context_length} tokens) is shorter than "
-                             f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
+            raise ModelFileError(f"the model's context ({args.context_length} tokens) is shorter than "
+                                 f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
         per_block = bytes_per_block(args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
         self.kv_budget_note = self._kv_budget(cfg, per_block)
         n_blocks = max(1, self.kv_budget // per_block)
