@@ -1,11 +1,9 @@
 """IQ4_NL (32-weight blocks) and IQ4_XS (256-weight super-blocks) read as stored on the CPU
 (backends/cpu/quant_kernels.py): the loaders give gguf's float32 weights bit for bit, any f16
-d included (subnormal, signed zero, infinite, NaN); the kernels give the float32 kernel's
-product on gguf's weights at every row count, each row's bits independent of the batch,
-on one thread and on two; a tiny model of both types loads, keeps them in their blocks,
-and its one-call decode step equals the op-by-op step."""
+d included (subnormal, signed zero, infinite, NaN), with and without the lookup tables,
+and decode every code and scale. The checks every registered type gets (kernels == linear
+at every row count, kept in blocks, one call == op by op) are test_registry_types.py's."""
 
-import numba
 import numpy as np
 import pytest
 
@@ -13,8 +11,7 @@ from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.cpu.block_lut import HAS_LUT
 from panechat.backends.quant import registry
 
-from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
-                        assert_one_call_equals_ops, gguf_weights, tiny_model)
+from .raw_types import assert_loader_is_gguf_any_scale, gguf_weights
 from .test_block_lut import _weights
 from .test_numpy_kernels import _read_only
 
@@ -59,29 +56,3 @@ def test_loader_decodes_every_code_and_scale(qtype):
     for table in ([False, True] if HAS_LUT else [False]):
         assert np.array_equal(_weights(LOADERS[qtype][table], blocks, qtype, K).view(np.uint32),
                               want.view(np.uint32)), (qtype, table)
-
-
-@pytest.mark.parametrize("qtype", IQ4)
-def test_kernel_equals_linear_on_gguf_dequantized_at_every_row_count(qtype):
-    assert_kernels_are_linear_at_every_row_count(qtype, 41)
-
-
-@pytest.fixture(scope="module")
-def iq4_model(tmp_path_factory):
-    """A tiny llama whose layer 0 matrices are IQ4_XS and layer 1's IQ4_NL (the rest Q8_0)."""
-    return tiny_model(tmp_path_factory.mktemp("iq4") / "iq4.gguf", IQ4, 9)
-
-
-def test_iq4_model_keeps_its_blocks(iq4_model):
-    model, gf = iq4_model
-    for i, qtype in enumerate(IQ4):
-        w, t = model.layers[i].ffn_down, gf.tensor(f"blk.{i}.ffn_down.weight")
-        assert t.qtype == w.qtype == qtype and w.nbytes - (w.d.nbytes if qtype == "IQ4_XS" else 0) == t.nbytes
-    assert model.decoder is not None  # the one-call step takes them
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_iq4_model_one_call_equals_ops(iq4_model, threads):
-    if threads > numba.config.NUMBA_NUM_THREADS:
-        pytest.skip("one core")
-    assert_one_call_equals_ops(iq4_model[0], threads)

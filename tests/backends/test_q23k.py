@@ -1,20 +1,17 @@
 """Q2_K and Q3_K (256-weight super-blocks, f16 d (and Q2_K's dmin) at the block's end) read
 as stored on the CPU (backends/cpu/quant_kernels.py): the loaders give gguf's float32 weights
 bit for bit, any f16 d and dmin included (subnormal, signed zero, infinite, NaN), and
-decode every code, hmask bit and sub-block scale as ggml's C loops do; the kernels give
-the float32 kernel's product on gguf's weights at every row count, each row's bits
-independent of the batch, on one thread and on two; a tiny model of both types loads,
-keeps them in their blocks, and its one-call decode step equals the op-by-op step."""
+decode every code, hmask bit and sub-block scale as ggml's C loops do. The checks every
+registered type gets (kernels == linear at every row count, kept in blocks, one call == op
+by op) are test_registry_types.py's."""
 
-import numba
 import numpy as np
 import pytest
 
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.quant import registry
 
-from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
-                        assert_one_call_equals_ops, gguf_weights, tiny_model)
+from .raw_types import assert_loader_is_gguf_any_scale, gguf_weights
 from .test_block_lut import _weights
 from .test_numpy_kernels import _F16_AT, _read_only
 
@@ -89,30 +86,3 @@ def test_loader_decodes_every_code_and_scale(qtype):
               else {(s - 32) * q for s in range(64) for q in range(-4, 4)})
     assert set(np.unique(want)) == levels  # every weight level occurs
     assert np.array_equal(_weights(LOADERS[qtype], blocks, qtype, K).view(np.uint32), want.view(np.uint32))
-
-
-@pytest.mark.parametrize("qtype", Q23)
-def test_kernel_equals_linear_on_gguf_dequantized_at_every_row_count(qtype):
-    assert_kernels_are_linear_at_every_row_count(qtype, 52)
-
-
-@pytest.fixture(scope="module")
-def q23_model(tmp_path_factory):
-    """A tiny llama whose layer 0 matrices are Q2_K and layer 1's Q3_K (the rest Q8_0)."""
-    return tiny_model(tmp_path_factory.mktemp("q23k") / "q23k.gguf", Q23, 10)
-
-
-def test_q23_model_keeps_its_blocks(q23_model):
-    model, gf = q23_model
-    for i, qtype in enumerate(Q23):
-        for m in ("attn_q", "ffn_down"):
-            w, t = getattr(model.layers[i], m), gf.tensor(f"blk.{i}.{m}.weight")
-            assert t.qtype == w.qtype == qtype and np.shares_memory(w.blocks, t.blocks)  # no float32 copy
-    assert model.decoder is not None  # the one-call step takes them
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_q23_model_one_call_equals_ops(q23_model, threads):
-    if threads > numba.config.NUMBA_NUM_THREADS:
-        pytest.skip("one core")
-    assert_one_call_equals_ops(q23_model[0], threads)

@@ -6,6 +6,7 @@ product at rows 1..33 on one thread and two; and a tiny model with a layer of ea
 runs its one-call decode step bit for bit as its op-by-op step."""
 
 import numba
+import numpy as np
 import pytest
 
 from panechat.backends.cpu.generated import loader_of
@@ -55,6 +56,11 @@ def every_type_model(tmp_path_factory):
 def test_every_type_model_runs_the_one_call_step(every_type_model):
     model, gf = every_type_model
     assert [model.layers[i].ffn_down.qtype for i in range(len(GGUF_BLOCK_TYPES))] == GGUF_BLOCK_TYPES
+    for i, qtype in enumerate(GGUF_BLOCK_TYPES):  # kept in the file's blocks, no float32 copy
+        for m in ("attn_q", "ffn_down"):
+            w, t = getattr(model.layers[i], m), gf.tensor(f"blk.{i}.{m}.weight")
+            kept = w.blocks if hasattr(w, "blocks") else w.data
+            assert t.qtype == w.qtype == qtype and np.shares_memory(kept, t.blocks), (qtype, m)
     assert model.decoder is not None  # the one-call step takes every type
 
 
