@@ -50,6 +50,25 @@ def assert_loader_is_gguf_any_scale(loader, qtype, seed, d_at, block_bytes):
     assert seen == {"nan", "inf", "subnormal d", "-0"}  # the adversarial cases were there
 
 
+def assert_products_at_every_row_count(be, kept, pool, want, rng, label):
+    """Rows 1..33 of `pool` in shuffled order, on one numba thread (the serial kernels) and
+    two, through `linear` and the fused `linear_many` of the weights `kept`: each product
+    equals `want[j]` (the product of the whole pool) on the rows picked."""
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            for B in range(1, 34):
+                pick = rng.permutation(33)[:B]
+                x = np.ascontiguousarray(pool[pick])
+                fused = be.linear_many(x, tuple(kept))
+                for j in range(len(kept)):
+                    assert np.array_equal(be.linear(x, kept[j]), want[j][pick]), (label, threads, B, j)
+                    assert np.array_equal(fused[j], want[j][pick]), (label, threads, B, j)
+    finally:
+        numba.set_num_threads(before)
+
+
 def assert_kernels_are_linear_at_every_row_count(qtype, seed):
     """Rows 1..33 picked from a pool in shuffled order, through `linear` and the fused
     `linear_many`, on one numba thread (the serial kernels) and two: every product is the
@@ -67,19 +86,7 @@ def assert_kernels_are_linear_at_every_row_count(qtype, seed):
     alone = [np.concatenate([nk.linear(pool[i:i + 1], d, np.empty((1, d.shape[0]), np.float32))
                              for i in range(33)]) for d in dense]
     assert all(np.array_equal(a, w) for a, w in zip(alone, want))  # the reference is row-invariant itself
-    before = numba.get_num_threads()
-    try:
-        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
-            numba.set_num_threads(threads)
-            for B in range(1, 34):
-                pick = rng.permutation(33)[:B]
-                x = np.ascontiguousarray(pool[pick])
-                fused = be.linear_many(x, tuple(kept))
-                for j in range(2):
-                    assert np.array_equal(be.linear(x, kept[j]), want[j][pick]), (qtype, threads, B, j)
-                    assert np.array_equal(fused[j], want[j][pick]), (qtype, threads, B, j)
-    finally:
-        numba.set_num_threads(before)
+    assert_products_at_every_row_count(be, kept, pool, want, rng, qtype)
     parallel, serial = qk.kernels(qtype)
     assert serial.signatures and parallel.signatures  # both kernels ran
 

@@ -23,7 +23,7 @@ from panechat.engine.gguf.file import GGUFFile, ModelFileError
 from panechat.engine.model.forward import Model
 
 from ..tiny_gguf import write_tiny_gguf
-from .raw_types import assert_one_call_equals_ops
+from .raw_types import assert_one_call_equals_ops, assert_products_at_every_row_count
 
 T8 = registry.QuantType("T8_END", 200, 32, 34, f16_at=(32,), scales_at_load=True,
                         cpu_loader=f"{__name__}:_pair_t8_end")
@@ -128,19 +128,7 @@ def test_kernels_equal_linear_on_the_reference_weights_at_every_row_count(t8):
     dense = [reference_weights(b, b.shape[0], K) for b in blocks]
     pool = rng.standard_normal((33, K), dtype=np.float32)
     want = [nk.linear(pool, d, np.empty((33, d.shape[0]), np.float32)) for d in dense]
-    before = numba.get_num_threads()
-    try:
-        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
-            numba.set_num_threads(threads)
-            for B in range(1, 34):
-                pick = rng.permutation(33)[:B]
-                x = np.ascontiguousarray(pool[pick])
-                fused = be.linear_many(x, tuple(kept))
-                for j in range(2):
-                    assert np.array_equal(be.linear(x, kept[j]), want[j][pick]), (threads, B, j)
-                    assert np.array_equal(fused[j], want[j][pick]), (threads, B, j)
-    finally:
-        numba.set_num_threads(before)
+    assert_products_at_every_row_count(be, kept, pool, want, rng, "T8_END")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
