@@ -150,6 +150,14 @@ def read_fields(body: dict, protocol: str) -> dict[str, Any]:
     return out
 
 
+def unknown_field(body: dict, protocol: str) -> str | None:
+    """The first key of `body` that is no field of `protocol`, or None. The websocket refuses
+    one (its own protocol: a typo must not pass for a setting); HTTP ignores them, as
+    OpenAI-compatible servers do for fields of newer API versions."""
+    known = {f.name for f in _OF_PROTOCOL[protocol]}
+    return next((k for k in body if k not in known), None)
+
+
 def sampling_params(fields: dict[str, Any], ctx: int) -> SamplingParams:
     """The SamplingParams `read_fields` values ask for; max_tokens capped by the context `ctx`."""
     max_tokens = fields["max_tokens"]

@@ -22,7 +22,7 @@ from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
 from ..engine_errors import classify, retry_after
 from .conversations import Conversation, HistoryTooLarge, message_bytes
 from .request_fields import FieldError, is_num, parse_json
-from .request_schema import WS, read_fields, sampling_params
+from .request_schema import WS, read_fields, sampling_params, unknown_field
 from .state import SERVER_NAME, ServerState
 
 PROTOCOL = 1
@@ -77,6 +77,10 @@ def parse_params(p, ctx: int, request: str | None):
         p = {}
     if not isinstance(p, dict):
         raise FrameError("bad_params", "'params' must be an object", request)
+    unknown = unknown_field(p, WS)
+    if unknown is not None:
+        raise FrameError("bad_params", f"params.{unknown} is not a field of this protocol "
+                         "(docs/protocol.md, 'Request fields')", request)
     try:
         f = read_fields(p, WS)
     except FieldError as e:

@@ -262,6 +262,8 @@ async def test_request_level_errors(live):
         assert f["code"] == "bad_params"
         f = await ask(ws, {**send, "request": "p", "params": [1]})
         assert f["code"] == "bad_params"
+        f = await ask(ws, {**send, "request": "p", "params": {"temprature": 0.5}})  # a typo is no setting
+        assert f["code"] == "bad_params" and f["message"].startswith("params.temprature is not a field")
         f = await ask(ws, {**send, "request": "big", "content": "word " * (live.engine.ctx + 10)})
         assert f["code"] == "prompt_too_long" and f["request"] == "big"
         # one generation per conversation; request ids unique while in flight
