@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.serving.sampling import SamplingParams
 
 
@@ -50,13 +51,14 @@ class LogitBias:
 
 def make_processors(params: SamplingParams, vocab_size: int) -> tuple[LogitsProcessor, ...]:
     """The processors a request's parameters ask for, in the order they apply (fresh
-    objects per request: they may keep state). ValueError (one line) for a token id
-    outside the vocabulary."""
+    objects per request: they may keep state). InvalidRequest (one line, the client's
+    mistake: a 400, not a 500) for a token id outside the vocabulary."""
     out: list[LogitsProcessor] = []
     if params.logit_bias:
         bad = [t for t in params.logit_bias if t >= vocab_size]
         if bad:
-            raise ValueError(f"logit_bias names token {max(bad)} but the vocabulary holds ids 0 to {vocab_size - 1}")
+            raise InvalidRequest(f"logit_bias names token {max(bad)} but the vocabulary holds ids 0 to "
+                                 f"{vocab_size - 1}", param="logit_bias")
         out.append(LogitBias(params.logit_bias))
     return tuple(out)
 

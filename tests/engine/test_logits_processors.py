@@ -15,6 +15,7 @@ import panechat.engine.serving.engine as engine_mod
 from panechat.backends.cuda.cupy_backend import CupyBackend
 from panechat.engine.model.loader import load_model
 from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.serving.logits_processors import LogitBias, make_processors, step_processors
 from panechat.engine.serving.sampling import SamplingParams
 
@@ -119,7 +120,7 @@ def test_step_processors_touch_their_rows_only():
 @pytest.mark.parametrize("bias", [{"3": 1.0}, {True: 1.0}, {-1: 1.0}, {3: 100.5}, {3: float("nan")},
                                   {3: "1"}, [(3, 1.0)]])
 def test_a_bad_logit_bias_is_refused(bias):
-    with pytest.raises(ValueError, match="logit_bias must map token ids"):
+    with pytest.raises(InvalidRequest, match="logit_bias must map token ids"):  # a 400, not a bug
         SamplingParams(logit_bias=bias).validate()
 
 
@@ -127,5 +128,5 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused():
     SamplingParams(logit_bias={0: -100, 99: 100}).validate()
     assert len(make_processors(SamplingParams(logit_bias={99: 1.0}), 100)) == 1
     assert make_processors(SamplingParams(logit_bias={}), 100) == ()
-    with pytest.raises(ValueError, match="logit_bias names token 100 but the vocabulary holds ids 0 to 99"):
+    with pytest.raises(InvalidRequest, match="logit_bias names token 100 but the vocabulary holds ids 0 to 99"):
         make_processors(SamplingParams(logit_bias={100: 1.0}), 100)
