@@ -46,12 +46,19 @@ def parse_completion_request(body, engine, model: str) -> CompletionRequest:
     return CompletionRequest(model, prompt, f.params, f.stop, f.stream, f.include_usage)
 
 
+async def submit_completion(st, req: CompletionRequest, engine):
+    """Queue the validated completion request on `engine` (the raw prompt, no template)."""
+    return await st.submit_text(req.prompt, req.params, req.stop, engine=engine)
+
+
+def completion_choice(fin) -> dict:
+    """choices[0] of a whole completion: the text `fin` ends."""
+    return {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)}
+
+
 async def completions(request: Request) -> Response:
-    return await generation_route(
-        request, parse_completion_request,
-        lambda st, req, engine: st.submit_text(req.prompt, req.params, req.stop, engine=engine),
-        CompletionSSE, "cmpl", "text_completion",
-        lambda fin: {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)})
+    return await generation_route(request, parse_completion_request, submit_completion, CompletionSSE, "cmpl",
+                                  "text_completion", completion_choice)
 
 
 class CompletionSSE(SSEResponse):

@@ -213,13 +213,20 @@ async def submitted(st: ServerState, submit):
         raise errors.from_engine(e, st.log, "submitting a generation") from None
 
 
+async def submit_chat(st: ServerState, req: ChatRequest, engine):
+    """Queue the validated chat request on `engine` (its messages through the chat template)."""
+    return await st.submit(req.messages, req.params, req.stop, engine=engine)
+
+
+def chat_choice(fin: FinishEvent) -> dict:
+    """choices[0] of a whole chat reply: the assistant message `fin` ends."""
+    return {"index": 0, "message": {"role": "assistant", "content": fin.text},
+            "logprobs": None, "finish_reason": _finish_reason(fin)}
+
+
 async def chat_completions(request: Request) -> Response:
-    return await generation_route(
-        request, parse_chat_request,
-        lambda st, req, engine: st.submit(req.messages, req.params, req.stop, engine=engine),
-        SSEResponse, "chatcmpl", "chat.completion",
-        lambda fin: {"index": 0, "message": {"role": "assistant", "content": fin.text},
-                     "logprobs": None, "finish_reason": _finish_reason(fin)})
+    return await generation_route(request, parse_chat_request, submit_chat, SSEResponse, "chatcmpl",
+                                  "chat.completion", chat_choice)
 
 
 async def generation_route(request: Request, parse, submit, sse_class, id_prefix: str, object_name: str,
