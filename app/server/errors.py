@@ -2,7 +2,8 @@
 
 Handlers raise `APIError`; the app turns it (and Starlette's own 404/405) into a JSON
 response with that body, so every client library that understands OpenAI errors shows
-the message.
+the message. Under `/api/` (Ollama's API) the same errors take Ollama's shape,
+`{"error": message}` (`shaped`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return ErrorJSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+#: Routes under this prefix are Ollama's API (ollama_api.py): their errors are `{"error": message}`.
+OLLAMA_PREFIX = "/api/"
+
+
+def ollama_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in Ollama's shape, `{"error": message}`, which Ollama's clients show as it is."""
+    return ErrorJSON({"error": message}, status_code=status, headers=headers)
+
+
+def shaped(path: str, status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The OpenAI-shaped error `body` as the route at `path` answers it: as it is, or
+    Ollama's `{"error": message}` under OLLAMA_PREFIX."""
+    if path.startswith(OLLAMA_PREFIX):
+        return ollama_error(status, body["error"]["message"], headers)
+    return ErrorJSON(body, status_code=status, headers=headers)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,

@@ -10,6 +10,9 @@ A web page can make a visitor's browser send requests to any address it knows, i
 - POST/PUT/PATCH bodies must be `Content-Type: application/json` (415 otherwise). That
   type cannot be sent cross-site without a CORS preflight, which this server never grants,
   so an HTML form or `fetch(..., {mode: "no-cors"})` cannot start a generation blind.
+  Under the `untyped_json` prefixes (Ollama's API) a body with no Content-Type at all is
+  taken as JSON, as Ollama does (browsers send such a request with an Origin: the rule above holds).
+  A route that does not exist answers 404 (or 405) whatever the type: the body is never read.
 
 Terminal clients and OpenAI client libraries send no Origin and do send JSON.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 from urllib.parse import urlsplit
+
+from starlette.routing import Match
 
 from . import errors
 
@@ -134,8 +139,19 @@ class BrowserGuard:
     """Pure ASGI middleware: the Origin policy for HTTP and /ws, JSON-only request bodies,
     and the cap on websockets that have not said `hello` yet."""
 
-    def __init__(self, app, guard):  # guard: limits.Guard (which imports this module)
-        self.app, self.guard = app, guard
+    def __init__(self, app, guard, routes=(), untyped_json: tuple[str, ...] = ()):
+        # guard: limits.Guard (which imports this module); routes: the app's, to tell a
+        # missing route (404 from the router) from a body of the wrong type (415)
+        self.app, self.guard, self.routes, self.untyped_json = app, guard, tuple(routes), untyped_json
+
+    def _routed(self, scope) -> bool:
+        """True when some route takes this path and method (or when no routes were given)."""
+        return not self.routes or any(r.matches(scope)[0] == Match.FULL for r in self.routes)
+
+    def _type_ok(self, scope, media: str | None) -> bool:
+        if media == "application/json":
+            return True
+        return media is None and scope["path"].startswith(self.untyped_json)
 
     async def __call__(self, scope, receive, send):
         kind = scope["type"]
@@ -150,7 +166,7 @@ class BrowserGuard:
         if kind == "http":
             if scope["method"] in _BODY_METHODS and _has_body(scope["headers"]):
                 media = _media_type(scope["headers"])
-                if media != "application/json":
+                if not self._type_ok(scope, media) and self._routed(scope):
                     msg = (f"Content-Type must be application/json (got {media[:100]!r})" if media else
                            "Content-Type must be application/json (the request has none)")
                     return await _refuse(scope, receive, send, 415, msg, "invalid_request_error",
@@ -173,8 +189,7 @@ async def _refuse(scope, receive, send, status: int, message: str, type: str, co
                   headers: dict[str, str] | None = None) -> None:
     """An OpenAI-shaped error; for a websocket, an HTTP denial of the handshake (or a
     close before accept, which uvicorn turns into 403, where denials are unsupported)."""
-    response = errors.ErrorJSON(errors.error_body(message, type, None, code), status_code=status,
-                                headers=headers)
+    response = errors.shaped(scope.get("path", ""), status, errors.error_body(message, type, None, code), headers)
     if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
         await send({"type": "websocket.close", "code": 4000 + status})
         return
