@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI-compatible HTTP, the `/ws` protocol, `/health` and `/metrics`.
+"""The ASGI app: OpenAI-compatible HTTP, Ollama's API (`/api/*`), the `/ws` protocol,
+`/health` and `/metrics`.
 
 `create_app(engine)` serves a running `Engine`; `create_app(None)` serves `/health` with
 503 until `state.attach(engine)` is called (the model loads while the port already
@@ -23,6 +24,7 @@ from . import errors
 from .errors import APIError
 from .limits import Guard, Limits
 from .completions_api import completions
+from .ollama_api import OLLAMA_ROUTES, ollama_routes
 from .openai_api import chat_completions, get_model, list_models
 from .prometheus import CONTENT_TYPE, make_registry, render
 from .request_log import RequestLog, set_log_detail
@@ -78,20 +80,23 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return exc.response()
+    return errors.shaped(request.url.path, exc.status, exc.body(), exc.headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
-        msg = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions"
+        see = OLLAMA_ROUTES if request.url.path.startswith(errors.OLLAMA_PREFIX) else \
+            "GET /v1/models, POST /v1/chat/completions"
+        msg = f"no route {request.method} {request.url.path}; see {see}"
         code = "not_found"
     elif exc.status_code == 405:
         msg = f"method {request.method} not allowed on {request.url.path}"
         code = "method_not_allowed"
     else:
         msg, code = str(exc.detail), None
-    return errors.ErrorJSON(errors.error_body(msg, _TYPES.get(exc.status_code, "server_error"), None, code),
-                        status_code=exc.status_code, headers=dict(exc.headers or {}))
+    return errors.shaped(request.url.path, exc.status_code,
+                         errors.error_body(msg, _TYPES.get(exc.status_code, "server_error"), None, code),
+                         headers=dict(exc.headers or {}))
 
 
 async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
@@ -104,8 +109,8 @@ async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return errors.ErrorJSON(errors.error_body(f"internal server error: {type(exc).__name__}", "server_error",
-                                          None, "internal_error"), status_code=500)
+    return errors.shaped(request.url.path, 500, errors.error_body(f"internal server error: {type(exc).__name__}",
+                                                                  "server_error", None, "internal_error"))
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -114,8 +119,9 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
                public_url: str | None = None, state_dir: Path | None = None) -> Starlette:
     """The ASGI app serving `engine` (or `/health` 503 until `app.state.panechat.attach(engine)`).
 
-    token: require `Authorization: Bearer <token>` on /v1/* and /metrics, and `token` in
-    the websocket `hello`. max_body: the largest request body or websocket frame in bytes.
+    token: require `Authorization: Bearer <token>` on /v1/*, /api/* (but /api/version) and
+    /metrics, and `token` in the websocket `hello`. max_body: the largest request body or
+    websocket frame in bytes.
     logger: where the per-request lines go (default logging.getLogger("panechat.server"),
     which prints nothing unless configured). limits: timeouts and caps (limits.Limits).
     public_url: the address browsers reach the server at (default: from the bind address);
@@ -136,6 +142,7 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
         WebSocketRoute("/ws", websocket_endpoint),
+        *ollama_routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_left,
@@ -143,6 +150,7 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
     })
     app.state.panechat = state
     app.state.guard = Guard(limits, lg, public_url)
-    app.add_middleware(BrowserGuard, guard=app.state.guard)
+    # Ollama's clients (litellm's ollama/ provider) send JSON with no Content-Type, as Ollama takes it
+    app.add_middleware(BrowserGuard, guard=app.state.guard, routes=routes, untyped_json=(errors.OLLAMA_PREFIX,))
     app.add_middleware(RequestLog, logger=lg)  # outermost: refusals get their log line too
     return app
