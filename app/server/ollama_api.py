@@ -161,9 +161,10 @@ async def _generation(request: Request, translate: Callable[[dict, object], Olla
     st = state_of(request)
     data = await read_json(request, st)
     name = model_field(data)
+    t_model = time.monotonic_ns()
     engine = await _engine(st, name)
     shown = name or st.model_id()
-    load_ns = time.monotonic_ns() - t0
+    load_ns = time.monotonic_ns() - t_model
     ob = translate(data, engine)
     if ob.load_only:  # Ollama's way to load a model: no prompt, no messages
         return JSONResponse({"model": shown, "created_at": timestamp(), **_text(kind, ""), "done": True,

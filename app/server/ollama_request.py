@@ -111,11 +111,11 @@ def _format(body: dict, out: OllamaBody) -> None:
 
 def _common(body: dict, protocol: str) -> OllamaBody:
     """What both routes take: stream (Ollama's default: true), options, format; `think`
-    and `logprobs` refused (no reasoning split, no Ollama-shaped logprobs yet)."""
+    and `logprobs` refused (no reasoning split, no Ollama-shaped logprobs)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _refuse_truthy(body, "think", "is not supported by this server (send false or leave it out)")
-    _refuse_truthy(body, "logprobs", "is not supported on the Ollama API (/v1/chat/completions has them)")
+    _refuse_truthy(body, "logprobs", "is not supported on this server's Ollama API")
     stream = body.get("stream")
     out = OllamaBody({"stream": True if stream is None else stream}, protocol, names=dict(_TOP_LEVEL))
     _options(body, protocol, out)

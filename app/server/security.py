@@ -31,6 +31,7 @@ __all__ = ["Origins", "BrowserGuard", "is_loopback", "bind_warning", "PreAuth"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+_CURL_DEFAULT = "application/x-www-form-urlencoded"
 
 
 def is_loopback(host: str) -> bool:
@@ -169,6 +170,8 @@ class BrowserGuard:
                 if not self._type_ok(scope, media) and self._routed(scope):
                     msg = (f"Content-Type must be application/json (got {media[:100]!r})" if media else
                            "Content-Type must be application/json (the request has none)")
+                    if media == _CURL_DEFAULT:  # what `curl -d` sends, as in Ollama's own examples
+                        msg += "; with curl, add -H 'Content-Type: application/json'"
                     return await _refuse(scope, receive, send, 415, msg, "invalid_request_error",
                                          "unsupported_media_type")
             return await self.app(scope, receive, send)

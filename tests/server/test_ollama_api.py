@@ -225,6 +225,10 @@ def test_a_missing_route_is_404_naming_it_whatever_the_body_type(http, live, nam
     assert r.status_code == 200 and r.json()["eval_count"] == 2, r.text
     r = http.post("/api/generate", content=body, headers={"content-type": "text/plain"})
     assert r.status_code == 415 and set(r.json()) == {"error"}
+    r = http.post("/api/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and "-H 'Content-Type: application/json'" in r.json()["error"]  # `curl -d`
+    r = http.post("/api/generate", content=body, headers={"origin": "http://evil.example"})
+    assert r.status_code == 403 and set(r.json()) == {"error"}  # a foreign page, with or without a type
     r = http.post("/v1/completions", content=body)  # the OpenAI routes still want the JSON type
     assert r.status_code == 415
     live.wait_idle()
