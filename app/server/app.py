@@ -119,7 +119,7 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
                public_url: str | None = None, state_dir: Path | None = None) -> Starlette:
     """The ASGI app serving `engine` (or `/health` 503 until `app.state.panechat.attach(engine)`).
 
-    token: require `Authorization: Bearer <token>` on /v1/*, /api/* (but /api/version) and
+    token: require `Authorization: Bearer <token>` on /v1/*, /api/* (but /api/version, and /) and
     /metrics, and `token` in the websocket `hello`. max_body: the largest request body or
     websocket frame in bytes.
     logger: where the per-request lines go (default logging.getLogger("panechat.server"),
