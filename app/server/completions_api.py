@@ -49,7 +49,8 @@ def parse_completion_request(body, engine, model: str) -> CompletionRequest:
 async def completions(request: Request) -> Response:
     return await generation_route(
         request, parse_completion_request,
-        lambda st, req, engine: st.submit_text(req.prompt, req.params, req.stop, engine=engine),
+        lambda st, req, engine, client: st.submit_text(req.prompt, req.params, req.stop, engine=engine,
+                                                       client=client),
         CompletionSSE, "cmpl", "text_completion",
         lambda fin: {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)})
 

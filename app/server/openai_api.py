@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.sampling import SamplingParams
 from . import errors
+from .attribution import client_of
 from .errors import APIError, bad_request
 from .request_fields import FieldError, parse_json
 from .request_schema import CHAT, read_fields, sampling_params
@@ -216,7 +217,7 @@ async def submitted(st: ServerState, submit):
 async def chat_completions(request: Request) -> Response:
     return await generation_route(
         request, parse_chat_request,
-        lambda st, req, engine: st.submit(req.messages, req.params, req.stop, engine=engine),
+        lambda st, req, engine, client: st.submit(req.messages, req.params, req.stop, engine=engine, client=client),
         SSEResponse, "chatcmpl", "chat.completion",
         lambda fin: {"index": 0, "message": {"role": "assistant", "content": fin.text},
                      "logprobs": None, "finish_reason": _finish_reason(fin)})
@@ -226,14 +227,15 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
                            choice) -> Response:
     """What every generation route does: read the body, resolve the engine of the model it
     names (loaded on first use), validate it with `parse(body, engine, model)`, submit
-    with `submit(state, req, engine)`, then stream `sse_class` events or return the whole
-    reply, whose choices[0] is `choice(finish_event)`."""
+    with `submit(state, req, engine, client)` (the client: attribution.client_of), then
+    stream `sse_class` events or return the whole reply, whose choices[0] is
+    `choice(finish_event)`."""
     st = state_of(request)
     data = await read_json(request, st)
     model = model_field(data)
     engine = await engine_for(st, model)
     req = parse(data, engine, model or st.model_id())
-    gen = await submitted(st, lambda: submit(st, req, engine))
+    gen = await submitted(st, lambda: submit(st, req, engine, client_of(request)))
     cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
