@@ -28,7 +28,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from panechat.app.cli import main
-from panechat.app.server.tokens import TokensFileError, parse_tokens
+from panechat.app.server.tokens import NamedTokens, TokensFileError, parse_tokens
 
 TOKENS = {"alice": "alice-secret-1", "bob": "bob-secret-22", "carol": "carol-secret-333"}
 PER_CLIENT = 6  # --max-queue-per-client
@@ -93,6 +93,23 @@ def test_the_tokens_file_allows_comments_and_names_a_bad_line():
             parse_tokens(text, "t.txt")
 
 
+def test_the_file_is_re_read_and_a_bad_edit_keeps_the_names_it_had(tmp_path):
+    path = tmp_path / "tokens.txt"
+    write_tokens(path, ["alice", "bob"])
+    tokens = NamedTokens(path)
+    assert tokens.name_of(TOKENS["bob"]) == "bob" and tokens.name_of("bob-secret-2") is None
+    assert tokens.name_of(None) is None
+    write_tokens(path, ["alice"])
+    tokens.refresh(force=True)
+    assert tokens.names == ("alice",) and tokens.name_of(TOKENS["bob"]) is None
+    path.write_text("alice\n")  # a half-written edit
+    tokens.refresh(force=True)
+    assert tokens.name_of(TOKENS["alice"]) == "alice"
+    path.write_text("")
+    with pytest.raises(TokensFileError, match="names nobody"):
+        NamedTokens(path)
+
+
 def test_a_bad_tokens_file_is_a_one_line_error(tmp_path, capsys):
     bad = tmp_path / "tokens.txt"
     bad.write_text("alice aaaaaaaaaa\nbob\n")
@@ -101,6 +118,9 @@ def test_a_bad_tokens_file_is_a_one_line_error(tmp_path, capsys):
     assert "line 2" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert main(["serve", "--port", "0", "--tokens", str(tmp_path / "missing.txt")]) == 2
     assert "--tokens" in capsys.readouterr().err
+    write_tokens(bad, ["alice"])
+    assert main(["serve", "--port", "0", "--tokens", str(bad), "--token", "shared-token"]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 # -- attribution and removal ------------------------------------------------------------------
