@@ -160,6 +160,8 @@ class Scheduler:
         and blocks are available (a client with none running may take one: `_yield_place`);
         returns the block copies they need."""
         copies: list[BlockCopy] = []
+        if not self.waiting:  # the usual step: nothing to admit, nothing to count
+            return copies
         running = Counter(r.client for r in self.running)
         admitted: set[str] = set()  # ids admitted now: never preempted in the same call (their copies are planned)
         while True:
