@@ -243,3 +243,29 @@ def test_a_light_client_beside_a_flood_waits_about_as_long_as_alone(server):
     assert {s[0] for s in statuses} <= {200, 429}
     assert metric(text, "panechat_client_requests_refused_total", "bob") >= 1
     assert metric(text, "panechat_client_requests_refused_total", "alice") == 0
+
+
+# -- without named tokens ---------------------------------------------------------------------
+def test_without_named_tokens_a_terminal_is_a_client_and_its_id_stays_private(live):
+    """The engine attributes a /ws generation to its terminal (the fair queue's client);
+    the stats other terminals are pushed name no client (addresses and ids are not theirs)."""
+    async def main_():
+        async with connect(live.ws_url) as ws:
+            await ws.send(json.dumps({"type": "hello", "protocol": 1}))
+            terminal = json.loads(await ws.recv())["terminal"]
+            await ws.send(json.dumps({"type": "open", "conversation": f"fair-{terminal}"}))
+            assert json.loads(await ws.recv())["type"] == "opened"
+            await ws.send(json.dumps({"type": "send", "request": "r1", "conversation": f"fair-{terminal}",
+                                      "content": "Tell me a story", "params": {"max_tokens": 24}}))
+            await ws.send(json.dumps({"type": "subscribe", "interval_ms": 100}))
+            seen, pushed = set(), set()
+            while True:
+                f = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                seen |= {x.client for x in live.engine.stats().streams if x.conversation == f"fair-{terminal}"}
+                if f["type"] == "stats":
+                    pushed |= {x["client"] for x in f["streams"]}
+                if f["type"] == "finished":
+                    return terminal, seen, pushed
+
+    terminal, seen, pushed = asyncio.run(main_())
+    assert seen == {terminal} and pushed <= {""}
