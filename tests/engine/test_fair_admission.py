@@ -110,3 +110,27 @@ def test_fair_queue_bookkeeping():
     with pytest.raises(ValueError):
         q.remove(a)
     assert c.state == RequestState.WAITING
+
+
+def test_a_place_taken_for_another_client_changes_no_reply(make_engine):
+    """On the real engine: alice's request takes a place from bob's youngest (preempted,
+    recomputed later), and every reply, the preempted one's included, is its solo reply."""
+    import time
+
+    from panechat.engine.serving.sampling import SamplingParams
+    from panechat.engine.serving.stats import StreamState
+
+    from .test_engine import QUESTIONS, _msgs, _solo
+
+    params = SamplingParams(max_tokens=24)
+    solo = _solo(make_engine, params)
+    e = make_engine(max_concurrent=2)
+    bob = [e.submit(_msgs(q), params=params, client="bob") for q in QUESTIONS[:3]]
+    t0 = time.monotonic()
+    while sum(1 for x in e.stats().streams if x.state == StreamState.DECODING and x.tokens >= 2) < 2:
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.01)
+    alice = e.submit(_msgs(QUESTIONS[3]), params=params, client="alice")
+    replies = [g.result() for g in (*bob, alice)]
+    assert e.stats().preemptions >= 1
+    assert [f.token_ids for f in replies] == [f.token_ids for f in solo]
