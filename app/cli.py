@@ -26,8 +26,8 @@ _ENGINE = EngineConfig()  # the engine flags' defaults; EngineConfig.validate() 
 SHARED_DEFAULTS = {
     "model": None, "models": None, "models_memory": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
     **{name: getattr(_ENGINE, name) for name in
-       ("ctx_size", "max_concurrent", "kv_sessions", "kv_memory", "kv_dtype", "max_queue", "prefill_chunk",
-        "straggler_ms", "kv_snapshot_memory")},
+       ("ctx_size", "max_concurrent", "kv_sessions", "kv_memory", "kv_dtype", "max_queue", "max_queue_per_client",
+        "prefill_chunk", "straggler_ms", "kv_snapshot_memory")},
     "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
@@ -63,6 +63,9 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=EngineConfig.KV_DTYPES,
                    help=f"KV cache precision (default {_D['kv_dtype']})")
     p.add_argument("--max-queue", type=int, metavar="N", help=f"waiting requests before refusing (default {_D['max_queue']})")
+    p.add_argument("--max-queue-per-client", type=int, metavar="N",
+                   help="waiting requests of one client (a --tokens name, a terminal, an address) before "
+                        "refusing it alone with 429 client_queue_full (default: up to --max-queue)")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
     p.add_argument("--models-memory", type=byte_size, metavar="SIZE",
                    help="memory for the models held at once (weights + KV), e.g. 2G; a model that does not "
@@ -183,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
                            parents=[model, context, batching, listen, _parent(_server_limit_args)])
+    serve.add_argument("--tokens", metavar="FILE",
+                       help="named access tokens instead of --token: one 'name token' per line (# comments); "
+                            "requests and terminals are attributed to the name, the file is re-read when it "
+                            "changes and a removed name's sockets are closed")
     serve.add_argument("--state-dir", metavar="DIR",
                        help="folder where websocket conversations persist across restarts (default: the "
                             "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from panechat.engine.serving.engine import EngineStopped, PromptTooLong, QueueFull
+from panechat.engine.serving.engine import ClientQueueFull, EngineStopped, PromptTooLong, QueueFull
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.catalog.model_names import ModelDoesNotFit, UnknownModel
@@ -40,6 +40,9 @@ BAD_INPUT = Refusal("bad_input", 400, "invalid_request_error", None, "messages",
 PROMPT_TOO_LONG = Refusal("prompt_too_long", 400, "invalid_request_error", "context_length_exceeded", "messages",
                           "prompt_too_long")
 QUEUE_FULL = Refusal("queue_full", 429, "rate_limit_error", "queue_full", None, "queue_full", retry_after=1)
+#: one client's own requests fill its part of the queue (--max-queue-per-client); others are admitted
+CLIENT_QUEUE_FULL = Refusal("client_queue_full", 429, "rate_limit_error", "client_queue_full", None,
+                            "client_queue_full", retry_after=1)
 ENGINE_STOPPED = Refusal("engine_stopped", 503, "server_error", "engine_stopped", None, "unavailable")
 SHUTTING_DOWN = Refusal("shutting_down", 503, "server_error", "shutting_down", None, "shutting_down",
                         retry_after=1)
@@ -61,9 +64,10 @@ class ShuttingDown(RuntimeError):
 
 
 #: Exception types and their refusals, in the order `classify` tries them: the subclasses of
-#: InvalidRequest (PromptTooLong) before InvalidRequest itself.
+#: InvalidRequest (PromptTooLong) before InvalidRequest itself, ClientQueueFull before QueueFull.
 _REFUSAL_OF: tuple[tuple[type[BaseException], Refusal], ...] = (
-    (PromptTooLong, PROMPT_TOO_LONG), (ShuttingDown, SHUTTING_DOWN), (QueueFull, QUEUE_FULL),
+    (PromptTooLong, PROMPT_TOO_LONG), (ShuttingDown, SHUTTING_DOWN),
+    (ClientQueueFull, CLIENT_QUEUE_FULL), (QueueFull, QUEUE_FULL),
     (EngineStopped, ENGINE_STOPPED), (UnknownModel, UNKNOWN_MODEL), (ModelDoesNotFit, MODEL_DOES_NOT_FIT),
     (ModelFileError, MODEL_UNUSABLE), (InvalidRequest, BAD_INPUT),
 )

@@ -34,6 +34,7 @@ from .websocket import websocket_endpoint
 
 if TYPE_CHECKING:
     from panechat.engine.serving.engine import Engine
+    from .tokens import NamedTokens
 
 __all__ = ["create_app", "MAX_BODY"]
 
@@ -116,7 +117,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 # -- the app ------------------------------------------------------------------------------------
 def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_body: int = MAX_BODY,
                logger: logging.Logger | None = None, limits: Limits | None = None,
-               public_url: str | None = None, state_dir: Path | None = None) -> Starlette:
+               public_url: str | None = None, state_dir: Path | None = None,
+               tokens: "NamedTokens | None" = None) -> Starlette:
     """The ASGI app serving `engine` (or `/health` 503 until `app.state.panechat.attach(engine)`).
 
     token: require `Authorization: Bearer <token>` on /v1/*, /api/* (but /api/version, and /) and
@@ -126,10 +128,15 @@ def create_app(engine: "Engine | None" = None, *, token: str | None = None, max_
     which prints nothing unless configured). limits: timeouts and caps (limits.Limits).
     public_url: the address browsers reach the server at (default: from the bind address);
     pages from other origins than it and loopback are refused. state_dir: where the
-    websocket conversations persist (conversation_db.py; None: in memory only)."""
+    websocket conversations persist (conversation_db.py; None: in memory only). tokens:
+    named tokens (--tokens FILE, tokens.py) instead of `token`: requests and terminals are
+    attributed to the name."""
     lg = logger or log
     limits = limits or Limits()
-    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory, state_dir=state_dir)
+    if token and tokens is not None:
+        raise ValueError("give --token or --tokens, not both (put the shared token in the file under a name)")
+    state = ServerState(engine, token, max_body, lg, history_memory=limits.history_memory, state_dir=state_dir,
+                        tokens=tokens)
     state.registry = make_registry(state)
     routes = [
         Route("/health", health, methods=["GET"]),

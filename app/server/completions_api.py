@@ -46,9 +46,10 @@ def parse_completion_request(body, engine, model: str) -> CompletionRequest:
     return CompletionRequest(model, prompt, f.params, f.stop, f.stream, f.include_usage)
 
 
-async def submit_completion(st, req: CompletionRequest, engine):
-    """Queue the validated completion request on `engine` (the raw prompt, no template)."""
-    return await st.submit_text(req.prompt, req.params, req.stop, engine=engine)
+async def submit_completion(st, req: CompletionRequest, engine, client: str):
+    """Queue the validated completion request on `engine` for `client` (the raw prompt, no
+    template)."""
+    return await st.submit_text(req.prompt, req.params, req.stop, engine=engine, client=client)
 
 
 def completion_choice(fin) -> dict:

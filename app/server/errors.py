@@ -70,9 +70,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def unauthorized() -> APIError:
-    return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <token>' "
-                    "(the token given to panechat serve --token)",
+def unauthorized(named: bool = False) -> APIError:
+    """401; `named`: the server takes the tokens of a --tokens file."""
+    given = "your token in panechat serve --tokens FILE" if named else "the token given to panechat serve --token"
+    return APIError(401, f"missing or wrong API key: send 'Authorization: Bearer <token>' ({given})",
                     type="authentication_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})
 

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.model_set import engine_bytes
 from . import errors
+from .attribution import client_of
 from .completions_api import parse_completion_request, submit_completion
 from .errors import APIError, bad_request
 from .ollama_request import OllamaBody, chat_body, generate_body
@@ -177,7 +178,7 @@ async def _generation(request: Request, translate: Callable[[dict, object], Olla
         raise ob.reworded(e) from None
     if ob.num_ctx is not None and ob.num_ctx < engine.ctx:
         req = await _within(st, req, engine, ob.num_ctx)
-    gen = await submitted(st, lambda: submit(st, req, engine))
+    gen = await submitted(st, lambda: submit(st, req, engine, client_of(request)))
 
     def last(fin: FinishEvent, buffered: bool) -> dict:
         if kind == "message":

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.sampling import SamplingParams
 from . import errors
+from .attribution import client_of
 from .errors import APIError, bad_request
 from .request_fields import FieldError, parse_json
 from .request_schema import CHAT, read_fields, sampling_params
@@ -213,9 +214,10 @@ async def submitted(st: ServerState, submit):
         raise errors.from_engine(e, st.log, "submitting a generation") from None
 
 
-async def submit_chat(st: ServerState, req: ChatRequest, engine):
-    """Queue the validated chat request on `engine` (its messages through the chat template)."""
-    return await st.submit(req.messages, req.params, req.stop, engine=engine)
+async def submit_chat(st: ServerState, req: ChatRequest, engine, client: str):
+    """Queue the validated chat request on `engine` for `client` (attribution.client_of; its
+    messages through the chat template)."""
+    return await st.submit(req.messages, req.params, req.stop, engine=engine, client=client)
 
 
 def chat_choice(fin: FinishEvent) -> dict:
@@ -233,14 +235,15 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
                            choice) -> Response:
     """What every generation route does: read the body, resolve the engine of the model it
     names (loaded on first use), validate it with `parse(body, engine, model)`, submit
-    with `submit(state, req, engine)`, then stream `sse_class` events or return the whole
-    reply, whose choices[0] is `choice(finish_event)`."""
+    with `submit(state, req, engine, client)` (the client: attribution.client_of), then
+    stream `sse_class` events or return the whole reply, whose choices[0] is
+    `choice(finish_event)`."""
     st = state_of(request)
     data = await read_json(request, st)
     model = model_field(data)
     engine = await engine_for(st, model)
     req = parse(data, engine, model or st.model_id())
-    gen = await submitted(st, lambda: submit(st, req, engine))
+    gen = await submitted(st, lambda: submit(st, req, engine, client_of(request)))
     cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:

@@ -1,5 +1,7 @@
 """`GET /metrics`: Prometheus text format, derived from each model's `engine.stats()` (an
-`EngineStats`) at scrape time; every engine metric carries a `model` label.
+`EngineStats`) at scrape time; every engine metric carries a `model` label. The
+`panechat_client_*` families carry a `client` label: the --tokens name, or "-" for every
+client of a server without named tokens (addresses would make the label unbounded).
 
 A custom collector reads one engine snapshot per scrape, so serving costs nothing per
 token. Each app gets its own registry (several servers may live in one process).
@@ -7,6 +9,7 @@ token. Each app gets its own registry (several servers may live in one process).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -45,9 +48,11 @@ class EngineCollector(Collector):
         yield terms
         yield from _history(st.conversations)
         if engine is None:
+            yield from _clients(st, {})
             return
         engines = st.models.engines()
         stats = {name: e.stats() for name, e in engines.items()}
+        yield from _clients(st, stats)
         info = InfoMetricFamily("panechat_model", "The models being served", labels=["model"])
         for name, e in engines.items():
             info.add_metric([name], {"file": str(e.lm.name), "backend": e.lm.model.backend.describe(),
@@ -149,6 +154,37 @@ def engine_families(stats: "dict[str, EngineStats]"):
             ttft.add_metric([model], buckets, sum_value=float(th.sum))
     yield steps
     yield ttft
+
+
+def _clients(st: "ServerState", stats: "dict[str, EngineStats]"):
+    """Per client: its open terminals, its generations running and waiting, and its counters."""
+    usage, label = st.usage, st.usage.label
+    labels = ["client"]
+    sockets: Counter[str] = Counter(label(c.client) for c in list(st.sockets) if c.authed)
+    running: Counter[str] = Counter()
+    waiting: Counter[str] = Counter()
+    for s in stats.values():
+        for x in s.streams:
+            (waiting if x.state == StreamState.QUEUED else running)[label(x.client)] += 1
+    seen = sorted(set(usage.by_label) | set(sockets) | set(running) | set(waiting))
+    for kind, name, doc, value in (
+            (GaugeMetricFamily, "panechat_client_websockets", "Open websocket terminals of the client", sockets.get),
+            (GaugeMetricFamily, "panechat_client_requests_running", "The client's generations admitted", running.get),
+            (GaugeMetricFamily, "panechat_client_requests_waiting", "The client's generations in the queue",
+             waiting.get),
+            (CounterMetricFamily, "panechat_client_requests", "Generations the client submitted (queued)",
+             lambda c: usage.of(c).requests if c in usage.by_label else 0),
+            (CounterMetricFamily, "panechat_client_requests_refused",
+             "The client's generations refused with 429 (queue or its part of it full)",
+             lambda c: usage.of(c).refused if c in usage.by_label else 0),
+            (CounterMetricFamily, "panechat_client_prompt_tokens", "Prompt tokens of the client's finished generations",
+             lambda c: usage.of(c).prompt_tokens if c in usage.by_label else 0),
+            (CounterMetricFamily, "panechat_client_generated_tokens", "Tokens generated for the client",
+             lambda c: usage.of(c).completion_tokens if c in usage.by_label else 0)):
+        f = kind(name, doc, labels=labels)
+        for c in seen:
+            f.add_metric([c], float(value(c) or 0))
+        yield f
 
 
 def _history(store: "ConversationStore"):

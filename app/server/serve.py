@@ -38,6 +38,7 @@ from .state import ServerState
 from .limits import Guard, Limits, Listener, raise_fd_limit, run_server
 from .security import bind_warning
 from .shutdown import DrainingServer
+from .tokens import NamedTokens
 
 __all__ = ["ServerThread", "start_in_background", "serve", "banner_urls"]
 
@@ -180,6 +181,16 @@ def banner_urls(host: str, port: int, token: str | None) -> list[str]:
     return lines
 
 
+def named_tokens(path: str | None, logger: logging.Logger) -> NamedTokens | None:
+    """--tokens FILE read (TokensFileError or OSError, one line, for a bad or missing file)."""
+    if path is None:
+        return None
+    try:
+        return NamedTokens(Path(path).expanduser(), logger)
+    except OSError as e:
+        raise OSError(f"--tokens {path}: {e.strerror or e}; give a file of 'name token' lines") from None
+
+
 def state_folder(flag: str | None) -> Path | None:
     """--state-dir: where `/ws` conversations persist; default the panechat data folder
     ($PANECHAT_DATA_DIR, else the platform's), "none": memory only."""
@@ -223,8 +234,9 @@ def serve(args: argparse.Namespace) -> int:
     resolve_model_path(getattr(args, "model", None))  # a missing default model: one line, exit 2
     logger = server_logger()
     token = getattr(args, "token", None)
+    tokens = named_tokens(getattr(args, "tokens", None), logger)
     app = create_app(None, token=token, logger=logger, limits=limits, public_url=getattr(args, "public_url", None),
-                     state_dir=state_folder(getattr(args, "state_dir", None)))
+                     state_dir=state_folder(getattr(args, "state_dir", None)), tokens=tokens)
     state: ServerState = app.state.panechat
     guard: Guard = app.state.guard
     sock = _bind(args.host, args.port)
@@ -235,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
     server = DrainingServer(_config(app, guard, 3), state, limits.shutdown_grace)
     print(f"panechat serve: listening on http://{_url_host(args.host)}:{port} (loading the model ...)",
           file=sys.stderr, flush=True)
-    warning = bind_warning(args.host, token)
+    warning = bind_warning(args.host, token or tokens)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     result = {"rc": 0, "engine": None}
@@ -254,7 +266,7 @@ def serve(args: argparse.Namespace) -> int:
         for name, e in engine.engines().items():
             for line in e.startup_lines():
                 print(line, file=sys.stderr)
-        for line in banner_urls(args.host, port, token):
+        for line in banner_urls(args.host, port, token or tokens):
             print(line, file=sys.stderr)
         engine.on_load = lambda name, e: print("\n".join(e.startup_lines()), file=sys.stderr, flush=True)
         state.attach(engine)

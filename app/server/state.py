@@ -9,6 +9,7 @@ that assembles them (`app`) all import it, and none of them imports another.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import logging
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from ..engine_errors import ShuttingDown
+from ..engine_errors import CLIENT_QUEUE_FULL, QUEUE_FULL, ShuttingDown, classify
 from . import errors
+from .attribution import USER_KEY, UsageByClient
 from .conversation_db import ConversationDB, ConversationDBError
 from .conversations import ConversationStore
 from .errors import APIError
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from panechat.engine.catalog.model_catalog import ModelEntry
     from panechat.engine.serving.model_set import ModelSet
     from panechat.engine.serving.sampling import SamplingParams
+    from panechat.engine.serving.stats import EngineStats
+    from .tokens import NamedTokens
 
 #: The name any request may use for the default model (clients that must send some name).
 DEFAULT_ALIAS = "panechat"
@@ -48,12 +52,15 @@ class ServerState:
     (handlers call `done`), and `sockets` the open websocket connections."""
 
     def __init__(self, engine: "Engine | ModelSet | None", token: str | None, max_body: int,
-                 logger: logging.Logger, history_memory: int = 256 << 20, state_dir: Path | None = None):
+                 logger: logging.Logger, history_memory: int = 256 << 20, state_dir: Path | None = None,
+                 tokens: "NamedTokens | None" = None):
         self.models: "ModelSet | None" = None
         self._catalog: tuple[float, list["ModelEntry"]] | None = None
         if engine is not None:
             self.attach(engine)
         self.token = token or None
+        self.tokens = tokens  # --tokens: named tokens (then `token` is None)
+        self.usage = UsageByClient(named=tokens is not None)
         self.max_body = max_body
         self.log = logger
         self.load_error: str | None = None
@@ -129,20 +136,38 @@ class ServerState:
         return self._catalog[1]
 
     # -- auth -------------------------------------------------------------------------
-    def token_ok(self, presented: str | None) -> bool:
+    def authenticate(self, presented: str | None) -> str | None:
+        """Who `presented` lets in: its --tokens name, "" where no name applies (no token
+        required, or the shared --token), None when it is refused."""
+        if self.tokens is not None:
+            return self.tokens.name_of(presented)
         if self.token is None:
-            return True
+            return ""
         if not isinstance(presented, str):
-            return False
-        return hmac.compare_digest(presented.encode("utf-8", "replace"), self.token.encode("utf-8"))
+            return None
+        ok = hmac.compare_digest(presented.encode("utf-8", "replace"), self.token.encode("utf-8"))
+        return "" if ok else None
+
+    def token_ok(self, presented: str | None) -> bool:
+        return self.authenticate(presented) is not None
 
     def check_bearer(self, request: Request) -> None:
-        """401 unless the request carries `Authorization: Bearer <token>` (when set)."""
-        if self.token is None:
+        """401 unless the request carries `Authorization: Bearer <token>` (when a token is
+        required); a --tokens name is left in the scope for `attribution.client_of`."""
+        if self.token is None and self.tokens is None:
             return
         scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not self.token_ok(cred.strip()):
-            raise errors.unauthorized()
+        user = self.authenticate(cred.strip()) if scheme.lower() == "bearer" else None
+        if user is None:
+            raise errors.unauthorized(named=self.tokens is not None)
+        request.scope[USER_KEY] = user
+
+    def shown_stats(self, stats: "EngineStats") -> "EngineStats":
+        """`stats` as terminals are shown them: streams name their --tokens name; without
+        named tokens no client at all (other people's addresses are not for every terminal)."""
+        if self.tokens is not None or not any(x.client for x in stats.streams):
+            return stats
+        return dataclasses.replace(stats, streams=tuple(dataclasses.replace(x, client="") for x in stats.streams))
 
     # -- shutdown ---------------------------------------------------------------------
     @property
@@ -166,34 +191,48 @@ class ServerState:
             self.conversation_db.close()
 
     def done(self, gen: "Generation") -> None:
-        """The handler of `gen` has sent its client the end (or the client left)."""
+        """The handler of `gen` has sent its client the end (or the client left); its
+        tokens are counted to its client (once)."""
+        if gen in self.inflight and gen.finish is not None:
+            u = self.usage.of(gen.client)
+            u.prompt_tokens += gen.finish.usage.get("prompt_tokens", 0)
+            u.completion_tokens += gen.finish.usage.get("completion_tokens", 0)
         self.inflight.discard(gen)
 
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
-                     conversation: str | None = None, engine: "Engine | None" = None) -> "Generation":
+                     conversation: str | None = None, engine: "Engine | None" = None,
+                     client: str = "") -> "Generation":
         """Render and tokenize `messages` off the event loop, then queue the generation on
         `engine` (default: the default model's), with the template's own stop strings besides
-        `stop`. The caller owns it until it calls `done(gen)` (in a `finally`).
+        `stop`. The caller owns it until it calls `done(gen)` (in a `finally`). `client`:
+        who it is attributed to (attribution.py: the queue is fair across clients).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
         engine = engine or self.require_engine()
         return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
-                                  [*stop, *engine.chat_stops], conversation)
+                                  [*stop, *engine.chat_stops], conversation, client)
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
-                          engine: "Engine | None" = None) -> "Generation":
+                          engine: "Engine | None" = None, client: str = "") -> "Generation":
         """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
         engine = engine or self.require_engine()
-        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None)
+        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None, client)
 
     async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
-                      conversation: str | None) -> "Generation":
+                      conversation: str | None, client: str) -> "Generation":
         self.check_admitting()
         ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
-        gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
+        try:
+            gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop,
+                                client=client)
+        except Exception as e:
+            if classify(e) in (QUEUE_FULL, CLIENT_QUEUE_FULL):
+                self.usage.of(client).refused += 1
+            raise
+        self.usage.of(client).requests += 1
         self.inflight.add(gen)
         return gen
 

@@ -7,7 +7,8 @@ through one lock. A bad frame gets an `error` frame; the connection stays usable
 Until its `hello` passes the token check a socket is on probation (limits.py): it is
 closed (4408) after `auth_grace` seconds, and a frame over `preauth_frame` bytes closes it
 (1009) unparsed. The Origin check and the cap on such sockets run before the handshake
-(security.BrowserGuard).
+(security.BrowserGuard). With --tokens a socket is its token's name's (attribution.py)
+and is closed (4401) within about a second once that token leaves the file.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .conversations import Conversation, HistoryTooLarge, message_bytes
 from .request_fields import FieldError, is_num, parse_json
 from .request_schema import WS, read_fields, sampling_params, unknown_field
 from .state import SERVER_NAME, ServerState
+from .tokens import POLL_S
 
 PROTOCOL = 1
 MAX_ID = 256  # characters in a conversation or request id
@@ -94,6 +96,8 @@ class Connection:
     def __init__(self, st: ServerState, ws: WebSocket):
         self.st, self.ws = st, ws
         self.terminal: str | None = None
+        self.user = ""  # its --tokens name ("" without named tokens)
+        self._presented: str | None = None  # the token its hello gave, checked again while it is open
         self.authed = False  # welcomed
         self.token_ok = False  # past the token check (the welcome may still wait for the model)
         self.guard = ws.app.state.guard
@@ -104,8 +108,14 @@ class Connection:
         self.models: dict[str, str | None] = {}  # conversation id -> the model its `open` named (None: default)
         self.pumps: set[asyncio.Task] = set()
         self.stats_task: asyncio.Task | None = None
+        self.token_watch: asyncio.Task | None = None
         client = ws.client
         self.peer = f"{client.host}:{client.port}" if client else "-"
+
+    @property
+    def client(self) -> str:
+        """Who its generations are attributed to: its --tokens name, else its terminal."""
+        return self.user or self.terminal or self.peer
 
     async def send(self, obj: dict) -> None:
         if self.closed:
@@ -138,6 +148,8 @@ class Connection:
                 await self.on_message(msg)
         finally:
             probation.cancel()
+            if self.token_watch is not None:
+                self.token_watch.cancel()
             await self.shutdown()
 
     async def close_unless_hello(self) -> None:
@@ -157,6 +169,19 @@ class Connection:
                 await self.ws.close(code=code)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+    async def close_when_token_removed(self) -> None:
+        """--tokens: close this socket (4401) once its token is no longer in the file."""
+        tokens = self.st.tokens
+        while not self.closed:
+            await asyncio.sleep(POLL_S)
+            if not tokens.still_valid(self.user, self._presented):
+                self.st.log.info("ws %s %s: the token of %s was removed from --tokens; closing",
+                                 self.peer, self.terminal, self.user)
+                await self.error("unauthorized", f"the token of {self.user!r} is no longer accepted "
+                                 "(removed from panechat serve --tokens)")
+                await self.close(4401)
+                return
 
     def passed_token_check(self) -> None:
         """Off probation: counted as authenticated, full-size frames allowed."""
@@ -244,10 +269,16 @@ class Connection:
             raise FrameError("bad_frame", "'protocol' must be a version number such as 1") from None
         if major > PROTOCOL:
             raise FrameError("protocol", f"this server speaks protocol {PROTOCOL}; client asked for {proto}")
-        if not self.st.token_ok(frame.get("token")):
-            await self.error("unauthorized", "missing or wrong token (the one given to panechat serve --token)")
+        user = self.st.authenticate(frame.get("token"))
+        if user is None:
+            given = "your token in panechat serve --tokens FILE" if self.st.tokens else \
+                "the one given to panechat serve --token"
+            await self.error("unauthorized", f"missing or wrong token ({given})")
             await self.close(4401)
             return
+        if self.st.tokens is not None and self.token_watch is None:
+            self.user, self._presented = user, frame.get("token")
+            self.token_watch = asyncio.create_task(self.close_when_token_removed())
         self.passed_token_check()
         if self.st.draining:
             await self.error("shutting_down", "the server is shutting down; connect again shortly")
@@ -260,8 +291,8 @@ class Connection:
             self.authed = True
             self.terminal = f"t-{next(self.st.terminal_ids)}"
             self.st.terminals += 1
-            self.st.log.info("ws %s %s connected (%s)", self.peer, self.terminal,
-                             str(frame.get("client", "?"))[:64])
+            self.st.log.info("ws %s %s connected (%s%s)", self.peer, self.terminal,
+                             str(frame.get("client", "?"))[:64], f", user {self.user}" if self.user else "")
         await self.send({
             "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME, "model": engine.lm.name,
             "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
@@ -345,7 +376,7 @@ class Connection:
         messages.append({"role": "user", "content": content})
         conv.busy = rid  # reserved while the prompt is tokenized off the loop
         try:
-            gen = await self.st.submit(messages, params, stop, conversation=cid, engine=engine)
+            gen = await self.st.submit(messages, params, stop, conversation=cid, engine=engine, client=self.client)
         except Exception as e:
             conv.busy = None
             refusal = classify(e)  # app/engine_errors.py
@@ -417,11 +448,11 @@ class Connection:
         model, backend = engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
-            stats = engine.stats().with_terminals(self.st.terminals)
+            stats = self.st.shown_stats(engine.stats()).with_terminals(self.st.terminals)
             frame = {"type": "stats", **stats.to_dict(), "model": model, "backend": backend}
             engines = self.st.models.engines()
             if len(engines) > 1:  # one snapshot per model (the top level is the default one's)
-                frame["models"] = {name: e.stats().to_dict() for name, e in engines.items()}
+                frame["models"] = {name: self.st.shown_stats(e.stats()).to_dict() for name, e in engines.items()}
             await self.send(frame)
             nxt += interval
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))

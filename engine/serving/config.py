@@ -36,6 +36,7 @@ class EngineConfig:
     kv_dtype: str = "f16"
     prefix_caching: bool = True  # share computed KV blocks between sequences with the same prefix
     max_queue: int = 64  # a client past the running ones waits in line (latency) rather than get a 429
+    max_queue_per_client: int | None = None  # one client's waiting requests (None: up to max_queue)
     ctx_size: int = 4096
     prefill_chunk: int = 512
     straggler_ms: float = 2.0
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"--kv-dtype must be one of {', '.join(self.KV_DTYPES)}")
         if not 0 <= self.max_queue <= self.MAX_QUEUE:
             raise ValueError(f"--max-queue must be between 0 and {self.MAX_QUEUE}")
+        if self.max_queue_per_client is not None and not 1 <= self.max_queue_per_client <= self.MAX_QUEUE:
+            raise ValueError(f"--max-queue-per-client must be between 1 and {self.MAX_QUEUE}")
         if self.ctx_size < self.MIN_CTX:
             raise ValueError(f"--ctx-size must be at least {self.MIN_CTX}")
         if self.prefill_chunk < 1:

@@ -44,14 +44,14 @@ from panechat.engine.serving.output import End, OutputProcessor
 from panechat.engine.model.forward import Batch
 from panechat.engine.serving.request import Request, RequestState
 from panechat.engine.serving.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
-from panechat.engine.serving.scheduler import QueueFull, Scheduler, StepPlan
+from panechat.engine.serving.scheduler import ClientQueueFull, QueueFull, Scheduler, StepPlan
 from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats
 from panechat.engine.text.chat_template import ChatTemplateError
 
 #: The snapshot file's dtype name of each --kv-dtype (snapshots hold the cache's own bits).
 SNAPSHOT_DTYPES = {"f16": "float16", "f32": "float32"}
 
-__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "InvalidRequest", "PromptTooLong",
+__all__ = ["Engine", "EngineConfig", "Generation", "QueueFull", "ClientQueueFull", "InvalidRequest", "PromptTooLong",
            "KVBudgetTooSmall", "EngineStopped"]
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,10 @@ class Generation:
     from. Nothing is guessed at submit time, so a Generation may be created on one thread
     and read on another. Each event is delivered once; the last one is the FinishEvent."""
 
-    def __init__(self, engine: "Engine", request_id: str):
+    def __init__(self, engine: "Engine", request_id: str, client: str = ""):
         self.engine = engine
         self.id = request_id
+        self.client = client  # who it is attributed to (Engine.submit's `client`)
         self.finish: FinishEvent | None = None
         self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
         # set by aevents(): the reading loop and the asyncio.Event that wakes it
@@ -165,7 +166,8 @@ class Engine:
         self.metrics.kv_total = n_blocks
         self.metrics.kv_bytes_per_block = per_block
         self.kv_manager = KVManager(self.pool, self._open_snapshots())
-        self.scheduler = Scheduler(self.kv_manager, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk)
+        self.scheduler = Scheduler(self.kv_manager, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk,
+                                   max_queue_per_client=cfg.max_queue_per_client)
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
         self.batching = True
@@ -275,10 +277,12 @@ class Engine:
 
     def submit(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                params: SamplingParams | None = None, conversation: str | None = None,
-               stop: tuple[str, ...] | list[str] = ()) -> Generation:
+               stop: tuple[str, ...] | list[str] = (), client: str = "") -> Generation:
         """Queue one generation. Raises InvalidRequest (bad input; PromptTooLong among them),
-        QueueFull, EngineStopped. These checks protect the engine whoever calls it; the
-        server's request schema (app/server/request_schema.py) has refused bad fields before."""
+        QueueFull (ClientQueueFull among them), EngineStopped. These checks protect the
+        engine whoever calls it; the server's request schema (app/server/request_schema.py)
+        has refused bad fields before. `client`: who sent it; the queue is fair across
+        clients (engine/serving/fair_queue.py)."""
         if self._stop:
             raise EngineStopped("the engine is stopped")
         params = params or SamplingParams()
@@ -299,20 +303,20 @@ class Engine:
                 f"{format_size(need * self.kv.bytes_per_block)} of KV but the budget is "
                 f"{format_size(self.kv.nbytes)}; lower max_tokens or raise --kv-memory")
         rid = f"req-{next(self._ids)}"
-        gen = Generation(self, rid)
+        gen = Generation(self, rid, client)
         tok = self.lm.tokenizer
         req = Request(
             id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
             sampler=make_sampler(params), emit=gen._emit,
             stop_ids=tok.stop_ids, stop_strings=tuple(s for s in stop if s),
-            processors=make_processors(params, self.lm.model.args.vocab_size),
+            processors=make_processors(params, self.lm.model.args.vocab_size), client=client,
         )
         with self._lock:
             try:
                 self.scheduler.add(req)
             except QueueFull as e:
                 self.metrics.refused += 1
-                e.retry_after = self.retry_after()
+                e.retry_after = self.retry_after(e)
                 raise
             self._by_id[rid] = req
             self.output.add(req)
@@ -329,11 +333,15 @@ class Engine:
             req.cancelled = True
             self._wake.set()
 
-    def retry_after(self) -> int:
+    def retry_after(self, refusal: QueueFull | None = None) -> int:
         """Seconds after which a request refused now (QueueFull) should come back: the
-        time the queue ahead of it takes to clear at the recent pace (1..60)."""
-        return retry_after_estimate(len(self.scheduler.waiting), self.cfg.max_concurrent,
-                                    self.metrics.mean_request_s())
+        time the queue ahead of it takes to clear at the recent pace (1..60). For a
+        ClientQueueFull, its client's queue, served at its share of the places."""
+        waiting, places = len(self.scheduler.waiting), self.cfg.max_concurrent
+        if isinstance(refusal, ClientQueueFull):
+            waiting = refusal.waiting
+            places = max(1, places // max(1, self.scheduler.waiting.clients()))
+        return retry_after_estimate(waiting, places, self.metrics.mean_request_s())
 
     def stats(self) -> EngineStats:
         """Snapshot of streams, batch occupancy, queue and KV slots (cheap)."""
@@ -525,7 +533,7 @@ class Engine:
             dt = now - r.t_first if r.t_first else 0.0
             n_prompt = len(r.prompt_ids)
             streams.append(StreamStats(
-                id=r.id, conversation=r.conversation, state=_STREAM_STATE[r.state], tokens=n,
+                id=r.id, conversation=r.conversation, client=r.client, state=_STREAM_STATE[r.state], tokens=n,
                 tok_s=(n - 1) / dt if n > 1 and dt > 0 else 0.0,
                 ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
                 prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,

@@ -37,6 +37,7 @@ class Request:
     stop_ids: frozenset[int]
     stop_strings: tuple[str, ...] = ()  # the reply text is the output processor's (output.py)
     processors: tuple = ()  # LogitsProcessors on its logits before the sampler, in this order
+    client: str = ""  # who sent it (a --tokens name, a terminal, an address): the queue is fair across clients
     state: RequestState = RequestState.WAITING
     preemptions: int = 0
     reused: int = 0  # prompt tokens found computed at (first) admission

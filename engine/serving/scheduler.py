@@ -14,9 +14,16 @@ the scheduler asks while planning. A request is admitted when the blocks for its
 tokens are available (cached prefix blocks are shared, not counted; a KV snapshot may
 restore more of its prefix then and there); a decoding request takes one more block each
 BLOCK_TOKENS tokens. When none is left, the youngest running request is preempted: its
-computed blocks stay cached, it goes back to the head of the queue and is recomputed
-later from its prompt and the tokens it already produced (vLLM's recompute preemption),
-so the oldest always progresses: no deadlock.
+computed blocks stay cached, it goes back to the head of its client's queue and is
+recomputed later from its prompt and the tokens it already produced (vLLM's recompute
+preemption), so the oldest always progresses: no deadlock.
+
+The queue is fair across clients (fair_queue.py): the next admitted request is the head of
+the client with the fewest running requests. A client with none running whose request
+finds no place (every slot, or too many blocks, held) takes one from the client holding
+the most, if that client holds two or more: its youngest is preempted as above. So one
+client's flood delays another's first token by a step or two, not by the flood (issue
+25). Who is admitted when changes; what a row computes never does.
 
 Threads: `add` may be called from any thread while `schedule` runs on the engine's; the
 queue moves under a small lock of its own, so a slow admission (a snapshot read from disk)
@@ -26,14 +33,15 @@ never holds up a submit.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from panechat.engine.kv.blocks import BlockKey
 from panechat.engine.kv.manager import BlockCopy, KVManager
+from panechat.engine.serving.fair_queue import FairQueue
 from panechat.engine.serving.request import Request, RequestState
 
-__all__ = ["BlockCopy", "QueueFull", "Scheduler", "StepPlan"]
+__all__ = ["BlockCopy", "ClientQueueFull", "QueueFull", "Scheduler", "StepPlan"]
 
 
 class QueueFull(Exception):
@@ -43,6 +51,16 @@ class QueueFull(Exception):
     the recent pace; None where unknown)."""
 
     retry_after: int | None = None
+
+
+class ClientQueueFull(QueueFull):
+    """This client's own requests fill its share of the queue (--max-queue-per-client);
+    other clients are still admitted. `client` and `waiting` (its queued requests) let
+    the engine estimate `retry_after`."""
+
+    def __init__(self, message: str, client: str, waiting: int):
+        super().__init__(message)
+        self.client, self.waiting = client, waiting
 
 
 @dataclass
@@ -63,12 +81,16 @@ class Scheduler:
 
     `max_seqs_per_step` caps the sequences in one step (None: up to max_concurrent); the
     engine sets it to 1 when batching is off. Admission does not depend on it: every
-    admitted request holds its blocks, and they take turns."""
+    admitted request holds its blocks, and they take turns. `max_queue_per_client`: the
+    waiting requests one client may have (None: up to `max_queue`)."""
 
     def __init__(self, kv: KVManager, max_concurrent: int = 4, max_queue: int = 8,
-                 prefill_chunk: int = 512, max_seqs_per_step: int | None = None):
+                 prefill_chunk: int = 512, max_seqs_per_step: int | None = None,
+                 max_queue_per_client: int | None = None):
         if max_concurrent < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max-concurrent and prefill-chunk must be >= 1, max-queue >= 0")
+        if max_queue_per_client is not None and max_queue_per_client < 1:
+            raise ValueError("max-queue-per-client must be >= 1 (or None)")
         if max_seqs_per_step is not None and max_seqs_per_step < 1:
             raise ValueError("max_seqs_per_step must be >= 1 (or None)")
         self.kv = kv
@@ -76,19 +98,27 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.max_seqs_per_step = max_seqs_per_step
-        self.waiting: deque[Request] = deque()
+        self.max_queue_per_client = max_queue_per_client
+        self.waiting = FairQueue()
         self.running: list[Request] = []
         self.preemptions = 0
         self._queue_lock = threading.Lock()  # waiting and running change together under it
 
     def add(self, req: Request) -> None:
-        """Queue a request; raises QueueFull at once when the queue is full.
+        """Queue a request; raises QueueFull at once when the queue is full, ClientQueueFull
+        when its client's part of it is.
 
-        The queue is FIFO: `_admit` takes only from its head, so a queued request is never
-        overtaken (a preempted one goes back to the head). It holds `max_queue` plus the
-        free places' worth (requests that the next step admits at once)."""
+        The queue is FIFO within a client: a queued request is never overtaken by a later
+        one of its client (a preempted one goes back to the head). It holds `max_queue`
+        (a client: `max_queue_per_client`) plus the free places' worth (requests that the
+        next step admits at once)."""
         with self._queue_lock:
             free = max(0, self.max_concurrent - len(self.running))
+            cap, mine = self.max_queue_per_client, self.waiting.count(req.client)
+            if cap is not None and mine >= cap + free:
+                raise ClientQueueFull(
+                    f"{_who(req.client)} already has {mine} requests waiting (max-queue-per-client {cap}); "
+                    "wait for a reply before sending more, or raise --max-queue-per-client", req.client, mine)
             if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull(
                     f"server busy: {len(self.running)} generating and {len(self.waiting)} waiting "
@@ -126,26 +156,51 @@ class Scheduler:
         return StepPlan(reqs, counts, [kv.blocks(r.id) for r in reqs], copies)
 
     def _admit(self) -> list[BlockCopy]:
-        """Move waiting requests into the running set, in order, while their blocks are
-        available; returns the block copies they need."""
+        """Move waiting requests into the running set, fairly across clients, while places
+        and blocks are available (a client with none running may take one: `_yield_place`);
+        returns the block copies they need."""
         copies: list[BlockCopy] = []
-        while len(self.running) < self.max_concurrent:
+        if not self.waiting:  # the usual step: nothing to admit, nothing to count
+            return copies
+        running = Counter(r.client for r in self.running)
+        admitted: set[str] = set()  # ids admitted now: never preempted in the same call (their copies are planned)
+        while True:
             with self._queue_lock:
-                if not self.waiting:
-                    break
-                req = self.waiting[0]  # (only this thread takes from the queue)
-            got = self.kv.admit(req.id, req.known)
+                req = self.waiting.head(running)  # (only this thread takes from the queue)
+            if req is None:
+                break
+            got = self.kv.admit(req.id, req.known) if len(self.running) < self.max_concurrent else None
             if got is None:
-                break  # too few blocks now: wait for a running request to finish
+                if self._yield_place(req.client, running, admitted):
+                    continue
+                break  # no place or too few blocks now: wait for a running request to finish
             copies.extend(got.copies)
             if req.preemptions == 0:
                 req.reused = got.computed
             req.computed = got.computed
             req.state = RequestState.PREFILLING
             with self._queue_lock:
-                self.waiting.popleft()
+                self.waiting.pop(req)
                 self.running.append(req)
+            running[req.client] += 1
+            admitted.add(req.id)
         return copies
+
+    def _yield_place(self, client: str, running: Counter, admitted: set[str]) -> bool:
+        """For a `client` with nothing running: preempt the youngest request of the client
+        running the most, if that one runs two or more (never its last, so two clients
+        cannot take a place from each other in turn). False when nothing was preempted."""
+        if running[client] > 0 or not running:
+            return False
+        heavy, n = running.most_common(1)[0]
+        if n < 2:
+            return False
+        victim = next((r for r in reversed(self.running) if r.client == heavy and r.id not in admitted), None)
+        if victim is None:
+            return False
+        self.preempt(victim)
+        running[heavy] -= 1
+        return True
 
     def _grow(self, r: Request) -> bool:
         """One more block for decoding request r; preempts the youngest running requests
@@ -159,7 +214,7 @@ class Scheduler:
 
     def preempt(self, r: Request) -> None:
         """Take r's blocks back (computed full ones stay cached) and put r at the head of
-        the queue; it is recomputed from its known tokens when admitted again."""
+        its client's queue; it is recomputed from its known tokens when admitted again."""
         self.kv.free(r.id, r.computed, r.known_slice)
         r.computed = 0
         r.state = RequestState.WAITING
@@ -184,3 +239,8 @@ class Scheduler:
             held = self.kv.free(req.id, req.computed, req.known_slice, keep_cache)
         req.state = RequestState.FINISHED
         return held
+
+
+def _who(client: str) -> str:
+    """A client as the refusal names it."""
+    return f"client {client!r}" if client else "this client"

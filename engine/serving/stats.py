@@ -36,6 +36,7 @@ class StreamStats:
     ttft_ms: float | None = None  # None until the first token
     prefill_done: int = 0  # prompt tokens whose KV is computed (reused ones included)
     prefill_total: int = 0  # prompt tokens
+    client: str = ""  # who it is attributed to ("" unknown or the engine's own)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -48,7 +49,8 @@ class StreamStats:
         return cls(id=str(d["id"]), conversation=str(d["conversation"]), state=StreamState(d["state"]),
                    tokens=int(d.get("tokens") or 0), tok_s=float(d.get("tok_s") or 0.0),
                    ttft_ms=None if d.get("ttft_ms") is None else float(d["ttft_ms"]),
-                   prefill_done=int(d.get("prefill_done") or 0), prefill_total=int(d.get("prefill_total") or 0))
+                   prefill_done=int(d.get("prefill_done") or 0), prefill_total=int(d.get("prefill_total") or 0),
+                   client=str(d.get("client") or ""))
 
 
 @dataclass(frozen=True)

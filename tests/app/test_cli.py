@@ -195,6 +195,7 @@ SHARED = [  # (option, value, namespace key, parsed value, the subcommands that 
     ("--kv-memory", "2GiB", "kv_memory", 2 << 30, ["serve"]),
     ("--kv-dtype", "f32", "kv_dtype", "f32", ["serve"]),
     ("--max-queue", "0", "max_queue", 0, ["serve"]),
+    ("--max-queue-per-client", "5", "max_queue_per_client", 5, ["serve"]),
     ("--prefill-chunk", "64", "prefill_chunk", 64, ["serve"]),
     ("--straggler-ms", "0.5", "straggler_ms", 0.5, ["serve"]),
     ("--host", "0.0.0.0", "host", "0.0.0.0", ["serve"]),

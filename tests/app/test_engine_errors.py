@@ -16,11 +16,11 @@ from starlette.testclient import TestClient
 
 from panechat.app.clients.base import Finished, GenParams
 from panechat.app.clients.local import LocalBackend
-from panechat.app.engine_errors import (BAD_INPUT, ENGINE_STOPPED, PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN,
-                                        Refusal, ShuttingDown, classify, retry_after)
+from panechat.app.engine_errors import (BAD_INPUT, CLIENT_QUEUE_FULL, ENGINE_STOPPED, PROMPT_TOO_LONG, QUEUE_FULL,
+                                        SHUTTING_DOWN, Refusal, ShuttingDown, classify, retry_after)
 from panechat.app.server import create_app
 from panechat.app.server.request_fields import FieldError
-from panechat.engine.serving.engine import EngineStopped, InvalidRequest, PromptTooLong, QueueFull
+from panechat.engine.serving.engine import ClientQueueFull, EngineStopped, InvalidRequest, PromptTooLong, QueueFull
 
 
 class RefusingEngine:
@@ -50,6 +50,8 @@ REFUSALS = [
     (QueueFull("the queue is full (--max-queue 8); retry shortly"), QUEUE_FULL),
     (EngineStopped("the engine is stopped"), ENGINE_STOPPED),
     (ShuttingDown("the server is shutting down; retry shortly", 2.2), SHUTTING_DOWN),
+    (ClientQueueFull("client 'bob' already has 3 requests waiting (max-queue-per-client 3); wait for a reply "
+                     "before sending more, or raise --max-queue-per-client", "bob", 3), CLIENT_QUEUE_FULL),
 ]
 
 
@@ -79,6 +81,7 @@ def test_the_table_is_the_documented_contract():
         (429, "rate_limit_error", "queue_full", None, "queue_full", 1),
         (503, "server_error", "engine_stopped", None, "unavailable", None),
         (503, "server_error", "shutting_down", None, "shutting_down", 1),
+        (429, "rate_limit_error", "client_queue_full", None, "client_queue_full", 1),
     ]
     assert all(isinstance(r, Refusal) for _, r in REFUSALS)
 

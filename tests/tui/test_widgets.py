@@ -156,6 +156,21 @@ async def test_dashboard_words_the_typed_stats_it_is_given():
         assert str(table.get_row_at(2)[0]) == "2 Tree"
 
 
+async def test_the_dashboard_names_whose_streams_the_others_are():
+    """A stream the server attributes to a --tokens name shows it, not "other"."""
+    backend = StatsBackend()
+    app = DashboardHost(backend)
+    async with app.run_test(size=(60, 30)) as pilot:
+        dash = app.query_one(Dashboard)
+        stats = EngineStats(batch_now=1, batch_max=4, streams=(
+            StreamStats("r2", "conv-22fb6f", StreamState.DECODING, tokens=3, client="alice"),))
+        backend.current = stats
+        dash.show_stats(stats)
+        await pilot.pause()
+        table = dash.query_one(DataTable)
+        assert str(table.get_row_at(0)[0]) == "alice 22fb6f"
+
+
 async def test_dashboard_names_the_chatml_fallback_of_a_base_model(tmp_path, tui_engine):
     """A model file without a chat template (a base model) chats in ChatML, and the
     dashboard's model line says so; the default model, with its own template, shows none."""

@@ -123,7 +123,8 @@ class Dashboard(Vertical, can_focus=False):
         self.share_line = line
 
     def set_pane_names(self, names: dict[str, str]) -> None:
-        """Labels for this terminal's conversations; other streams show as "other …"."""
+        """Labels for this terminal's conversations; other streams show as "alice …" (the
+        name the server attributes them to, a --tokens name) or "other …"."""
         self.pane_names = dict(names)
 
     def show_stats(self, stats: EngineStats | None) -> None:
@@ -260,7 +261,7 @@ class Dashboard(Vertical, can_focus=False):
     def _update_streams(self, streams: tuple[tuple[str, StreamStats], ...]) -> None:
         rows: dict[str, tuple[str, ...]] = {}
         for key, x in streams:
-            name = self.pane_names.get(x.conversation) or f"other {x.conversation[-6:]}"
+            name = self.pane_names.get(x.conversation) or f"{(x.client or 'other')[:7]} {x.conversation[-6:]}"
             rows[key] = (name[:14], state_words(x)[:11], str(x.tokens), f"{x.tok_s:.1f}")
         old: dict[str, tuple[str, ...]] = self._shown.get("rows") or {}  # type: ignore[assignment]
         if rows == old:
