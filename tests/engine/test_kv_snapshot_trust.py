@@ -109,3 +109,12 @@ def test_a_bad_file_is_deleted_with_one_named_line_and_the_others_stay_in_use(tm
     assert str(forged) in line and "checksum mismatch" in line
     tokens, _ = again.load(good)  # the other file is still used
     assert tokens.tolist() == _tokens(20).tolist() and len(again) == 1
+
+
+def test_a_reason_is_never_empty():
+    """`KV snapshots off: ` used to end there: MemoryError() says nothing."""
+    from panechat.engine.kv.snapshot_store import reason
+
+    assert reason(MemoryError()) == "MemoryError"
+    assert reason(OSError(13, "Permission denied")) == "PermissionError: [Errno 13] Permission denied"
+    assert reason(SnapshotError("truncated")) == "truncated"
