@@ -327,15 +327,15 @@ class Connection:
             raise FrameError("duplicate_request", f"request {rid!r} is already running on this connection", rid)
         store = self.st.conversations
         conv = store.get(cid)
+        if content is None and (conv is None or conv.busy is None and not conv.unanswered):
+            raise FrameError("bad_frame", "'content' must be a string (leave it out only to answer the "
+                             "conversation's unanswered turn)", rid)
         if conv is None:
             raise FrameError("unknown_conversation", f"no conversation {cid!r}; send open first "
                              "(with the turns you kept: the server may have dropped it for memory)", rid)
         if conv.busy is not None:
             raise FrameError("conversation_busy", f"conversation {cid!r} is already generating "
                              f"(request {conv.busy!r}); wait for it or cancel it", rid)
-        if content is None and not conv.unanswered:
-            raise FrameError("bad_frame", "'content' must be a string (leave it out only to answer the "
-                             "conversation's unanswered turn)", rid)
         try:
             store.check_fits(conv, (message_bytes("user", content) if content is not None else 0)
                              + conv.system_delta(system))
