@@ -64,8 +64,9 @@ class SnapshotStore:
                 self._reject(p, e)
                 continue
             self._index[p] = head.tokens
-        for p in self.dir.glob(".*.tmp"):  # a write cut short by a crash
-            _unlink(p)
+        for p in self.dir.glob(".*.tmp"):  # a write cut short by a crash (not another live server's)
+            if not _writer_alive(p):
+                _unlink(p)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -163,6 +164,21 @@ def reason(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text if isinstance(e, SnapshotError) and text else (
         f"{type(e).__name__}: {text}" if text else type(e).__name__)
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process whose pid a temporary file's name holds (`.<name>.<pid>.<thread>.tmp`,
+    snapshot.write_snapshot) is still running (POSIX; elsewhere: assume not)."""
+    parts = tmp.name.split(".")
+    if os.name != "posix" or len(parts) < 4 or not parts[-3].isdigit() or int(parts[-3]) == os.getpid():
+        return False
+    try:
+        os.kill(int(parts[-3]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _unlink(p: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import logging
 import stat
 import struct
@@ -118,3 +119,19 @@ def test_a_reason_is_never_empty():
     assert reason(MemoryError()) == "MemoryError"
     assert reason(OSError(13, "Permission denied")) == "PermissionError: [Errno 13] Permission denied"
     assert reason(SnapshotError("truncated")) == "truncated"
+
+
+def test_a_crashed_writers_temporary_file_is_deleted_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    folder = tmp_path / "kv" / "m"
+    folder.mkdir(parents=True)
+    crashed = folder / f".{'a' * 32}.kvsnap.{dead}.1.tmp"
+    writing = folder / f".{'b' * 32}.kvsnap.{os.getppid()}.1.tmp"  # a live process (our parent)
+    for p in (crashed, writing):
+        p.write_bytes(b"partial")
+    SnapshotStore(tmp_path / "kv", "m", SHAPE, 1 << 30, key=b"k" * 32)
+    assert not crashed.exists() and writing.exists()
