@@ -123,10 +123,10 @@ def _mac(key: bytes):
 
 def write_snapshot(path: Path, model_id: str, shape: KVShape, tokens: np.ndarray,
                    arrays: list[tuple[np.ndarray, np.ndarray]], *, key: bytes | None = None) -> int:
-    """Write a snapshot signed with `key` (default: the installation's), atomically and durably (temporary file in the
-    same folder, fsync, rename, folder fsync); returns its size in bytes. `arrays` as
-    `Backend.kv_export` returns them, of exactly `tokens.size` positions; ValueError when
-    they do not match `shape`."""
+    """Write a snapshot signed with `key` (default: the installation's), atomically and
+    durably (temporary file in the same folder, fsync, rename, folder fsync); returns its
+    size in bytes. `arrays` as `Backend.kv_export` returns them, of exactly `tokens.size`
+    positions; ValueError when they do not match `shape`."""
     tokens = np.ascontiguousarray(tokens, dtype="<i4")
     n = int(tokens.size)
     want = (shape.n_kv, n, shape.head_dim)
