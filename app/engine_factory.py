@@ -26,6 +26,12 @@ def kv_snapshot_dir(args: argparse.Namespace) -> str | None:
     return str(default_root()) if getattr(args, "kv_snapshots", "off") == "on" else None
 
 
+def run_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the TUI, `serve` and the benchmarks run with: `engine_config(args)`
+    plus where the KV snapshots live (`kv_snapshot_dir`, from --kv-snapshots)."""
+    return dataclasses.replace(engine_config(args), kv_snapshot_dir=kv_snapshot_dir(args))
+
+
 def load_model_from_args(args: argparse.Namespace):
     """The model --model names (or the default) on --backend, for --ctx-size positions."""
     return load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
@@ -36,7 +42,7 @@ def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
     """Load the model named by --model (or the default) on --backend and start the engine.
 
     Prints the start-up lines to stderr unless quiet."""
-    cfg = dataclasses.replace(engine_config(args), kv_snapshot_dir=kv_snapshot_dir(args))
+    cfg = run_config(args)
     lm = load_model(resolve_model_path(getattr(args, "model", None)), getattr(args, "backend", "auto"),
                     max_positions=cfg.ctx_size)
     engine = Engine(lm, cfg).start()  # runs the invariance self-check on the compute thread
@@ -55,7 +61,8 @@ def build_models(args: argparse.Namespace, *, quiet: bool = False) -> ModelSet:
             for line in engine.startup_lines():
                 print(line, file=sys.stderr)
 
-    models = ModelSet(engine_config(args), getattr(args, "backend", "auto"), getattr(args, "models_memory", None),
+    # run_config: with --kv-snapshots on, every engine keeps what its prefix cache held
+    models = ModelSet(run_config(args), getattr(args, "backend", "auto"), getattr(args, "models_memory", None),
                       on_load=report)
     try:
         for spec in getattr(args, "models", None) or [getattr(args, "model", None)]:

@@ -143,3 +143,17 @@ def two_models(model_path: Path, tiny):
     models.get(str(tiny("gemma3", "Q8_0")[0]))
     yield models
     models.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_home(tmp_path_factory):
+    """$XDG_STATE_HOME in a folder of this session: the KV snapshot key
+    (engine/kv/snapshot_key.py) that engines and `panechat` subprocesses make is never
+    written into the user's state folder."""
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = saved

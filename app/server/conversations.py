@@ -79,6 +79,19 @@ class Conversation:
     def has_turns(self) -> bool:
         return any(m["role"] != "system" for m in self.messages)
 
+    @property
+    def unanswered(self) -> bool:
+        """It ends on a user turn no reply follows (the server was killed mid-reply, or the
+        reply was cancelled or failed before any text): the next `send` answers or replaces
+        it, so two user turns never follow each other (docs/protocol.md)."""
+        return self.busy is None and bool(self.messages) and self.messages[-1]["role"] == "user"
+
+    def drop_last_user_turn(self) -> None:
+        """Remove the last message if it is a user turn (a `send` replacing an unanswered one)."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            old = self.messages.pop()
+            self._grew(-message_bytes(old["role"], old["content"]))
+
     def seed(self, turns: list[dict]) -> None:
         """Give a conversation without turns the earlier turns a client kept."""
         self.messages.extend(dict(m) for m in turns)
@@ -97,7 +110,7 @@ class Conversation:
     def summary(self) -> dict:
         first = next((m["content"] for m in self.messages if m["role"] == "user"), "")
         return {"conversation": self.id, "title": first[:60], "messages": len(self.messages),
-                "busy": self.busy is not None, "updated": self.updated}
+                "busy": self.busy is not None, "unanswered": self.unanswered, "updated": self.updated}
 
     def snapshot(self) -> list[dict]:
         return [dict(m) for m in self.messages]

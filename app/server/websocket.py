@@ -339,7 +339,8 @@ class Connection:
             conv.sockets += 1
         self.models[conv.id] = model
         await self.send({"type": "opened", "conversation": conv.id, "created": created,
-                         "messages": conv.snapshot(), "model": model or self.st.models.default})
+                         "messages": conv.snapshot(), "unanswered": conv.unanswered,
+                         "model": model or self.st.models.default})
 
     async def on_list(self, frame: dict) -> None:
         await self.send({"type": "conversations", "conversations": self.st.conversations.list()})
@@ -348,7 +349,7 @@ class Connection:
         rid = _id(frame, "request", required=True)
         cid = _id(frame, "conversation", required=True, request=rid)
         content = frame.get("content")
-        if not isinstance(content, str):
+        if content is not None and not isinstance(content, str):
             raise FrameError("bad_frame", "'content' must be a string", rid)
         system = _opt_str(frame, "system", rid)
         engine = await self.engine_for(frame.get("model") or self.models.get(cid), rid)
@@ -357,6 +358,9 @@ class Connection:
             raise FrameError("duplicate_request", f"request {rid!r} is already running on this connection", rid)
         store = self.st.conversations
         conv = store.get(cid)
+        if content is None and (conv is None or conv.busy is None and not conv.unanswered):
+            raise FrameError("bad_frame", "'content' must be a string (leave it out only to answer the "
+                             "conversation's unanswered turn)", rid)
         if conv is None:
             raise FrameError("unknown_conversation", f"no conversation {cid!r}; send open first "
                              "(with the turns you kept: the server may have dropped it for memory)", rid)
@@ -364,16 +368,21 @@ class Connection:
             raise FrameError("conversation_busy", f"conversation {cid!r} is already generating "
                              f"(request {conv.busy!r}); wait for it or cancel it", rid)
         try:
-            store.check_fits(conv, message_bytes("user", content) + conv.system_delta(system))
+            store.check_fits(conv, (message_bytes("user", content) if content is not None else 0)
+                             + conv.system_delta(system))
         except HistoryTooLarge as e:
             raise FrameError("history_too_large", str(e), rid) from None
+        replaces = content is not None and conv.unanswered  # the new turn takes the unanswered one's place
         messages = conv.snapshot()
+        if replaces:
+            messages.pop()
         if system is not None:  # applied to the conversation only once the send is accepted
             if messages and messages[0]["role"] == "system":
                 messages.pop(0)
             if system:
                 messages.insert(0, {"role": "system", "content": system})
-        messages.append({"role": "user", "content": content})
+        if content is not None:
+            messages.append({"role": "user", "content": content})
         conv.busy = rid  # reserved while the prompt is tokenized off the loop
         try:
             gen = await self.st.submit(messages, params, stop, conversation=cid, engine=engine, client=self.client)
@@ -392,7 +401,10 @@ class Connection:
         task.add_done_callback(self.pumps.discard)
         if system is not None:
             conv.set_system(system)
-        conv.append("user", content)
+        if replaces:
+            conv.drop_last_user_turn()
+        if content is not None:
+            conv.append("user", content)
         await self.send({"type": "queued", "request": rid, "conversation": cid})
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:

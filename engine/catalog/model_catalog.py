@@ -10,7 +10,9 @@ name is listed as SOURCE:NAME):
   llama.cpp $LLAMA_CACHE, else llama.cpp's cache folder (~/.cache/llama.cpp, ~/Library/Caches/llama.cpp)
   ollama    $OLLAMA_MODELS, else ~/.ollama/models: manifests/REGISTRY/NAMESPACE/MODEL/TAG name a blob
 Only headers are read (gguf_header.py); a file that cannot be used gets a reason, never an
-exception. Nothing is downloaded; only an assembled package model is written, into the cache.
+exception. Nothing is downloaded and a listing writes nothing: a package model made of
+chunks is described from its first chunk's header, and assembled into the cache only when
+it is loaded (`find_model`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.gguf.header import GGUFHeader, GGUFHeaderError, read_gguf_header
 from panechat.engine.model.args import ROPE_SCALING_TYPES, SUPPORTED_ARCHITECTURES
-from panechat.engine.catalog.shipped_models import SHIPPED, ShippedModel, assemble, cache_dir, is_installed, packaged_file
+from panechat.engine.catalog.shipped_models import (SHIPPED, ShippedModel, assemble, cache_dir, chunk_files,
+                                                    is_installed, packaged_file)
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_REGISTRY = "registry.ollama.ai"
@@ -89,16 +92,14 @@ def search_roots(dirs: Sequence[str | Path] = (), env: Mapping[str, str] | None 
 def find_models(dirs: Sequence[str | Path] = (), *, env: Mapping[str, str] | None = None,
                 home: Path | None = None, shipped: Sequence[ShippedModel] = SHIPPED) -> list[ModelEntry]:
     """Every model found, in search order, each with its header facts or the reason it
-    cannot be loaded. Assembles an installed package model into the cache the first time."""
+    cannot be loaded. Writes nothing: a package model not assembled yet is described from
+    its chunks."""
     entries = []
     for cand in _candidates(dirs, env, home, shipped):
         if cand.shipped is not None and not cand.path.is_file():
-            try:
-                assemble(cand.shipped)
-            except ModelFileError as e:
-                entries.append(ModelEntry(cand.name, cand.path, cand.source, reason=str(e)))
-                continue
-        entries.append(_describe(cand))
+            entries.append(_describe_chunks(cand))
+        else:
+            entries.append(_describe(cand))
     return entries
 
 
@@ -278,6 +279,25 @@ def _describe(cand: _Candidate) -> ModelEntry:
         return ModelEntry(**base, size=size, reason=f"unreadable ({type(e).__name__})")
     arch = header.architecture
     facts = dict(architecture=arch, quant=header.quant, size=size, context_length=header.context_length)
+    return ModelEntry(**base, **facts, **_verdict(header))
+
+
+def _describe_chunks(cand: _Candidate) -> ModelEntry:
+    """The entry of a package model not assembled yet: the header of its first chunk, the
+    size of all its chunks together (what the assembled file will have)."""
+    base = dict(name=cand.name, path=cand.path, source=cand.source)
+    chunks = chunk_files(cand.shipped)
+    if chunks is None:
+        return ModelEntry(**base, reason=f"its chunk files are missing; reinstall it with: {cand.shipped.install}")
+    size = sum(p.stat().st_size for p in chunks)
+    try:
+        header = replace(read_gguf_header(chunks[0]), file_size=size)
+    except GGUFHeaderError as e:
+        return ModelEntry(**base, size=size, reason=str(e))
+    except Exception as e:  # a listing never fails on one file
+        return ModelEntry(**base, size=size, reason=f"unreadable ({type(e).__name__})")
+    facts = dict(architecture=header.architecture, quant=header.quant, size=size,
+                 context_length=header.context_length)
     return ModelEntry(**base, **facts, **_verdict(header))
 
 

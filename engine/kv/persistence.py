@@ -30,7 +30,7 @@ import numpy as np
 from panechat.backends.paged_kv import BLOCK_TOKENS
 from panechat.engine.gguf.header import read_gguf_header
 from panechat.engine.kv.snapshot import KVShape, model_identity
-from panechat.engine.kv.snapshot_store import SnapshotStore, common_prefix
+from panechat.engine.kv.snapshot_store import SnapshotStore, common_prefix, reason
 
 __all__ = ["KVPersistence"]
 
@@ -146,7 +146,7 @@ class KVPersistence:
                 if self.store.save(ids, arrays) is not None:
                     self.count(1, 0)
             except Exception as e:  # a full disk, a removed folder: the cache just misses
-                log.warning("KV snapshot of %d tokens not written: %s", ids.size, e)
+                log.warning("KV snapshot of %d tokens not written: %s", ids.size, reason(e))
             finally:
                 with self._lock:
                     del self._pending[path]

@@ -7,9 +7,10 @@ start) answers "which snapshot shares the longest prefix with this prompt". The 
 is bounded (`max_bytes`, --kv-snapshot-memory): after each write the least recently used
 files (oldest mtime; a restore touches its file) go first, any model's.
 
-A file that fails any check (kv_snapshot.read_snapshot) is ignored with ONE log line and
-deleted; it is never used. Thread-safe: the engine thread looks up and loads, the writer
-thread saves.
+A file that fails any check (snapshot.read_snapshot: its sizes, its HMAC under the
+installation's key, its model and shape) is ignored with ONE log line naming it and why,
+and deleted; it is never used, and the other files stay in use. Thread-safe: the engine
+thread looks up and loads, the writer thread saves.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import platformdirs
 
+from panechat.engine.kv.snapshot_key import installation_key
 from panechat.engine.kv.snapshot import SUFFIX, KVShape, SnapshotError, read_header, read_snapshot, tokens_key, write_snapshot
 
-__all__ = ["SnapshotStore", "default_root", "common_prefix"]
+__all__ = ["SnapshotStore", "default_root", "common_prefix", "reason"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class SnapshotStore:
     """The snapshots of one model (`model_id`) and KV `shape` under `root`."""
 
-    def __init__(self, root: Path, model_id: str, shape: KVShape, max_bytes: int):
+    def __init__(self, root: Path, model_id: str, shape: KVShape, max_bytes: int, key: bytes | None = None):
         self.root = Path(root)
         self.dir = self.root / model_id
         self.model_id, self.shape, self.max_bytes = model_id, shape, max_bytes
+        # signs and checks every file; default the installation's (snapshot_key.py)
+        self.key = installation_key() if key is None else key
         self._lock = threading.Lock()
         self._index: dict[Path, np.ndarray] = {}
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -56,12 +60,13 @@ class SnapshotStore:
                 head = read_header(p)
                 if head.model_id != model_id or head.shape != shape:
                     raise SnapshotError("made by another model or for another KV shape")
-            except (SnapshotError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - one bad file never turns snapshots off
                 self._reject(p, e)
                 continue
             self._index[p] = head.tokens
-        for p in self.dir.glob(".*.tmp"):  # a write cut short by a crash
-            _unlink(p)
+        for p in self.dir.glob(".*.tmp"):  # a write cut short by a crash (not another live server's)
+            if not _writer_alive(p):
+                _unlink(p)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -87,12 +92,12 @@ class SnapshotStore:
     def load(self, path: Path) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]] | None:
         """The snapshot at `path`, checked; None (one log line, file deleted) when it fails."""
         try:
-            tokens, arrays = read_snapshot(path, self.model_id, self.shape)
+            tokens, arrays = read_snapshot(path, self.model_id, self.shape, key=self.key)
         except FileNotFoundError:  # superseded or trimmed meanwhile by the writer: no damage
             with self._lock:
                 self._index.pop(path, None)
             return None
-        except (SnapshotError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - SnapshotError, OSError, or a file too large to hold
             self._reject(path, e)
             return None
         with self._lock:
@@ -112,7 +117,7 @@ class SnapshotStore:
         if need > self.max_bytes:
             return None
         path = self.path_for(tokens)
-        write_snapshot(path, self.model_id, self.shape, tokens, arrays)
+        write_snapshot(path, self.model_id, self.shape, tokens, arrays, key=self.key)
         with self._lock:
             superseded = [p for p, t in self._index.items()
                           if p != path and t.size < tokens.size and common_prefix(t, tokens) == t.size]
@@ -150,8 +155,30 @@ class SnapshotStore:
 
     def _reject(self, path: Path, why: Exception) -> None:
         """The one log line for a snapshot that is not used, and its deletion."""
-        log.warning("KV snapshot %s ignored and deleted: %s", path.name, why)
+        log.warning("KV snapshot %s ignored and deleted: %s", path, reason(why))
         self.discard(path)
+
+
+def reason(e: BaseException) -> str:
+    """A never-empty one-line reason for an exception (MemoryError() says nothing)."""
+    text = " ".join(str(e).split())
+    return text if isinstance(e, SnapshotError) and text else (
+        f"{type(e).__name__}: {text}" if text else type(e).__name__)
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process whose pid a temporary file's name holds (`.<name>.<pid>.<thread>.tmp`,
+    snapshot.write_snapshot) is still running (POSIX; elsewhere: assume not)."""
+    parts = tmp.name.split(".")
+    if os.name != "posix" or len(parts) < 4 or not parts[-3].isdigit() or int(parts[-3]) == os.getpid():
+        return False
+    try:
+        os.kill(int(parts[-3]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _unlink(p: Path) -> None:

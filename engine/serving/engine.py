@@ -37,6 +37,7 @@ from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
 from panechat.engine.kv.manager import KVManager
 from panechat.engine.kv.persistence import KVPersistence
 from panechat.engine.kv.snapshot import KVShape
+from panechat.engine.kv.snapshot_store import reason as snapshot_reason
 from panechat.engine.model.loader import LoadedModel
 from panechat.engine.serving.logits_processors import StepProcessors, make_processors, step_processors
 from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
@@ -418,7 +419,7 @@ class Engine:
                                       self.lm.model.backend, self.kv, cfg.kv_snapshot_min_tokens,
                                       self.metrics.record_snapshots)
         except Exception as e:  # noqa: BLE001 - e.g. an unwritable cache folder
-            log.warning("KV snapshots off: %s", e)
+            log.warning("KV snapshots off: %s (folder %s)", snapshot_reason(e), cfg.kv_snapshot_dir)
             return None
 
     def _step(self, plan: StepPlan) -> None:

