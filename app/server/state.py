@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from panechat.engine.serving.engine import PromptTooLong
+
 from ..engine_errors import ShuttingDown
 from . import errors
 from .conversation_db import ConversationDB, ConversationDBError
@@ -184,9 +186,14 @@ class ServerState:
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
                           engine: "Engine | None" = None) -> "Generation":
-        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
+        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file. A
+        prompt over the context is PromptTooLong naming `prompt` (a chat's names `messages`)."""
         engine = engine or self.require_engine()
-        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None)
+        try:
+            return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None)
+        except PromptTooLong as e:
+            e.param = e.param or "prompt"
+            raise
 
     async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
                       conversation: str | None) -> "Generation":

@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .conftest import guarded_server
+from .test_shutdown import Serve
 
 
 def _conn(port: int) -> socket.socket:
@@ -189,6 +190,34 @@ def test_request_headers_over_16_kib_get_400_even_when_sent_whole(server_engine)
         assert head.startswith(b"HTTP/1.1 400 "), head[:200]
         assert log.wait_for("request headers over 16 KiB: 2 answered 400"), log.lines()
         assert not log.bad(), log.bad()
+
+
+def test_health_stays_fast_while_a_1_mb_prompt_is_tokenized(model_path):
+    """Tokenizing a 1 MB prompt takes seconds and must not hold the event loop (nor the GIL
+    it needs). The server is a `panechat serve` subprocess, so the probe's timing is its own."""
+    srv = Serve(model_path)
+    try:
+        srv.wait_ready()
+        port = int(srv.url.rsplit(":", 1)[1])
+        probe = _HealthProbe(port)
+        probe.start()
+        try:
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a word " * 140_000, "max_tokens": 1},
+                           timeout=60)
+            took = time.monotonic() - t0
+            time.sleep(0.2)
+        finally:
+            probe.stop.set()
+            probe.join(10)
+    finally:
+        srv.close()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    during = [t for t, _ in probe.results]
+    print(f"1 MB prompt refused after {took:.2f} s; /health worst {max(during) * 1000:.0f} ms over {len(during)}")
+    assert {st for _, st in probe.results} == {"HTTP/1.1 200 OK"}, probe.results
+    assert len(during) >= 5 and max(during) < 0.1, sorted(during)[-5:]
 
 
 def _post_head(length: int) -> bytes:
