@@ -55,15 +55,20 @@ def build_engine(args: argparse.Namespace, *, quiet: bool = False) -> Engine:
 def build_models(args: argparse.Namespace, *, quiet: bool = False) -> ModelSet:
     """The models --model names (several: all preloaded, the first the default; none: the
     default model) on --backend within --models-memory. Models asked for later load on
-    first use; each load prints its start-up lines to stderr unless quiet."""
+    first use; each load prints its start-up lines to stderr unless quiet, and so does
+    each unload (one line naming the model and why)."""
     def report(name: str, engine: Engine) -> None:
         if not quiet:
             for line in engine.startup_lines():
                 print(line, file=sys.stderr)
 
+    def report_unload(name: str, why: str) -> None:
+        if not quiet:
+            print(f"model {name} unloaded ({why})", file=sys.stderr)
+
     # run_config: with --kv-snapshots on, every engine keeps what its prefix cache held
     models = ModelSet(run_config(args), getattr(args, "backend", "auto"), getattr(args, "models_memory", None),
-                      on_load=report)
+                      on_load=report, on_unload=report_unload)
     try:
         for spec in getattr(args, "models", None) or [getattr(args, "model", None)]:
             models.get(spec)

@@ -11,17 +11,21 @@ subclasses a private class, so pyproject.toml holds uvicorn to the 0.54 it was t
   byte), else 408 and close; a half-open connection cannot hold a slot for long;
 - a body deadline (`client_body_timeout`, but for the whole body): the rest of the request
   within `body_timeout` of its headers, else 408 and close;
-- the connection cap (nginx's `worker_connections`): a connection opened while
-  `max_connections` are open (HTTP and websockets alike) first closes the one that has
-  waited longest for its headers, if that has waited over a second (so stalled clients
-  cannot hold the cap); failing that it gets 503 on its request (GET /health still
-  answers). At twice the cap, or near the process's file limit, the longest-waiting
-  one gives way whatever its age; with none waiting, the new connection is closed. Should descriptors run out all the same (a burst accepted
-  before any of it is closed), `Listener` drops connections quietly at `accept()`.
+- the connection cap (nginx's `worker_connections`): a request whose head is complete
+  while over `max_connections` connections are open (HTTP and websockets alike) first
+  closes the connections still waiting for their headers, oldest first, until it fits:
+  a stalled client gives way to one that has sent its request. With none to close it
+  gets 503 (GET /health still answers). At twice the cap, or near the process's file
+  limit, a new connection closes the longest-waiting one at once; with none waiting, the
+  new one is closed. Should descriptors run out all the same (a burst accepted before any
+  of it is closed), `Listener` drops connections quietly at `accept()`;
+- the header size: a request head over `MAX_HEAD` bytes gets 400, even when it arrives
+  whole (h11 bounds only a head still incomplete).
 
 Websockets get `GuardedWebSocket`: until the app lifts it at a good `hello`, a frame over
 `preauth_frame` bytes closes the socket (1009) as soon as its header is read, before its
-payload is buffered, decoded or parsed.
+payload is buffered, decoded or parsed. At `max_unauthed` sockets waiting for their hello,
+the oldest of them gives way to a new handshake (`Guard.evict_preauth`).
 
 Every refusal is counted, and `LimitLog` writes one warning line per interval with the
 counts: a flood costs the log one line per 10 s, never a line (or traceback) per event.
@@ -45,7 +49,7 @@ from uvicorn.importer import import_from_string
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from . import errors
-from .security import Origins
+from .security import Origins, PreAuth
 
 __all__ = ["Limits", "Guard", "LimitLog", "Listener", "raise_fd_limit", "run_server"]
 
@@ -53,8 +57,8 @@ __all__ = ["Limits", "Guard", "LimitLog", "Listener", "raise_fd_limit", "run_ser
 _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 #: descriptors kept free for the engine, model files, logs and the listening socket.
 _FD_RESERVE = 64
-#: seconds after which a connection still waiting for its headers gives way to a new one at the cap
-STALLED_S = 1.0
+#: bytes: the largest request line plus headers (docs/protocol.md; h11's bound on an incomplete head)
+MAX_HEAD = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class LimitLog:
         "ws_auth_grace": "no websocket hello within {auth_grace:g} s: {n} closed",
         "ws_preauth_frame": "websocket frame over {preauth_frame} bytes before hello: {n} closed",
         "ws_unauthed_cap": "{max_unauthed} websockets awaiting hello: {n} more refused",
+        "ws_preauth_evicted": "{max_unauthed} websockets awaiting hello: {n} oldest closed for new ones",
+        "head_too_large": "request headers over 16 KiB: {n} answered 400",
         "origin": "foreign web origin: {n} refused",
     }
 
@@ -235,7 +241,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "header" | "body" | None: what the timer waits for
-        self._over_capacity = False
+        self._admitted = False  # within the cap since its first complete request head
         self._upgraded = False
         self._evicted = False
 
@@ -244,15 +250,13 @@ class GuardedH11Protocol(H11Protocol):
         g = self.guard
         others = len(self.server_state.connections) - g.closing
         super().connection_made(transport)
-        if others >= g.limits.max_connections and g.evict_stalled(at_hard_cap=others >= g.hard_cap):
+        if others >= g.hard_cap and g.evict_stalled():
             others -= 1
         if others >= g.hard_cap:
             g.log.count("refused")
             transport.abort()
             return
-        if others >= g.limits.max_connections:
-            self._over_capacity = True
-            self.app = self._make_over_capacity_app(self.app)
+        self.app = self._make_gated_app(self.app)
         self._set_phase("header")
 
     def data_received(self, data: bytes) -> None:
@@ -270,20 +274,27 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def evict(self) -> None:
-        """Close this connection (stalled in its headers) to make room for a new one."""
+        """Close this connection (stalled in its headers) to make room for another."""
         self._set_phase(None)
         if not self.transport.is_closing():
             self._evicted = True
             self.guard.closing += 1
             self.transport.close()
 
+    def admit(self) -> bool:
+        """Whether this connection, its request head complete, is within --max-connections
+        (stalled connections closed to make room); once admitted, for its whole life."""
+        if not self._admitted:
+            self._admitted = self.guard.make_room(self, self.server_state.connections)
+        return self._admitted
+
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._set_phase(None)
         self._upgraded = True
-        if self._over_capacity:
-            self.guard.log.count("over_capacity")
-            self.transport.write(_raw_error(503, "the server is at its connection limit; retry shortly",
-                                            "too_many_connections", ("retry-after: 1",)))
+        refusal = (_HEAD_TOO_LARGE if _head_over_limit(self.scope) else None if self.admit() else _OVER_CAPACITY)
+        if refusal is not None:
+            self.guard.log.count(refusal.kind)
+            self.transport.write(_raw_error(refusal.status, refusal.message, refusal.code, refusal.headers))
             self.transport.close()
             return
         super().handle_websocket_upgrade(event)
@@ -327,18 +338,47 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()  # the app's receive() then reports a disconnect
 
     # -- the cap ----------------------------------------------------------------------------------
-    def _make_over_capacity_app(self, app):
+    def _make_gated_app(self, app):
+        """`app` behind the checks a complete request head gets: its size, then the cap."""
         guard = self.guard
 
-        async def over_capacity(scope, receive, send):
-            if scope["method"] in ("GET", "HEAD") and scope["path"] == "/health":
-                return await app(scope, receive, send)  # monitoring still sees the server
-            guard.log.count("over_capacity")
-            body = errors.error_body("the server is at its connection limit; retry shortly", "server_error",
-                                     None, "too_many_connections")
-            await errors.ErrorJSON(body, status_code=503, headers={"Retry-After": "1", "Connection": "close"})(
+        async def gated(scope, receive, send):
+            if _head_over_limit(scope):
+                refusal = _HEAD_TOO_LARGE
+            elif self.admit() or (scope["method"] in ("GET", "HEAD") and scope["path"] == "/health"):
+                return await app(scope, receive, send)  # monitoring still sees the server at the cap
+            else:
+                refusal = _OVER_CAPACITY
+            guard.log.count(refusal.kind)
+            body = errors.error_body(refusal.message, "server_error" if refusal.status >= 500 else
+                                     "invalid_request_error", None, refusal.code)
+            headers = dict(h.split(": ", 1) for h in refusal.headers)
+            await errors.ErrorJSON(body, status_code=refusal.status, headers={**headers, "Connection": "close"})(
                 scope, receive, send)
-        return over_capacity
+        return gated
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A request refused by the connection layer: counted as `kind`, answered `status`."""
+
+    kind: str
+    status: int
+    message: str
+    code: str
+    headers: tuple[str, ...] = ()
+
+
+_OVER_CAPACITY = _Refusal("over_capacity", 503, "the server is at its connection limit; retry shortly",
+                          "too_many_connections", ("retry-after: 1",))
+_HEAD_TOO_LARGE = _Refusal("head_too_large", 400, f"request line and headers are over {MAX_HEAD >> 10} KiB; "
+                           "send less in headers", "request_header_too_large")
+
+
+def _head_over_limit(scope: dict) -> bool:
+    """Whether a request's line and headers (as parsed) exceed MAX_HEAD bytes."""
+    size = len(scope["method"]) + len(scope["raw_path"]) + len(scope["query_string"]) + 12
+    return size + sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > MAX_HEAD
 
 
 def _guarded_websocket(base: type, guard: "Guard") -> type:
@@ -376,7 +416,7 @@ def _guarded_websocket(base: type, guard: "Guard") -> type:
 
 class Guard:
     """Everything the server's defences share: the limits, the refusal counts, the Origin
-    policy and the number of websockets that have not completed `hello`.
+    policy and the websockets that have not completed `hello`.
 
     One per app (`app.state.guard`); the server reads its protocol classes from it."""
 
@@ -385,21 +425,45 @@ class Guard:
         self.limits = limits or Limits()
         self.origins = Origins(public_url)
         self.log = LimitLog(logger or logging.getLogger("panechat.server"), self)
-        self.unauthed = 0
+        self.preauth: dict[PreAuth, None] = {}  # websockets awaiting hello, oldest first
         self.hard_cap = 2 * self.limits.max_connections
         self.waiting: dict[GuardedH11Protocol, float] = {}  # waiting for headers since; oldest first
         self.closing = 0  # connections evicted whose close is still under way
 
-    def evict_stalled(self, at_hard_cap: bool = False) -> bool:
-        """Close the connection that has waited longest for its request headers, if over
-        STALLED_S (or at all, at the hard cap, where the new one would be refused): at
-        the cap, a new client beats one that stalls (slowloris)."""
-        oldest = next(iter(self.waiting.items()), None)
-        if oldest is None or (not at_hard_cap and time.monotonic() - oldest[1] < STALLED_S):
+    def evict_stalled(self) -> bool:
+        """Close the connection that has waited longest for its request headers; False
+        when none waits."""
+        oldest = next(iter(self.waiting), None)
+        if oldest is None:
             return False
-        oldest[0].evict()
+        oldest.evict()
         self.log.count("evicted")
         return True
+
+    def make_room(self, conn: GuardedH11Protocol, connections: set) -> bool:
+        """Whether `conn`, its request head complete, fits --max-connections among the open
+        `connections` (itself included), once connections still waiting for their headers
+        are closed, oldest first, to make room: a stalled client gives way to a real one."""
+        while len(connections) - self.closing > self.limits.max_connections:
+            if not self.evict_stalled():
+                return False
+        return True
+
+    def evict_preauth(self) -> bool:
+        """Close the websocket that has waited longest for its `hello` (one whose app has
+        started), to make room for a new handshake; False when there is none."""
+        for ticket in self.preauth:
+            if ticket.give_way is not None:
+                ticket.done()
+                ticket.give_way()
+                self.log.count("ws_preauth_evicted")
+                return True
+        return False
+
+    @property
+    def unauthed(self) -> int:
+        """Websockets open that have not completed `hello`."""
+        return len(self.preauth)
 
     def uvicorn_options(self, ws_impl: str) -> dict:
         """`uvicorn.Config` keyword arguments: the guarded protocols and the keep-alive.

@@ -109,16 +109,18 @@ class Origins:
 
 class PreAuth:
     """One websocket that has not yet completed its `hello`: counted against the cap on
-    unauthenticated sockets until `done()`."""
+    unauthenticated sockets until `done()`. `give_way`, set once the socket's app runs,
+    closes it to make room for a newer one (limits.Guard.evict_preauth)."""
 
     def __init__(self, guard):  # guard: limits.Guard (which imports this module)
         self.guard, self.open = guard, True
-        guard.unauthed += 1
+        self.give_way = None
+        guard.preauth[self] = None
 
     def done(self) -> None:
         if self.open:
             self.open = False
-            self.guard.unauthed -= 1
+            self.guard.preauth.pop(self, None)
 
 
 def _media_type(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -138,7 +140,8 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
 
 class BrowserGuard:
     """Pure ASGI middleware: the Origin policy for HTTP and /ws, JSON-only request bodies,
-    and the cap on websockets that have not said `hello` yet."""
+    and the cap on websockets that have not said `hello` yet (at it, the oldest of them
+    gives way to the new handshake)."""
 
     def __init__(self, app, guard, routes=(), untyped_json: tuple[str, ...] = ()):
         # guard: limits.Guard (which imports this module); routes: the app's, to tell a
@@ -176,7 +179,7 @@ class BrowserGuard:
                                          "unsupported_media_type")
             return await self.app(scope, receive, send)
         limits = self.guard.limits
-        if self.guard.unauthed >= limits.max_unauthed:
+        if self.guard.unauthed >= limits.max_unauthed and not self.guard.evict_preauth():
             self.guard.log.count("ws_unauthed_cap")
             return await _refuse(scope, receive, send, 503, f"{limits.max_unauthed} websockets are waiting "
                                  "for their hello; retry shortly", "server_error", "too_many_unauthenticated",

@@ -269,6 +269,7 @@ def serve(args: argparse.Namespace) -> int:
         for line in banner_urls(args.host, port, token or tokens):
             print(line, file=sys.stderr)
         engine.on_load = lambda name, e: print("\n".join(e.startup_lines()), file=sys.stderr, flush=True)
+        engine.on_unload = lambda name, why: logger.info("model %s unloaded (%s)", name, why)
         state.attach(engine)
         print(f"ready in {since_start():.2f} s (from the process's start; weights prepared in "
               f"{max(e.lm.model.load_seconds for e in engine.engines().values()):.2f} s)", file=sys.stderr, flush=True)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from panechat.engine.serving.engine import PromptTooLong
+
 from ..engine_errors import CLIENT_QUEUE_FULL, QUEUE_FULL, ShuttingDown, classify
 from . import errors
 from .attribution import USER_KEY, UsageByClient
@@ -216,9 +218,14 @@ class ServerState:
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
                           engine: "Engine | None" = None, client: str = "") -> "Generation":
-        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
+        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file. A
+        prompt over the context is PromptTooLong naming `prompt` (a chat's names `messages`)."""
         engine = engine or self.require_engine()
-        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None, client)
+        try:
+            return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None, client)
+        except PromptTooLong as e:
+            e.param = e.param or "prompt"
+            raise
 
     async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
                       conversation: str | None, client: str) -> "Generation":

@@ -5,10 +5,11 @@ per generation forwarding engine events as frames, and an optional stats task. S
 through one lock. A bad frame gets an `error` frame; the connection stays usable.
 
 Until its `hello` passes the token check a socket is on probation (limits.py): it is
-closed (4408) after `auth_grace` seconds, and a frame over `preauth_frame` bytes closes it
-(1009) unparsed. The Origin check and the cap on such sockets run before the handshake
-(security.BrowserGuard). With --tokens a socket is its token's name's (attribution.py)
-and is closed (4401) within about a second once that token leaves the file.
+closed (4408) after `auth_grace` seconds, or sooner when `max_unauthed` newer sockets wait
+for theirs, and a frame over `preauth_frame` bytes closes it (1009) unparsed. The Origin
+check and the cap on such sockets run before the handshake (security.BrowserGuard). With
+--tokens a socket is its token's name's (attribution.py) and is closed (4401) within about
+a second once that token leaves the file.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class Connection:
         self.pumps: set[asyncio.Task] = set()
         self.stats_task: asyncio.Task | None = None
         self.token_watch: asyncio.Task | None = None
+        self.closing_task: asyncio.Task | None = None  # give_way's close, kept from garbage collection
         client = ws.client
         self.peer = f"{client.host}:{client.port}" if client else "-"
 
@@ -136,6 +138,9 @@ class Connection:
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:
         probation = asyncio.create_task(self.close_unless_hello())
+        ticket = self.ws.scope.get("panechat.preauth")
+        if ticket is not None and ticket.open:
+            ticket.give_way = self.give_way
         self.st.sockets.add(self)
         try:
             while not self.closed:
@@ -159,6 +164,15 @@ class Connection:
             self.guard.log.count("ws_auth_grace")
             await self.error("hello_timeout", f"no valid hello within {grace:g} s")
             await self.close(4408)
+
+    def give_way(self) -> None:
+        """Close (4408) before a hello, because newer sockets awaiting theirs need the room."""
+        self.closing_task = asyncio.get_running_loop().create_task(self.close_for_room())
+
+    async def close_for_room(self) -> None:
+        await self.error("hello_timeout", f"closed before a hello: {self.guard.limits.max_unauthed} newer "
+                         "sockets were waiting for theirs; connect again and send hello at once")
+        await self.close(4408)
 
     async def close(self, code: int) -> None:
         if self.closed:

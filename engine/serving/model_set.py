@@ -99,7 +99,8 @@ class ModelSet:
 
     def __init__(self, config: EngineConfig | None = None, backend: str = "auto", memory: int | None = None,
                  *, start: Callable[[Path], Engine] | None = None,
-                 on_load: Callable[[str, Engine], None] | None = None):
+                 on_load: Callable[[str, Engine], None] | None = None,
+                 on_unload: Callable[[str, str], None] | None = None):
         self.config = config or EngineConfig()
         if memory is not None and self.config.kv_memory is None and self.config.kv_sessions is None:
             # under --models-memory each engine's KV must be a known size (what
@@ -109,6 +110,7 @@ class ModelSet:
         self.memory = memory
         self._start = start or self._start_engine
         self.on_load = on_load  # told of every model loaded (the CLI prints its start-up lines)
+        self.on_unload = on_unload  # told (name, why) of every model unloaded to make room (the CLI logs it)
         self._held: dict[str, _Held] = {}
         self._aliases: dict[str, str] = {}  # any accepted spelling -> name
         self.default: str | None = None  # the first model loaded; never unloaded to make room
@@ -260,16 +262,19 @@ class ModelSet:
         for h in idle:
             if used + need <= self.memory:
                 break
-            self.unload(h.name)
+            self.unload(h.name, f"idle, to make room for '{name}' within --models-memory {_mib(self.memory)}")
             used -= h.nbytes
 
-    def unload(self, name: str) -> None:
-        """Stop and forget the model `name` (its streams, if any, end with reason 'cancelled')."""
+    def unload(self, name: str, why: str | None = None) -> None:
+        """Stop and forget the model `name` (its streams, if any, end with reason 'cancelled');
+        `on_unload` is told `why` when one is given."""
         with self._lock:
             held = self._held.pop(name, None)
             if held is None:
                 return
         held.engine.stop()
+        if why is not None and self.on_unload is not None:
+            self.on_unload(name, why)
 
     def stop(self) -> None:
         """Stop every Engine."""

@@ -409,7 +409,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
         hf = self._hf if parse_special else self._plain_hf()
-        ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        # encode_batch releases the GIL (encode holds it: seconds for a 1 MB prompt, during
+        # which a server's event loop could answer nothing); one input, the same ids
+        ids = hf.encode_batch([text], add_special_tokens=False)[0].ids if text else []
         if self._add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
                 raise ValueError("cannot add BOS: this model has no BOS token")

@@ -118,6 +118,7 @@ def test_bad_requests_get_openai_errors(http, live, body, status, param):
 def test_prompt_over_the_context_and_bad_json(http, live):
     r = http.post("/v1/completions", json={"prompt": "word " * 3000, "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"  # this route has no `messages`
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})

@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .conftest import guarded_server
+from .test_shutdown import Serve
 
 
 def _conn(port: int) -> socket.socket:
@@ -173,6 +174,50 @@ def test_stalled_connections_cannot_hold_the_cap(server_engine):
             time.sleep(0.1)
         assert _limit_counts(log, "at --max-connections 50: ") >= cap + len(probe.results)  # 1 per probe too
         assert not log.bad(), log.bad()
+
+
+def test_request_headers_over_16_kib_get_400_even_when_sent_whole(server_engine):
+    with guarded_server(server_engine, log_interval=0.5) as (srv, log):
+        for size, status in ((15 << 10, b"200"), (20 << 10, b"400")):
+            with _conn(srv.port) as s:  # one sendall: h11 itself bounds only an incomplete head
+                s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
+                data, _ = _read_to_close(s, timeout=5) if status == b"400" else (_read_response(s), 0)
+            assert data.startswith(b"HTTP/1.1 " + status + b" "), data[:200]
+        err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+        assert err["code"] == "request_header_too_large" and "16 KiB" in err["message"], err
+        ws, head = _ws_handshake(srv.port, "X-Big: " + "a" * (20 << 10) + "\r\n")  # a websocket handshake too
+        ws.close()
+        assert head.startswith(b"HTTP/1.1 400 "), head[:200]
+        assert log.wait_for("request headers over 16 KiB: 2 answered 400"), log.lines()
+        assert not log.bad(), log.bad()
+
+
+def test_health_stays_fast_while_a_1_mb_prompt_is_tokenized(model_path):
+    """Tokenizing a 1 MB prompt takes seconds and must not hold the event loop (nor the GIL
+    it needs). The server is a `panechat serve` subprocess, so the probe's timing is its own."""
+    srv = Serve(model_path)
+    try:
+        srv.wait_ready()
+        port = int(srv.url.rsplit(":", 1)[1])
+        probe = _HealthProbe(port)
+        probe.start()
+        try:
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a word " * 140_000, "max_tokens": 1},
+                           timeout=60)
+            took = time.monotonic() - t0
+            time.sleep(0.2)
+        finally:
+            probe.stop.set()
+            probe.join(10)
+    finally:
+        srv.close()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    during = [t for t, _ in probe.results]
+    print(f"1 MB prompt refused after {took:.2f} s; /health worst {max(during) * 1000:.0f} ms over {len(during)}")
+    assert {st for _, st in probe.results} == {"HTTP/1.1 200 OK"}, probe.results
+    assert len(during) >= 5 and max(during) < 0.1, sorted(during)[-5:]
 
 
 def _post_head(length: int) -> bytes:
@@ -327,19 +372,26 @@ async def test_after_hello_frames_may_be_large_again(server_engine):
 
 
 async def test_cap_on_sockets_awaiting_hello(server_engine):
-    with guarded_server(server_engine, token="sekrit", max_unauthed=4) as (srv, log):
+    """At the cap, the socket that has waited longest for its hello gives way to a new one."""
+    with guarded_server(server_engine, token="sekrit", max_unauthed=4, log_interval=0.5) as (srv, log):
         waiting = [await connect(srv.ws_url) for _ in range(4)]
         try:
-            with pytest.raises(InvalidStatus) as e:
-                await connect(srv.ws_url)
-            assert e.value.response.status_code == 503
-            await waiting[0].send(json.dumps({**HELLO, "token": "sekrit"}))  # one authenticates
-            assert (await _recv(waiting[0]))["type"] == "welcome"
-            extra = await connect(srv.ws_url)  # so a slot is free
-            await extra.close()
+            newest = await connect(srv.ws_url)  # at the cap: the oldest one is closed for it
+            waiting.append(newest)
+            f = await _recv(waiting[0])
+            assert f["type"] == "error" and f["code"] == "hello_timeout", f
+            with pytest.raises(ConnectionClosed) as e:
+                await _recv(waiting[0])
+            assert e.value.rcvd.code == 4408
+            for ws in waiting[1:]:  # the others wait on
+                with pytest.raises(TimeoutError):
+                    await _recv(ws, 0.2)
+            await newest.send(json.dumps({**HELLO, "token": "sekrit"}))
+            assert (await _recv(newest))["type"] == "welcome"
         finally:
             for ws in waiting:
                 await ws.close()
+        assert log.wait_for("4 websockets awaiting hello: 1 oldest closed for new ones"), log.lines()
         assert not log.bad(), log.bad()
 
 
