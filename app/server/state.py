@@ -178,24 +178,37 @@ class ServerState:
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
+        return (await self.submit_n(1, messages, params, stop, conversation, engine))[0]
+
+    async def submit_n(self, n: int, messages: list[dict], params: "SamplingParams",
+                       stop: list[str] | tuple = (), conversation: str | None = None,
+                       engine: "Engine | None" = None) -> list["Generation"]:
+        """`submit` of `n` samples (`Engine.submit_n`); the caller owns each."""
         engine = engine or self.require_engine()
         return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
-                                  [*stop, *engine.chat_stops], conversation)
+                                  [*stop, *engine.chat_stops], conversation, n)
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
                           engine: "Engine | None" = None) -> "Generation":
         """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
+        return (await self.submit_text_n(1, text, params, stop, engine))[0]
+
+    async def submit_text_n(self, n: int, prompt: "str | list[int]", params: "SamplingParams",
+                            stop: list[str] | tuple = (), engine: "Engine | None" = None) -> list["Generation"]:
+        """`submit_text` of `n` samples; `prompt` may also be token ids (taken as they are)."""
         engine = engine or self.require_engine()
-        return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None)
+        ids = (lambda: prompt) if isinstance(prompt, list) else (lambda: engine.completion_ids(prompt))
+        return await self._submit(engine, ids, params, list(stop), None, n)
 
     async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
-                      conversation: str | None) -> "Generation":
+                      conversation: str | None, n: int = 1) -> list["Generation"]:
         self.check_admitting()
         ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
-        gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
-        self.inflight.add(gen)
-        return gen
+        kw = dict(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
+        gens = [engine.submit(**kw)] if n == 1 else engine.submit_n(n, **kw)
+        self.inflight.update(gens)
+        return gens
 
 
 def _open_db(state_dir: Path | None, logger: logging.Logger) -> ConversationDB | None:

@@ -96,6 +96,12 @@ class Scheduler:
                 )
             self.waiting.append(req)
 
+    def add_first(self, reqs: list[Request]) -> None:
+        """Queue `reqs` at the head, in order, past the queue's limit: the other samples of a
+        request already admitted (its `forks`), which wait for nobody else."""
+        with self._queue_lock:
+            self.waiting.extendleft(reversed(reqs))
+
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan the next step (no requests when nothing runs; the
         copies of requests admitted now are in the plan either way). Called on the engine
@@ -134,7 +140,7 @@ class Scheduler:
                 if not self.waiting:
                     break
                 req = self.waiting[0]  # (only this thread takes from the queue)
-            got = self.kv.admit(req.id, req.known)
+            got = self.kv.admit(req.id, req.known, reuse=req.prompt_lps is None)  # prompt logprobs: all computed
             if got is None:
                 break  # too few blocks now: wait for a running request to finish
             copies.extend(got.copies)
