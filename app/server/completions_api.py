@@ -62,11 +62,14 @@ def parse_completion_request(body, engine, model: str) -> CompletionRequest:
     if prompt_only:  # the engine computes one token, which is not shown
         body = {**body, "max_tokens": 1}
     f = parse_generation_fields(body, engine, COMPLETIONS)
+    if prompt_only and f.stream:
+        raise bad_request("'max_tokens' 0 (the prompt alone) cannot be streamed; send stream: false",
+                          param="max_tokens", code="invalid_value")
     if f.echo and f.stream and f.params.logprobs is not None:
         raise bad_request("'echo' with 'logprobs' cannot be streamed (the prompt's logprobs come at the end); "
                           "send stream: false", param="echo", code="invalid_value")
     return CompletionRequest(model, prompt, f.params, f.stop, f.stream, f.include_usage, f.n, f.samples,
-                             f.echo, prompt_only, body.get("logprobs") not in (None, False),
+                             f.echo, prompt_only, body.get("logprobs") is not None and body.get("logprobs") is not False,
                              prompt if isinstance(prompt, str) else None)
 
 

@@ -277,11 +277,14 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
         return sse_class(request, gens, req, cid, created, engine)
     fins = await whole_replies(request, st, gens)
     kept = best_of(fins, req.n) if len(fins) > req.n else fins
+    usage = usage_of(fins[0], fins[1:])
+    if getattr(req, "prompt_only", False):  # echo with max_tokens 0: the one token computed is not shown
+        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
     return JSONResponse({
         "id": cid, "object": object_name, "created": created, "model": req.model,
         "system_fingerprint": "panechat",
         "choices": [choice(req, engine, fin, i) for i, fin in enumerate(kept)],
-        "usage": usage_of(fins[0], fins[1:]),
+        "usage": usage,
         "timings": timings_of(fins[0]),
     })
 
