@@ -467,31 +467,37 @@ class Engine:
         extra = _prompt_logit_rows(prompt_rows, plan.n_tokens, plan.requests) if prompt_rows else []
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows + extra, np.int64), tables)
-        model, logits, picks = self.lm.model, None, None
-        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
-        want = [i for i, r in enumerate(sampled) if r.params.logprobs is not None]
-        if sampled and model.samples_on_device:  # only token ids cross to the host
-            seen = HostRows(want + list(range(len(sampled), len(sampled) + len(extra)))) if want or extra else None
-            picks = model.forward_tokens(self.kv, batch, *_padded(device_sampling_rows(
-                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), len(extra)),
-                before_pick=_then(procs, seen))
-            lp_rows = seen.host if seen is not None else None
-            lp_index = {i: j for j, i in enumerate(want)}
-            extra_logits = lp_rows[len(want):] if seen is not None else None
-        else:
-            logits = model.forward(self.kv, batch)
-            if procs is not None:
-                procs(logits, np)
-            lp_rows, lp_index, extra_logits = logits, {i: i for i in want}, logits[len(sampled):]
+        logits, picks, procs, lp, extra_logits = self._forward(batch, sampled, len(extra))
         if prompt_rows:
             _keep_prompt_logprobs(prompt_rows, extra_logits)
         now = time.perf_counter()
         with self._lock:
             prefilling = [r for r in plan.requests if r.state == RequestState.PREFILLING and r not in sampled]
-            picked = self._pick(sampled, logits, picks, procs, (lp_rows, lp_index) if want else None)
+            picked = self._pick(sampled, logits, picks, procs, lp)
             for r, end in self.output.process(prefilling, picked, now):
                 self._end(r, end)
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
+
+    def _forward(self, batch: Batch, sampled: list[Request], n_extra: int):
+        """The forward pass with each sampled row's processors applied: (host logits or None,
+        device picks or None, the StepProcessors, the logit rows seen by the rows wanting
+        logprobs as (rows, row of each sampled index) or None, the `n_extra` prompt logprob
+        rows after the sampled ones on the host). Rows that ask for nothing cost nothing."""
+        model, logits, picks = self.lm.model, None, None
+        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
+        want = [i for i, r in enumerate(sampled) if r.params.logprobs is not None]
+        if sampled and model.samples_on_device:  # only token ids (and asked-for rows) cross to the host
+            seen = HostRows(want + list(range(len(sampled), len(sampled) + n_extra))) if want or n_extra else None
+            picks = model.forward_tokens(self.kv, batch, *_padded(device_sampling_rows(
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), n_extra),
+                before_pick=_then(procs, seen))
+            rows = seen.host if seen is not None else None
+            lp = (rows, {i: j for j, i in enumerate(want)}) if want else None
+            return None, picks, procs, lp, rows[len(want):] if seen is not None else None
+        logits = model.forward(self.kv, batch)
+        if procs is not None:
+            procs(logits, np)
+        return logits, None, procs, (logits, {i: i for i in want}) if want else None, logits[len(sampled):]
 
     def _pick(self, sampled: list[Request], logits: np.ndarray | None, picks: np.ndarray | None,
               procs: StepProcessors | None, lp: tuple | None = None) -> list[tuple[Request, int]]:

@@ -134,3 +134,19 @@ def test_log_softmax_sums_to_one():
     row = np.array([3.0, -1.0, 0.5, -np.inf], np.float32)
     lp = log_softmax(row)
     assert abs(np.exp(lp).sum() - 1.0) < 1e-12 and lp[3] == -np.inf
+
+
+def test_prompt_logprobs_come_whole_when_the_prompt_is_cached(tiny_lm):
+    """A prompt-logprobs request computes every prompt position, even one the prefix cache
+    holds: the same logprobs as on a fresh engine."""
+    prompt = [(5 * i) % 200 + 3 for i in range(40)]
+    asks = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    fresh = _run(tiny_lm, [(prompt, asks)])[0]
+    eng = Engine(tiny_lm, EngineConfig(max_concurrent=2, ctx_size=64, verify_invariance=False)).start()
+    try:
+        eng.submit(prompt_ids=prompt, params=SamplingParams(max_tokens=2)).result()
+        cached = eng.submit(prompt_ids=prompt, params=asks).result()
+    finally:
+        eng.stop()
+    assert cached.usage["reused_tokens"] == 0 and None not in cached.prompt_logprobs
+    assert cached.prompt_logprobs == fresh.prompt_logprobs and len(fresh.prompt_logprobs) == len(prompt) - 1

@@ -6,6 +6,8 @@ the penalties and logit_bias, each shown to do what it says."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import typing
 
@@ -14,6 +16,7 @@ import openai
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from websockets.asyncio.client import connect
 
 from panechat.app.server.request_schema import CHAT, COMPLETIONS, FIELDS, HONOURED, INPUTS, REFUSED
 
@@ -274,3 +277,37 @@ def test_logit_bias_minus_100_on_the_greedy_first_token_changes_it(client, live)
     assert len(ids) == 1
     other = _chat(client, live, max_tokens=1, logprobs=True, logit_bias={str(ids[0]): -100})
     assert other.choices[0].logprobs.content[0].token != first.token
+
+
+async def _ws_reply(ws, params: dict) -> dict:
+    """The `finished` frame of one `send` in a fresh conversation with `params`, with the
+    token ids of its deltas added as `ids`."""
+    await ws.send(json.dumps({"type": "open"}))
+    opened = json.loads(await asyncio.wait_for(ws.recv(), 60))
+    cid = opened["conversation"]
+    await ws.send(json.dumps({"type": "send", "conversation": cid, "request": "r", "content": USER[0]["content"],
+                              "params": params}))
+    ids = []
+    while True:
+        f = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        if f.get("type") == "delta" and f["token_id"] >= 0:
+            ids.append(f["token_id"])
+        if f.get("type") in ("error", "finished"):
+            return {**f, "ids": ids}
+
+
+async def test_the_websocket_takes_the_penalties_and_logit_bias(live):
+    async with connect(live.ws_url) as ws:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1, "client": "pytest/0"}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 60))["type"] == "welcome"
+        plain = await _ws_reply(ws, {"max_tokens": 30})
+        pen = await _ws_reply(ws, {"max_tokens": 30, "frequency_penalty": 2.0})
+        assert pen["type"] == "finished" and pen["text"] != plain["text"]
+        rep = await _ws_reply(ws, {"max_tokens": 30, "repeat_penalty": 1.5, "repeat_last_n": -1})
+        assert rep["type"] == "finished" and rep["text"] != plain["text"]
+        first = plain["ids"][0]
+        biased = await _ws_reply(ws, {"max_tokens": 3, "logit_bias": {str(first): -100}})
+        assert biased["ids"] and biased["ids"][0] != first
+        bad = await _ws_reply(ws, {"presence_penalty": 3})
+        assert (bad["type"], bad["code"]) == ("error", "bad_params") and "presence_penalty" in bad["message"]
+    live.wait_idle()
