@@ -5,6 +5,8 @@ seeded; n samples of one prompt are the n seeds' own generations, over one prefi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -40,12 +42,17 @@ def _run(lm, jobs, n=1):
         eng.stop()
 
 
+SPREAD = {t: 100.0 for t in range(30, 40)}  # the tiny model is all but certain: 10 near-equal choices
+
+
 def _asks(seed: int | None):
-    base = dict(max_tokens=N, seed=seed, temperature=0.0 if seed is None else 1.2)
-    return [SamplingParams(**base, frequency_penalty=1.5, presence_penalty=0.5),
-            SamplingParams(**base, repeat_penalty=1.8, repeat_last_n=4),
-            SamplingParams(**base, logit_bias={5: -100.0, 9: 3.0}, logprobs=3),
-            SamplingParams(**base, logprobs=0, prompt_logprobs=2, frequency_penalty=-1.0)]
+    """Rows asking for each field; seeded ones sample among the SPREAD tokens, so the seed matters."""
+    base = dict(max_tokens=N, seed=seed, temperature=0.0 if seed is None else 10.0)
+    bias = {} if seed is None else SPREAD
+    return [SamplingParams(**base, frequency_penalty=1.5, presence_penalty=0.5, logit_bias=bias or None),
+            SamplingParams(**base, repeat_penalty=1.8, repeat_last_n=4, logit_bias=bias or None),
+            SamplingParams(**base, logit_bias={**bias, 5: -100.0, 9: 3.0, 33: -100.0}, logprobs=3),
+            SamplingParams(**base, logprobs=0, prompt_logprobs=2, frequency_penalty=-1.0, logit_bias=bias or None)]
 
 
 @pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
@@ -59,6 +66,9 @@ def test_each_asking_row_is_the_same_alone_and_batched(tiny_lm, seed):
         assert beside[2].token_ids == alone.token_ids, f"ask {i}"
         assert beside[2].logprobs == alone.logprobs and beside[2].prompt_logprobs == alone.prompt_logprobs
         assert beside[1].token_ids == _run(tiny_lm, [(PROMPTS[2], others[1])])[0].token_ids
+        if seed is not None:  # the seed matters: other ones give other replies
+            again = _run(tiny_lm, [(PROMPTS[0], replace(asks, seed=seed + k)) for k in range(1, 5)])
+            assert any(f.token_ids != alone.token_ids for f in again), f"ask {i}"
 
 
 def test_penalties_change_the_greedy_reply_and_repeat_less(tiny_lm):
@@ -87,7 +97,7 @@ def test_logprobs_are_the_rows_log_softmax(tiny_lm):
 
 
 def test_n_samples_are_their_seeds_own_over_one_prefill(tiny_lm):
-    spread = {t: 100.0 for t in range(30, 40)}  # the tiny model is all but certain: give it 10 near-equal choices
+    spread = SPREAD
     params = SamplingParams(temperature=10.0, seed=40, max_tokens=N, logprobs=1, logit_bias=spread)
     prompt = [(7 * i) % 250 + 3 for i in range(37)]  # two full blocks and a partial one: the others share the full ones
     eng = Engine(tiny_lm, EngineConfig(max_concurrent=4, ctx_size=64, verify_invariance=False)).start()

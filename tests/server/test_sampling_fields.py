@@ -311,3 +311,27 @@ async def test_the_websocket_takes_the_penalties_and_logit_bias(live):
         bad = await _ws_reply(ws, {"presence_penalty": 3})
         assert (bad["type"], bad["code"]) == ("error", "bad_params") and "presence_penalty" in bad["message"]
     live.wait_idle()
+
+
+@pytest.mark.parametrize("seed", [None, 8], ids=["greedy", "seeded"])
+def test_on_the_real_model_an_asking_row_is_the_same_alone_and_beside_3_others(live, seed):
+    """Penalized, logit-biased rows with logprobs: tokens and logprobs bit for bit alone and
+    batched beside 3 other rows (the served engine, 4 rows a step)."""
+    from panechat.engine.serving.sampling import SamplingParams
+
+    eng = live.engine
+    prompts = [eng.prompt_ids([{"role": "user", "content": c}]) for c in
+               ("Write the word cat ten times.", "Name three rivers.", "What is 2+2?", "Say hello.")]
+    asks = SamplingParams(max_tokens=16, seed=seed, temperature=0.0 if seed is None else 0.9, frequency_penalty=1.2,
+                          presence_penalty=0.4, repeat_penalty=1.3, logit_bias={198: -100.0, 28: 2.5}, logprobs=2)
+    others = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=1.0, seed=2),
+              SamplingParams(max_tokens=16, presence_penalty=1.0)]
+    alone = eng.submit(prompt_ids=prompts[0], params=asks).result()
+    gens = [eng.submit(prompt_ids=p, params=o) for p, o in zip(prompts[1:], others)]
+    beside = eng.submit(prompt_ids=prompts[0], params=asks)
+    gens.insert(2, beside)
+    fins = [g.result() for g in gens]
+    assert all(f.reason in ("stop", "length") for f in fins)
+    assert beside.finish.token_ids == alone.token_ids and beside.finish.logprobs == alone.logprobs
+    assert 198 not in alone.token_ids
+    live.wait_idle()
