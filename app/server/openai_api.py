@@ -271,12 +271,14 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
     engine = await engine_for(st, model)
     req = parse(data, engine, model or st.model_id())
     gens = await submitted(st, lambda: submit(st, req, engine))
+    gens = gens if isinstance(gens, list) else [gens]  # one Generation, or one per sample
     cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
         return sse_class(request, gens, req, cid, created, engine)
     fins = await whole_replies(request, st, gens)
-    kept = best_of(fins, req.n) if len(fins) > req.n else fins
+    n = getattr(req, "n", 1)
+    kept = best_of(fins, n) if len(fins) > n else fins
     usage = usage_of(fins[0], fins[1:])
     if getattr(req, "prompt_only", False):  # echo with max_tokens 0: the one token computed is not shown
         usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
