@@ -178,11 +178,11 @@ async def _generation(request: Request, translate: Callable[[dict, object], Olla
         raise ob.reworded(e) from None
     if ob.num_ctx is not None and ob.num_ctx < engine.ctx:
         req = await _within(st, req, engine, ob.num_ctx)
-    gen = await submitted(st, lambda: submit(st, req, engine, client_of(request)))
+    gen, = await submitted(st, lambda: submit(st, req, engine, client_of(request)))  # n is 1 here
 
     def last(fin: FinishEvent, buffered: bool) -> dict:
         if kind == "message":
-            body = {"message": ollama_message(chat_choice(fin)["message"]) if buffered else
+            body = {"message": ollama_message(chat_choice(req, engine, fin, 0)["message"]) if buffered else
                     {"role": "assistant", "content": ""}}
         else:
             body = _text(kind, fin.text if buffered else "")

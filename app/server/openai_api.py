@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,9 +27,12 @@ from . import errors
 from .attribution import client_of
 from .errors import APIError, bad_request
 from .request_fields import FieldError, parse_json
-from .request_schema import CHAT, read_fields, sampling_params
+from .logprobs_json import chat_content, chat_logprobs
+from .request_schema import CHAT, read_fields, sampling_params, unknown_fields
 from .request_log import set_log_detail
 from .state import DEFAULT_ALIAS, ServerState, state_of
+
+log = logging.getLogger("panechat.server")
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -41,6 +45,7 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -103,36 +108,67 @@ async def engine_for(st: ServerState, model: str | None):
 
 @dataclass
 class GenerationFields:
-    """What a chat and a legacy completion request both say about generating."""
+    """What a chat and a legacy completion request both say about generating: `samples`
+    are run, the `n` best by total logprob are returned (all of them unless `best_of`)."""
 
     params: SamplingParams
     stop: list[str]
     stream: bool
     include_usage: bool
+    n: int = 1
+    samples: int = 1
+    echo: bool = False
 
 
 def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> GenerationFields:
     """The generation fields of `protocol` (request_schema.py: its defaults, ranges and
-    refusals), validated as 400s naming the parameter."""
+    refusals), validated as 400s naming the parameter. Keys no field names are ignored,
+    named in one log line."""
     try:
         f = read_fields(body, protocol)
+        params = sampling_params(f, engine.ctx)
     except FieldError as e:
         raise bad_request(e.worded(f"'{e.key}'"), param=e.key, code=e.code) from None
+    unknown = unknown_fields(body, protocol)
+    if unknown:
+        log.info("ignored request fields OpenAI's API does not define: %s", ", ".join(k[:40] for k in unknown[:20]))
     include_usage = bool((f["stream_options"] or {}).get("include_usage", False))
-    return GenerationFields(sampling_params(f, engine.ctx), list(f["stop"]), f["stream"], include_usage)
+    n, samples = f["n"], f.get("best_of") or f["n"]
+    if samples < n:
+        raise bad_request(f"'best_of' ({samples}) must be at least 'n' ({n})", param="best_of",
+                          code="invalid_value")
+    if samples > n:
+        if f["stream"]:
+            raise bad_request("'best_of' above 'n' cannot be streamed (the best are known at the end); "
+                              "send stream: false", param="best_of", code="invalid_value")
+        if params.logprobs is None:  # the total logprob picks the best
+            params = replace(params, logprobs=0)
+    return GenerationFields(params, list(f["stop"]), f["stream"], include_usage, n, samples,
+                            bool(f.get("echo")))
 
 
 def parse_chat_request(body, engine, model: str) -> ChatRequest:
     """The validated request for `engine`, the engine of `model`."""
     messages = parse_messages(body.get("messages"))
     f = parse_generation_fields(body, engine, CHAT)
-    return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage)
+    return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage, f.n)
+
+
+def best_of(fins: list[FinishEvent], n: int) -> list[FinishEvent]:
+    """The `n` samples with the highest total logprob (OpenAI's best_of), in sample order
+    among equals."""
+    total = [sum(lp.logprob for lp in f.logprobs or ()) for f in fins]
+    best = sorted(range(len(fins)), key=lambda i: (-total[i], i))[:n]
+    return [fins[i] for i in best]
 
 
 # -- responses --------------------------------------------------------------------------------
-def usage_of(fin: FinishEvent) -> dict:
+def usage_of(fin: FinishEvent, others: list[FinishEvent] = ()) -> dict:
+    """OpenAI's usage of `fin` and the `others` samples of its prompt (one prompt counted,
+    every sample's tokens)."""
     u = fin.usage
     p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    c += sum(o.usage.get("completion_tokens", 0) for o in others)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": u.get("reused_tokens", 0)}}
 
@@ -214,16 +250,17 @@ async def submitted(st: ServerState, submit):
         raise errors.from_engine(e, st.log, "submitting a generation") from None
 
 
-async def submit_chat(st: ServerState, req: ChatRequest, engine, client: str):
-    """Queue the validated chat request on `engine` for `client` (attribution.client_of; its
-    messages through the chat template)."""
-    return await st.submit(req.messages, req.params, req.stop, engine=engine, client=client)
+async def submit_chat(st: ServerState, req: ChatRequest, engine, client: str) -> list:
+    """Queue the validated chat request's `n` samples on `engine` for `client`
+    (attribution.client_of; its messages through the chat template): a Generation each."""
+    return await st.submit_n(req.n, req.messages, req.params, req.stop, engine=engine, client=client)
 
 
-def chat_choice(fin: FinishEvent) -> dict:
-    """choices[0] of a whole chat reply: the assistant message `fin` ends."""
-    return {"index": 0, "message": {"role": "assistant", "content": fin.text},
-            "logprobs": None, "finish_reason": _finish_reason(fin)}
+def chat_choice(req: ChatRequest, engine, fin: FinishEvent, i: int) -> dict:
+    """Choice i of a whole chat reply: the assistant message `fin` ends, with its logprobs
+    when asked for."""
+    return {"index": i, "message": {"role": "assistant", "content": fin.text},
+            "logprobs": chat_logprobs(engine.lm.tokenizer, fin.logprobs), "finish_reason": _finish_reason(fin)}
 
 
 async def chat_completions(request: Request) -> Response:
@@ -235,81 +272,146 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
                            choice) -> Response:
     """What every generation route does: read the body, resolve the engine of the model it
     names (loaded on first use), validate it with `parse(body, engine, model)`, submit
-    with `submit(state, req, engine, client)` (the client: attribution.client_of), then
-    stream `sse_class` events or return the whole reply, whose choices[0] is
-    `choice(finish_event)`."""
+    with `submit(state, req, engine, client)` (the client: attribution.client_of; a Generation
+    per sample), then stream `sse_class` events or return the whole reply, whose choice i is
+    `choice(req, engine, finish_event, i)`."""
     st = state_of(request)
     data = await read_json(request, st)
     model = model_field(data)
     engine = await engine_for(st, model)
     req = parse(data, engine, model or st.model_id())
-    gen = await submitted(st, lambda: submit(st, req, engine, client_of(request)))
+    gens = await submitted(st, lambda: submit(st, req, engine, client_of(request)))
+    gens = gens if isinstance(gens, list) else [gens]  # one Generation, or one per sample
     cid = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if req.stream:
-        return sse_class(request, gen, req, cid, created)
-    fin = await whole_reply(request, st, gen)
+        return sse_class(request, gens, req, cid, created, engine)
+    fins = await whole_replies(request, st, gens)
+    n = getattr(req, "n", 1)
+    kept = best_of(fins, n) if len(fins) > n else fins
+    usage = usage_of(fins[0], fins[1:])
+    if getattr(req, "prompt_only", False):  # echo with max_tokens 0: the one token computed is not shown
+        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
     return JSONResponse({
         "id": cid, "object": object_name, "created": created, "model": req.model,
         "system_fingerprint": "panechat",
-        "choices": [choice(fin)],
-        "usage": usage_of(fin),
-        "timings": timings_of(fin),
+        "choices": [choice(req, engine, fin, i) for i, fin in enumerate(kept)],
+        "usage": usage,
+        "timings": timings_of(fins[0]),
     })
 
 
-async def whole_reply(request: Request, st: ServerState, gen) -> FinishEvent:
-    """Wait for `gen` to finish (cancelled if the client leaves); its FinishEvent, or the
-    APIError its end means (500 error, 503 shutdown or cancelled)."""
-    watcher = asyncio.create_task(_watch_disconnect(request, gen))
+async def whole_replies(request: Request, st: ServerState, gens: list) -> list[FinishEvent]:
+    """Wait for every one of `gens` to finish (all cancelled if the client leaves); their
+    FinishEvents, or the APIError the first bad end means (500 error, 503 shutdown or
+    cancelled)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, _Together(gens)))
     try:
-        async for _ev in gen.aevents():
-            pass
+        for gen in gens:
+            async for _ev in gen.aevents():
+                pass
     finally:
         watcher.cancel()
-        if gen.finish is None:
-            gen.cancel()
-        st.done(gen)
-    fin = gen.finish
-    set_log_detail(request, _log_line(fin, False))
-    if fin.reason == "error":
-        raise APIError(500, fin.error or "generation failed", type="server_error", code="generation_error")
-    if fin.reason == "shutdown":  # a 503 the client retries, not a cut reply passed off as whole
-        raise shutdown_error(fin)
-    if fin.reason == "cancelled":  # the client left
-        raise APIError(503, "the generation was cancelled", type="server_error", code="cancelled")
-    return fin
+        for gen in gens:
+            if gen.finish is None:
+                gen.cancel()
+            st.done(gen)
+    fins = [gen.finish for gen in gens]
+    set_log_detail(request, _log_line(fins[0], False))
+    for fin in fins:
+        if fin.reason == "error":
+            raise APIError(500, fin.error or "generation failed", type="server_error", code="generation_error")
+        if fin.reason == "shutdown":  # a 503 the client retries, not a cut reply passed off as whole
+            raise shutdown_error(fin)
+        if fin.reason == "cancelled":  # the client left
+            raise APIError(503, "the generation was cancelled", type="server_error", code="cancelled")
+    return fins
+
+
+async def whole_reply(request: Request, st: ServerState, gen) -> FinishEvent:
+    """`whole_replies` of one generation."""
+    return (await whole_replies(request, st, [gen]))[0]
+
+
+class _Together:
+    """The samples of one request, cancelled together (what `_watch_disconnect` calls)."""
+
+    def __init__(self, gens: list):
+        self.gens = gens
+
+    def cancel(self) -> None:
+        for g in self.gens:
+            g.cancel()
+
+
+async def merged_events(gens: list):
+    """(sample index, event) of every one of `gens` as they come, until each has finished."""
+    if len(gens) == 1:
+        async for ev in gens[0].aevents():
+            yield 0, ev
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for ev in gen.aevents():
+                await q.put((i, ev))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, ev = await q.get()
+            if ev is None:
+                left -= 1
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class SSEResponse(Response):
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; with n > 1
+    the choices' chunks interleave, each naming its `index`.
 
-    A watcher task cancels the generation the moment the client disconnects (also while
-    the request still waits in the queue), so its KV slot is freed at once."""
+    A watcher task cancels the generations the moment the client disconnects (also while
+    they still wait in the queue), so their KV blocks are freed at once."""
 
     media_type = "text/event-stream"
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request: Request, gen, req: ChatRequest, cid: str, created: int):
-        self.request, self.gen, self.req, self.cid, self.created = request, gen, req, cid, created
+    def __init__(self, request: Request, gens: list, req, cid: str, created: int, engine=None):
+        self.request, self.gens, self.req, self.cid, self.created = request, gens, req, cid, created
+        self.engine = engine
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _choice(self, text: str | None, finish: str | None) -> dict:
+    def _logprobs(self, lps: list | None):
+        """A chunk's `logprobs` for the tokens `lps` it carries (None when not asked for)."""
+        if self.req.params.logprobs is None:
+            return None
+        return {"content": chat_content(self.engine.lm.tokenizer, lps or []), "refusal": None}
+
+    def _choice(self, text: str | None, finish: str | None, index: int = 0, lps: list | None = None) -> dict:
         """The choice of a chunk adding `text` (None: the opening one, naming the role)."""
         delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(lps) if text is not None else None,
+                "finish_reason": finish}
 
-    def _chunk(self, text: str | None, finish: str | None = None, **extra) -> bytes:
+    def _chunk(self, text: str | None, finish: str | None = None, index: int = 0, lps: list | None = None,
+               **extra) -> bytes:
         obj = {"id": self.cid, "object": self.object_name, "created": self.created,
                "model": self.req.model, "system_fingerprint": "panechat",
-               "choices": [self._choice(text, finish)], **extra}
+               "choices": [self._choice(text, finish, index, lps)], **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
     async def __call__(self, scope, receive, send) -> None:
-        gen, req = self.gen, self.req
-        watcher = asyncio.create_task(_watch_disconnect(self.request, gen))
+        gens, req = self.gens, self.req
+        watcher = asyncio.create_task(_watch_disconnect(self.request, _Together(gens)))
         alive = True
 
         async def emit(data: bytes, more: bool = True) -> None:
@@ -320,36 +422,50 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": data, "more_body": more})
             except OSError:  # the client is gone: stop generating
                 alive = False
-                gen.cancel()
+                for g in gens:
+                    g.cancel()
 
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            opening = self._chunk(None)
-            if opening:
-                await emit(opening)
-            async for ev in gen.aevents():
-                if isinstance(ev, TokenEvent) and ev.text:
-                    await emit(self._chunk(ev.text))
-            fin = gen.finish
-            set_log_detail(self.request, _log_line(fin, True))
-            if fin.reason in ("error", "shutdown"):
-                err = (shutdown_error(fin).body() if fin.reason == "shutdown" else
-                       errors.error_body(fin.error or "generation failed", "server_error", None, "generation_error"))
+            for i in range(len(gens)):
+                opening = self._chunk(None, index=i)
+                if opening:
+                    await emit(opening)
+            pending: list[list] = [[] for _ in gens]  # logprobs of tokens whose text is not out yet
+            fins: list[FinishEvent] = []
+            async for i, ev in merged_events(gens):
+                if isinstance(ev, TokenEvent):
+                    if ev.logprob is not None:
+                        pending[i].append(ev.logprob)
+                    if ev.text:
+                        await emit(self._chunk(ev.text, index=i, lps=pending[i]))
+                        pending[i] = []
+                elif isinstance(ev, FinishEvent):
+                    fins.append(ev)
+                    if ev.reason in ("error", "shutdown", "cancelled"):
+                        continue
+                    last = len(fins) == len(gens)  # the last one also carries the usage and timings
+                    extra = {"usage": usage_of(fins[0], fins[1:]), "timings": timings_of(fins[0])} if last else {}
+                    await emit(self._chunk("", _finish_reason(ev), index=i, lps=pending[i], **extra))
+            set_log_detail(self.request, _log_line(fins[0], True))
+            bad = next((f for f in fins if f.reason in ("error", "shutdown")), None)
+            if bad is not None:
+                err = (shutdown_error(bad).body() if bad.reason == "shutdown" else
+                       errors.error_body(bad.error or "generation failed", "server_error", None, "generation_error"))
                 await emit(b"data: " + json.dumps(err).encode() + b"\n\n")
-            elif fin.reason != "cancelled":
-                await emit(self._chunk("", _finish_reason(fin), usage=usage_of(fin), timings=timings_of(fin)))
-                if req.include_usage:
-                    obj = {"id": self.cid, "object": self.object_name, "created": self.created,
-                           "model": req.model, "system_fingerprint": "panechat", "choices": [],
-                           "usage": usage_of(fin)}
-                    await emit(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            elif all(f.reason != "cancelled" for f in fins) and req.include_usage:
+                obj = {"id": self.cid, "object": self.object_name, "created": self.created,
+                       "model": req.model, "system_fingerprint": "panechat", "choices": [],
+                       "usage": usage_of(fins[0], fins[1:])}
+                await emit(b"data: " + json.dumps(obj).encode() + b"\n\n")
             await emit(b"data: [DONE]\n\n")
             await emit(b"", more=False)
         finally:
             watcher.cancel()
-            if gen.finish is None:
-                gen.cancel()
-            state_of(self.request).done(gen)
+            for g in gens:
+                if g.finish is None:
+                    g.cancel()
+                state_of(self.request).done(g)
 
 
 # -- body -----------------------------------------------------------------------------------

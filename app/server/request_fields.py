@@ -1,5 +1,6 @@
 """Reading what every protocol receives: the JSON itself (`parse_json`), then typed reads of
-one field each (`number`, `integer`, `boolean`, `json_object`, `stop_strings`), which the request
+one field each (`number`, `integer`, `boolean`, `json_object`, `stop_strings`, `token_bias`,
+`logprobs_flag`), which the request
 schema (request_schema.py) names per field.
 
 A bad field raises `FieldError(key, what, code)`; each protocol words it as its own error
@@ -12,6 +13,7 @@ import json
 import math
 
 from panechat.engine.serving.invalid_request import InvalidRequest
+from panechat.engine.serving.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
@@ -77,6 +79,34 @@ def stop_strings(key: str, v) -> list[str]:
     if len(v) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in v):
         raise FieldError(key, f"takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters", code=None)
     return [s for s in v if s]
+
+
+def token_bias(key: str, v) -> dict[int, float]:
+    """`logit_bias`: an object mapping token ids (as JSON keys are, strings of integers) to
+    numbers in [-100, 100] (OpenAI's range); the vocabulary is checked by the engine."""
+    if not isinstance(v, dict):
+        raise FieldError(key, "must be an object mapping token ids to biases", code=None)
+    out = {}
+    for k, b in v.items():
+        t = k if is_int(k) else int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else None
+        if t is None:
+            raise FieldError(key, f"names {str(k)[:40]!r}, which is not a token id (an integer >= 0)",
+                             code="invalid_value")
+        if not is_num(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise FieldError(key, f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
+                             f"(token {t} has {str(b)[:40]})", code="invalid_value")
+        out[t] = float(b)
+    return out
+
+
+def logprobs_flag(key: str, v) -> int | bool:
+    """`logprobs`: true or false (chat), or the number of alternatives to list with each
+    token (legacy completions; 0: the chosen token only)."""
+    if not isinstance(v, bool) and not is_int(v):
+        raise FieldError(key, "must be true, false or an integer")
+    if not isinstance(v, bool) and not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise FieldError(key, f"must be true, false or an integer in [0, {MAX_TOP_LOGPROBS}]", code="invalid_value")
+    return v
 
 
 def parse_json(raw: bytes | str):

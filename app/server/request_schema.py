@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from panechat.engine.serving.sampling import BOUNDS, Bound, SamplingParams
-from .request_fields import FieldError, boolean, integer, json_object, number, stop_strings
+from panechat.engine.serving.sampling import BOUNDS, LOGPROBS_BOUND, Bound, SamplingParams
+from .request_fields import FieldError, boolean, integer, json_object, logprobs_flag, number, stop_strings, token_bias
 
 CHAT, COMPLETIONS, WS = "chat", "completions", "ws"
 PROTOCOLS = (CHAT, COMPLETIONS, WS)
@@ -37,7 +37,12 @@ class _Context:
 CONTEXT = _Context()
 
 _TYPE_WORDS = {number: "a number", integer: "an integer", boolean: "true or false", json_object: "an object",
-               stop_strings: "a string or a list of strings"}
+               stop_strings: "a string or a list of strings",
+               token_bias: "an object: token id -> a number in [-100, 100]",
+               logprobs_flag: "true, false or an integer in [0, 20]"}
+
+MAX_N = 16  # samples per request (n, best_of): each is a generation of its own
+N_BOUND = Bound(True, 1, MAX_N)
 
 
 @dataclass(frozen=True)
@@ -88,29 +93,47 @@ HTTP = (CHAT, COMPLETIONS)
 FIELDS: tuple[Field, ...] = (
     Field("stream", _on(*HTTP, default=False), read=boolean),
     Field("stream_options", _on(*HTTP), read=json_object, note="; `include_usage`: true adds a usage-only chunk"),
-    Field("n", _on(*HTTP, default=1), REFUSED, accepts=lambda v: v == 1, unless="1",
-          refusal="only n=1 is supported"),
-    Field("logprobs", _on(*HTTP, default=False), REFUSED, accepts=_falsy, unless="false or 0",
-          refusal="logprobs are not supported by this server"),
-    Field("top_logprobs", _on(CHAT), REFUSED, accepts=_falsy, unless="0",
-          refusal="top_logprobs are not supported by this server"),
+    Field("n", _on(*HTTP, default=1), read=integer, bound=N_BOUND,
+          note="; the choices share one prefill, choice i has seed `seed` + i"),
+    Field("best_of", _on(COMPLETIONS), read=integer, bound=N_BOUND,
+          note="; default `n`: the `n` of `best_of` samples with the highest total logprob, not with `stream`"),
+    Field("logprobs", _on(*HTTP, default=False), read=logprobs_flag,
+          note="; chat: true adds each token's logprob (`top_logprobs` alternatives), completions: an integer, "
+               "that many alternatives"),
+    Field("top_logprobs", _on(CHAT), read=integer, bound=LOGPROBS_BOUND, note="; needs `logprobs`: true"),
+    Field("echo", _on(COMPLETIONS, default=False), read=boolean,
+          note="; the prompt before the reply (with `logprobs`: the prompt's too; `max_tokens` 0: the prompt alone)"),
     Field("tools", _on(CHAT), REFUSED, accepts=_falsy, unless="empty", refusal="tools are not supported by this server"),
     Field("tool_choice", _on(CHAT), REFUSED, accepts=lambda v: v in ("none", "auto"), unless='"none" or "auto"',
           refusal="tool_choice needs tools, which this server does not support"),
     Field("response_format", _on(CHAT), REFUSED, accepts=lambda v: v == {"type": "text"}, unless='{"type": "text"}',
           refusal='only response_format {"type": "text"} is supported'),
-    Field("frequency_penalty", _on(*HTTP, default=0), REFUSED, accepts=lambda v: v == 0, unless="0",
-          refusal="frequency_penalty is not supported by this server (send 0 or leave it out)"),
-    Field("presence_penalty", _on(*HTTP, default=0), REFUSED, accepts=lambda v: v == 0, unless="0",
-          refusal="presence_penalty is not supported by this server (send 0 or leave it out)"),
-    Field("logit_bias", _on(*HTTP), REFUSED, accepts=_falsy, unless="empty",
-          refusal="logit_bias is not supported by this server"),
-    Field("echo", _on(COMPLETIONS, default=False), REFUSED, accepts=_falsy, unless="false",
-          refusal="echo is not supported by this server"),
+    Field("functions", _on(CHAT), REFUSED, accepts=_falsy, unless="empty",
+          refusal="functions (the deprecated form of tools) are not supported by this server"),
+    Field("function_call", _on(CHAT), REFUSED, accepts=lambda v: v in ("none", "auto"), unless='"none" or "auto"',
+          refusal="function_call needs functions, which this server does not support"),
+    Field("audio", _on(CHAT), REFUSED, accepts=_falsy, unless="empty",
+          refusal="audio output is not supported by this server"),
+    Field("modalities", _on(CHAT), REFUSED, accepts=lambda v: v == ["text"], unless='["text"]',
+          refusal='only modalities ["text"] are supported'),
+    Field("moderation", _on(CHAT), REFUSED, accepts=_falsy, unless="empty",
+          refusal="moderation is not run by this server"),
+    Field("reasoning_effort", _on(CHAT), REFUSED, accepts=lambda v: v == "none", unless='"none"',
+          refusal="reasoning_effort is not supported by this server's models"),
+    Field("verbosity", _on(CHAT), REFUSED, accepts=lambda v: v == "medium", unless='"medium"',
+          refusal='only verbosity "medium" (the default) is supported'),
+    Field("web_search_options", _on(CHAT), REFUSED, accepts=_falsy, unless="empty",
+          refusal="web search is not supported by this server"),
+    Field("frequency_penalty", _on(*PROTOCOLS, default=0.0), read=number, bound=BOUNDS["frequency_penalty"],
+          note="; minus count x this from each generated token's logit"),
+    Field("presence_penalty", _on(*PROTOCOLS, default=0.0), read=number, bound=BOUNDS["presence_penalty"],
+          note="; minus this from each generated token's logit"),
+    Field("repeat_penalty", _on(*PROTOCOLS, default=1.0), read=number, bound=BOUNDS["repeat_penalty"],
+          note="; llama.cpp's, over the last `repeat_last_n` generated tokens"),
+    Field("repeat_last_n", _on(*PROTOCOLS, default=64), read=integer, bound=BOUNDS["repeat_last_n"]),
+    Field("logit_bias", _on(*PROTOCOLS), read=token_bias, convert=lambda v: v or None),
     Field("suffix", _on(COMPLETIONS), REFUSED, accepts=_falsy, unless="empty",
           refusal="suffix (insertion) is not supported by this server"),
-    Field("best_of", _on(COMPLETIONS, default=1), REFUSED, accepts=lambda v: v == 1, unless="1",
-          refusal="only best_of=1 is supported"),
     Field("max_completion_tokens", _on(*HTTP), read=integer, bound=BOUNDS["max_tokens"], alias_of="max_tokens",
           note="; `max_tokens` by its newer name"),
     Field("max_tokens", {CHAT: CONTEXT, COMPLETIONS: 16, WS: 256}, read=integer, bound=BOUNDS["max_tokens"],
@@ -127,6 +150,11 @@ FIELDS: tuple[Field, ...] = (
     Field("metadata", _on(CHAT), IGNORED),
     Field("store", _on(CHAT), IGNORED),
     Field("service_tier", _on(*HTTP), IGNORED),
+    Field("safety_identifier", _on(CHAT), IGNORED),
+    Field("prediction", _on(CHAT), IGNORED, note="a latency hint"),
+    Field("prompt_cache_key", _on(CHAT), IGNORED, note="every prefix is cached anyway"),
+    Field("prompt_cache_options", _on(CHAT), IGNORED, note="every prefix is cached anyway"),
+    Field("prompt_cache_retention", _on(CHAT), IGNORED, note="every prefix is cached anyway"),
     Field("parallel_tool_calls", _on(CHAT), IGNORED),
 )
 
@@ -158,12 +186,42 @@ def unknown_field(body: dict, protocol: str) -> str | None:
     return next((k for k in body if k not in known), None)
 
 
+#: What each HTTP route reads itself besides FIELDS (the input and the model).
+INPUTS = {CHAT: ("model", "messages"), COMPLETIONS: ("model", "prompt")}
+
+
+def unknown_fields(body: dict, protocol: str) -> list[str]:
+    """Every key of an HTTP `body` that neither FIELDS nor the route's INPUTS name (another
+    server's extension, e.g. llama.cpp's `cache_prompt`): ignored, as llama.cpp and vLLM
+    do, and named in one log line by the route."""
+    known = {f.name for f in _OF_PROTOCOL[protocol]} | set(INPUTS[protocol])
+    return [k for k in body if k not in known]
+
+
 def sampling_params(fields: dict[str, Any], ctx: int) -> SamplingParams:
-    """The SamplingParams `read_fields` values ask for; max_tokens capped by the context `ctx`."""
+    """The SamplingParams `read_fields` values ask for; max_tokens capped by the context `ctx`.
+    FieldError for `top_logprobs` without `logprobs`."""
     max_tokens = fields["max_tokens"]
+    logprobs = _logprobs(fields)
     return SamplingParams(temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
                           min_p=fields["min_p"], seed=fields["seed"],
-                          max_tokens=ctx if max_tokens is CONTEXT else min(max_tokens, ctx))
+                          max_tokens=ctx if max_tokens is CONTEXT else min(max_tokens, ctx),
+                          logit_bias=fields["logit_bias"] or None, presence_penalty=fields["presence_penalty"],
+                          frequency_penalty=fields["frequency_penalty"], repeat_penalty=fields["repeat_penalty"],
+                          repeat_last_n=fields["repeat_last_n"], logprobs=logprobs,
+                          prompt_logprobs=logprobs if fields.get("echo") else None)
+
+
+def _logprobs(fields: dict[str, Any]) -> int | None:
+    """The alternatives per token `logprobs` asks for (None: no logprobs): chat's true with
+    `top_logprobs`, or completions' integer."""
+    flag, top = fields.get("logprobs", False), fields.get("top_logprobs")
+    if top and flag is False:
+        raise FieldError("top_logprobs", "", code="invalid_value",
+                         sentence="top_logprobs needs logprobs: true")
+    if flag is False:
+        return None
+    return (top or 0) if flag is True else flag
 
 
 # -- the docs' table ------------------------------------------------------------------------------
@@ -186,7 +244,8 @@ def _type_words(f: Field) -> str:
 
 
 def _status_words(f: Field) -> str:
-    return {HONOURED: "honoured", REFUSED: f"refused unless {f.unless}", IGNORED: "ignored (metadata)"}[f.status]
+    ignored = f"ignored ({f.note})" if f.note else "ignored (metadata)"
+    return {HONOURED: "honoured", REFUSED: f"refused unless {f.unless}", IGNORED: ignored}[f.status]
 
 
 def markdown_table() -> str:

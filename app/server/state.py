@@ -212,36 +212,49 @@ class ServerState:
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
+        return (await self.submit_n(1, messages, params, stop, conversation, engine, client))[0]
+
+    async def submit_n(self, n: int, messages: list[dict], params: "SamplingParams",
+                       stop: list[str] | tuple = (), conversation: str | None = None,
+                       engine: "Engine | None" = None, client: str = "") -> list["Generation"]:
+        """`submit` of `n` samples (`Engine.submit_n`); the caller owns each."""
         engine = engine or self.require_engine()
         return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
-                                  [*stop, *engine.chat_stops], conversation, client)
+                                  [*stop, *engine.chat_stops], conversation, client, n)
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
                           engine: "Engine | None" = None, client: str = "") -> "Generation":
-        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file. A
+        """`submit` for a raw prompt (`/v1/completions`): no template, BOS per the file."""
+        return (await self.submit_text_n(1, text, params, stop, engine, client))[0]
+
+    async def submit_text_n(self, n: int, prompt: "str | list[int]", params: "SamplingParams",
+                            stop: list[str] | tuple = (), engine: "Engine | None" = None,
+                            client: str = "") -> list["Generation"]:
+        """`submit_text` of `n` samples; `prompt` may also be token ids (taken as they are). A
         prompt over the context is PromptTooLong naming `prompt` (a chat's names `messages`)."""
         engine = engine or self.require_engine()
+        ids = (lambda: prompt) if isinstance(prompt, list) else (lambda: engine.completion_ids(prompt))
         try:
-            return await self._submit(engine, lambda: engine.completion_ids(text), params, list(stop), None, client)
+            return await self._submit(engine, ids, params, list(stop), None, client, n)
         except PromptTooLong as e:
             e.param = e.param or "prompt"
             raise
 
     async def _submit(self, engine: "Engine", prompt_ids, params, stop: list[str],
-                      conversation: str | None, client: str) -> "Generation":
+                      conversation: str | None, client: str, n: int = 1) -> list["Generation"]:
         self.check_admitting()
         ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
+        kw = dict(prompt_ids=ids, params=params, conversation=conversation, stop=stop, client=client)
         try:
-            gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop,
-                                client=client)
+            gens = [engine.submit(**kw)] if n == 1 else engine.submit_n(n, **kw)
         except Exception as e:
             if classify(e) in (QUEUE_FULL, CLIENT_QUEUE_FULL):
                 self.usage.of(client).refused += 1
             raise
         self.usage.of(client).requests += 1
-        self.inflight.add(gen)
-        return gen
+        self.inflight.update(gens)
+        return gens
 
 
 def _open_db(state_dir: Path | None, logger: logging.Logger) -> ConversationDB | None:

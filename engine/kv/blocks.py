@@ -221,12 +221,12 @@ class BlockPool:
         self.evicted.append(found)
 
     # -- sequences ------------------------------------------------------------------------
-    def admit(self, tokens: list[int]) -> Grant | None:
+    def admit(self, tokens: list[int], reuse: bool = True) -> Grant | None:
         """Blocks for a sequence of `tokens` (all but the last may come from the cache; the
-        last is always computed, so the step yields logits), or None (taking nothing) when
-        too few blocks are available now."""
+        last is always computed, so the step yields logits; none when not `reuse`), or None
+        (taking nothing) when too few blocks are available now."""
         n = len(tokens)
-        limit = n - 1
+        limit = n - 1 if reuse else 0
         parent, shared = ROOT, []
         i = 0
         while (i + 1) * BLOCK_TOKENS <= limit:  # one digest per full block

@@ -85,19 +85,20 @@ class KVManager:
             self.pool.unpin(self._pinned)
             self._pinned = []
 
-    def admit(self, seq: Hashable, tokens: list[int]) -> Admission | None:
+    def admit(self, seq: Hashable, tokens: list[int], reuse: bool = True) -> Admission | None:
         """Blocks for the `tokens` of `seq`: its cached prefix shared, then the longer of a
-        copy-on-write and a snapshot restore; None (taking nothing) when too few blocks are
-        available now. At least the last token is left to compute."""
+        copy-on-write and a snapshot restore (neither when not `reuse`: every token is
+        computed); None (taking nothing) when too few blocks are available now. At least
+        the last token is left to compute."""
         if seq in self._seqs:
             raise RuntimeError(f"KV sequence {seq!r} admitted twice")
-        grant = self.pool.admit(tokens)
+        grant = self.pool.admit(tokens, reuse)
         if grant is None:
             return None
         self._seqs[seq] = _Sequence(grant.blocks, grant.n_shared, grant.last_hash)
         self._save_evicted()
         computed, copies = grant.reuse, grant.copies
-        restored = self._restore(grant, tokens)
+        restored = self._restore(grant, tokens) if reuse else 0
         if restored > computed:
             if copies:  # the restore wrote the copy's block: no copy
                 self.pool.unpin(copies)

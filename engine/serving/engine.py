@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from numbers import Integral
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -40,6 +41,7 @@ from panechat.engine.kv.snapshot import KVShape
 from panechat.engine.kv.snapshot_store import reason as snapshot_reason
 from panechat.engine.model.loader import LoadedModel
 from panechat.engine.serving.logits_processors import StepProcessors, make_processors, step_processors
+from panechat.engine.serving.logprobs import HostRows, log_softmax, prompt_logprobs, token_logprob
 from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
 from panechat.engine.serving.output import End, OutputProcessor
 from panechat.engine.model.forward import Batch
@@ -284,6 +286,18 @@ class Engine:
         engine whoever calls it; the server's request schema (app/server/request_schema.py)
         has refused bad fields before. `client`: who sent it; the queue is fair across
         clients (engine/serving/fair_queue.py)."""
+        return self.submit_n(1, messages, prompt_ids=prompt_ids, params=params, conversation=conversation,
+                             stop=stop, client=client)[0]
+
+    def submit_n(self, n: int, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                 params: SamplingParams | None = None, conversation: str | None = None,
+                 stop: tuple[str, ...] | list[str] = (), client: str = "") -> list[Generation]:
+        """Queue `n` samples of one prompt (OpenAI's `n`), as `submit` does one: sample i
+        has seed `params.seed + i` (mod 2^64; each a random one without a seed), so it is
+        the generation `submit` gives with that seed. The first prefills the prompt; the
+        others are queued once it has (at the head of their client's queue), sharing its KV
+        blocks through the prefix cache, so n samples cost about one prefill. Prompt logprobs
+        come with the first only."""
         if self._stop:
             raise EngineStopped("the engine is stopped")
         params = params or SamplingParams()
@@ -292,6 +306,31 @@ class Engine:
             prompt_ids = self.prompt_ids(messages)
         else:
             prompt_ids = _validated_ids(prompt_ids, self.lm.model.args.vocab_size)
+        self._check_fits(prompt_ids, params)
+        reqs, gens = [], []
+        for i in range(n):
+            p = params if i == 0 else replace(params, prompt_logprobs=None, seed=(
+                None if params.seed is None else (params.seed + i) % 2**64))
+            gen, req = self._new_request(prompt_ids, p, conversation if i == 0 else None, stop, client)
+            reqs.append(req)
+            gens.append(gen)
+        reqs[0].forks = reqs[1:]
+        with self._lock:
+            try:
+                self.scheduler.add(reqs[0])
+            except QueueFull as e:
+                self.metrics.refused += 1
+                e.retry_after = self.retry_after(e)
+                raise
+            for req in reqs:
+                self._by_id[req.id] = req
+                self.output.add(req)
+            self._members_changed = True
+        self._wake.set()
+        return gens
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """PromptTooLong / KVBudgetTooSmall unless the prompt and its reply can ever run."""
         if not prompt_ids:
             raise InvalidRequest("empty prompt")
         if len(prompt_ids) >= self.ctx:
@@ -303,27 +342,19 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"{format_size(need * self.kv.bytes_per_block)} of KV but the budget is "
                 f"{format_size(self.kv.nbytes)}; lower max_tokens or raise --kv-memory")
+
+    def _new_request(self, prompt_ids: list[int], params: SamplingParams, conversation: str | None,
+                     stop, client: str) -> tuple[Generation, Request]:
         rid = f"req-{next(self._ids)}"
         gen = Generation(self, rid, client)
-        tok = self.lm.tokenizer
         req = Request(
             id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
             sampler=make_sampler(params), emit=gen._emit,
-            stop_ids=tok.stop_ids, stop_strings=tuple(s for s in stop if s),
+            stop_ids=self.lm.tokenizer.stop_ids, stop_strings=tuple(s for s in stop if s),
             processors=make_processors(params, self.lm.model.args.vocab_size), client=client,
+            prompt_lps=None if params.prompt_logprobs is None else [None] * (len(prompt_ids) - 1),
         )
-        with self._lock:
-            try:
-                self.scheduler.add(req)
-            except QueueFull as e:
-                self.metrics.refused += 1
-                e.retry_after = self.retry_after(e)
-                raise
-            self._by_id[rid] = req
-            self.output.add(req)
-            self._members_changed = True
-        self._wake.set()
-        return gen
+        return gen, req
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Ask for a request to end; its FinishEvent follows, with `reason` ('cancelled' by
@@ -424,6 +455,7 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         tokens, seqs, positions, logit_rows, sampled = [], [], [], [], []
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first position, rows) wanting prompt logprobs
         now = time.perf_counter()
         width = max(map(len, plan.block_tables))
         tables = np.zeros((len(plan.requests), width), np.int32)  # padding: never read
@@ -431,6 +463,8 @@ class Engine:
             if r.t_start == 0.0:
                 r.t_start = now
                 self.metrics.record_admit(len(r.prompt_ids), r.reused)
+            if r.prompt_lps is not None and r.computed < len(r.prompt_ids) - 1:
+                prompt_rows.append((r, r.computed, min(n, len(r.prompt_ids) - 1 - r.computed)))
             tokens.extend(r.known_slice(r.computed, n))
             positions.extend(range(r.computed, r.computed + n))
             seqs.extend([i] * n)
@@ -439,42 +473,70 @@ class Engine:
             if r.computed == r.n_known:  # caught up: this row's logits give the next token
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(r)
+        extra = _prompt_logit_rows(prompt_rows, plan.n_tokens, plan.requests) if prompt_rows else []
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
-                      np.asarray(positions, np.int32), np.asarray(logit_rows, np.int64), tables)
-        model, logits, picks = self.lm.model, None, None
-        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
-        if sampled and model.samples_on_device:  # only token ids cross to the host
-            picks = model.forward_tokens(self.kv, batch, *device_sampling_rows(
-                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), before_pick=procs)
-        else:
-            logits = model.forward(self.kv, batch)
-            if procs is not None:
-                procs(logits, np)
+                      np.asarray(positions, np.int32), np.asarray(logit_rows + extra, np.int64), tables)
+        logits, picks, procs, lp, extra_logits = self._forward(batch, sampled, len(extra))
+        if prompt_rows:
+            _keep_prompt_logprobs(prompt_rows, extra_logits)
         now = time.perf_counter()
         with self._lock:
             prefilling = [r for r in plan.requests if r.state == RequestState.PREFILLING and r not in sampled]
-            picked = self._pick(sampled, logits, picks, procs)
+            picked = self._pick(sampled, logits, picks, procs, lp)
             for r, end in self.output.process(prefilling, picked, now):
                 self._end(r, end)
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
 
+    def _forward(self, batch: Batch, sampled: list[Request], n_extra: int):
+        """The forward pass with each sampled row's processors applied: (host logits or None,
+        device picks or None, the StepProcessors, the logit rows seen by the rows wanting
+        logprobs as (rows, row of each sampled index) or None, the `n_extra` prompt logprob
+        rows after the sampled ones on the host). Rows that ask for nothing cost nothing."""
+        model, logits, picks = self.lm.model, None, None
+        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
+        want = [i for i, r in enumerate(sampled) if r.params.logprobs is not None]
+        if sampled and model.samples_on_device:  # only token ids (and asked-for rows) cross to the host
+            seen = HostRows(want + list(range(len(sampled), len(sampled) + n_extra))) if want or n_extra else None
+            picks = model.forward_tokens(self.kv, batch, *_padded(device_sampling_rows(
+                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), n_extra),
+                before_pick=_then(procs, seen))
+            rows = seen.host if seen is not None else None
+            lp = (rows, {i: j for j, i in enumerate(want)}) if want else None
+            return None, picks, procs, lp, rows[len(want):] if seen is not None else None
+        logits = model.forward(self.kv, batch)
+        if procs is not None:
+            procs(logits, np)
+        return logits, None, procs, (logits, {i: i for i in want}) if want else None, logits[len(sampled):]
+
     def _pick(self, sampled: list[Request], logits: np.ndarray | None, picks: np.ndarray | None,
-              procs: StepProcessors | None) -> list[tuple[Request, int]]:
+              procs: StepProcessors | None, lp: tuple | None = None) -> list[tuple[Request, int]]:
         """Each sampled row's token, from its host logits or its device pick; a row whose
-        logits processor or sampler raised fails alone."""
+        logits processor or sampler raised fails alone. `lp`: (rows, row of each sampled
+        index) of the logits seen by the rows wanting logprobs."""
         picked = []
         for i, r in enumerate(sampled):
             try:  # whatever goes wrong with this row is this row's alone
                 if procs is not None:
                     procs.check(i)
                 tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
+                if lp is not None and r.params.logprobs is not None:
+                    r.next_logprob = token_logprob(log_softmax(lp[0][lp[1][i]]), tok, r.params.logprobs)
             except Exception as e:
                 self._fail_row(r, e)
                 continue
             if r.state == RequestState.PREFILLING:
                 r.state = RequestState.DECODING
+                self._release_forks(r)
             picked.append((r, tok))
         return picked
+
+    def _release_forks(self, r: Request) -> None:
+        """Queue the other samples of `r`'s prompt (its prefill is done or it ended): they
+        find its blocks in the prefix cache."""
+        if r.forks:
+            forks = [f for f in r.forks if f.state == RequestState.WAITING and not f.cancelled]
+            r.forks = []
+            self.scheduler.add_first(forks)
 
     def _end(self, r: Request, end: End) -> None:
         """Act on what the output processor said of `r`: finish it, or fail it alone."""
@@ -510,6 +572,7 @@ class Engine:
         if r.state == RequestState.FINISHED:
             return
         held = self.scheduler.finish(r, keep_cache=keep_cache)
+        self._release_forks(r)
         if held:
             self._remember(r.conversation, held)
         self._by_id.pop(r.id, None)
@@ -570,6 +633,50 @@ class Engine:
             else:
                 out.append((conv, held[0][0], n * BLOCK_TOKENS))
         return out
+
+
+def _prompt_logit_rows(prompt_rows: list[tuple[Request, int, int]], n_tokens: list[int],
+                       requests: list[Request]) -> list[int]:
+    """The batch rows whose logits give prompt logprobs: each such request's rows of this
+    step before its prompt's last position, after all the sampled rows."""
+    start, first_row = 0, {}
+    for r, n in zip(requests, n_tokens):
+        first_row[r.id] = start
+        start += n
+    return [first_row[r.id] + j for r, _, m in prompt_rows for j in range(m)]
+
+
+def _keep_prompt_logprobs(prompt_rows: list[tuple[Request, int, int]], logits: np.ndarray) -> None:
+    """Store each request's prompt logprobs from its rows of `logits` (in `prompt_rows`
+    order); a recompute after a preemption writes the same values again."""
+    at = 0
+    for r, first, m in prompt_rows:
+        got = prompt_logprobs(logits[at:at + m], r.prompt_ids, first, r.params.prompt_logprobs)
+        r.prompt_lps[first:first + len(got)] = got
+        at += m
+
+
+def _padded(rows: tuple[np.ndarray, ...], extra: int) -> tuple[np.ndarray, ...]:
+    """Device sampling arrays with `extra` greedy rows appended (the prompt logprob rows,
+    whose picks are not used)."""
+    if not extra:
+        return rows
+    fill = (0, 1, 0, 0, 0, 0)  # temperature 0 (greedy), top_p 1, min_p, top_k, seed, step
+    return tuple(np.concatenate([a, np.full(extra, f, a.dtype)]) for a, f in zip(rows, fill))
+
+
+def _then(*parts):
+    """A `before_pick` calling each of `parts` that is not None, in order (None: none)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+
+    def before_pick(logits, xp):
+        for p in parts:
+            p(logits, xp)
+    return before_pick
 
 
 def _validated_ids(prompt_ids, vocab_size: int) -> list[int]:

@@ -12,6 +12,7 @@ class TokenEvent:
     request_id: str
     token_id: int
     text: str
+    logprob: object = None  # its TokenLogprob (logprobs.py) when the request asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class FinishEvent:
     usage: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     error: str | None = None
+    logprobs: list | None = None  # each generated token's TokenLogprob, when asked for
+    prompt_logprobs: list | None = None  # each prompt token's after the first, when asked for
 
 
 Event = TokenEvent | PrefillEvent | FinishEvent

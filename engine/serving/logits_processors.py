@@ -49,6 +49,56 @@ class LogitBias:
         logits[ids] += values  # float32 + float32: the same bits on the host and the device
 
 
+class RepeatPenalty:
+    """llama.cpp's `repeat_penalty` over the last `last_n` generated tokens (-1: all): each
+    distinct one has a positive logit divided by the penalty, a negative one multiplied."""
+
+    def __init__(self, penalty: float, last_n: int):
+        self.penalty = np.float32(penalty)
+        self.last_n = last_n
+
+    def apply(self, logits: Any, output_ids: Sequence[int], xp: ModuleType) -> None:
+        window = output_ids if self.last_n < 0 else output_ids[len(output_ids) - self.last_n:]
+        if not window:
+            return
+        ids = xp.asarray(np.unique(np.asarray(window, np.int64)))
+        x = logits[ids]
+        logits[ids] = xp.where(x <= 0, x * self.penalty, x / self.penalty)  # float32 either way
+
+
+class CountPenalty:
+    """OpenAI's `frequency_penalty` and `presence_penalty` over the generated tokens: a
+    token's logit loses count * frequency + (count > 0) * presence. The counts are kept as
+    the tokens come (each token read once)."""
+
+    def __init__(self, frequency: float, presence: float):
+        self.frequency, self.presence = np.float32(frequency), np.float32(presence)
+        self._counts: dict[int, int] = {}
+        self._seen = 0
+
+    def apply(self, logits: Any, output_ids: Sequence[int], xp: ModuleType) -> None:
+        for t in output_ids[self._seen:]:
+            self._counts[t] = self._counts.get(t, 0) + 1
+        self._seen = len(output_ids)
+        if not self._counts:
+            return
+        n = len(self._counts)
+        ids = np.fromiter(self._counts.keys(), np.int64, n)
+        delta = np.fromiter(self._counts.values(), np.float32, n) * self.frequency + self.presence
+        logits[xp.asarray(ids)] -= xp.asarray(delta)  # float32 - float32: the same bits everywhere
+
+
+def penalty_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """The penalty processors `params` asks for (none at their neutral values), in
+    llama.cpp's order: repeat, then frequency and presence."""
+    out: list[LogitsProcessor] = []
+    if params.repeat_penalty != 1.0 and params.repeat_last_n != 0:
+        out.append(RepeatPenalty(params.repeat_penalty, params.repeat_last_n))
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        out.append(CountPenalty(params.frequency_penalty, params.presence_penalty))
+    return out
+
+
 def make_processors(params: SamplingParams, vocab_size: int) -> tuple[LogitsProcessor, ...]:
     """The processors a request's parameters ask for, in the order they apply (fresh
     objects per request: they may keep state). InvalidRequest (one line, the client's
@@ -60,6 +110,7 @@ def make_processors(params: SamplingParams, vocab_size: int) -> tuple[LogitsProc
             raise InvalidRequest(f"logit_bias names token {max(bad)} but the vocabulary holds ids 0 to "
                                  f"{vocab_size - 1}", param="logit_bias")
         out.append(LogitBias(params.logit_bias))
+    out.extend(penalty_processors(params))
     return tuple(out)
 
 

@@ -115,7 +115,11 @@ class OutputProcessor:
             self._flush(r, text)
             return "stop"
         r.output_ids.append(tok)
-        r.emit(TokenEvent(r.id, tok, text.push(tok)))
+        lp = None
+        if r.params.logprobs is not None:
+            lp = r.next_logprob
+            r.token_logprobs.append(lp)
+        r.emit(TokenEvent(r.id, tok, text.push(tok), lp))
         if text.stopped:
             return "stop"
         if len(r.output_ids) >= r.params.max_tokens or r.n_known >= self.ctx:
@@ -136,7 +140,9 @@ class OutputProcessor:
         ends the reply where it stood."""
         text = self._texts.pop(r.id, None)
         r.emit(FinishEvent(r.id, reason, text.text if text is not None else "", list(r.output_ids),
-                           usage(r), timings(r), error))
+                           usage(r), timings(r), error,
+                           list(r.token_logprobs) if r.params.logprobs is not None else None,
+                           list(r.prompt_lps) if r.prompt_lps is not None else None))
 
 
 def usage(r: Request) -> dict:

@@ -45,6 +45,13 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
     cancel_reason: str = "cancelled"  # the finish reason a cancelled request ends with
+    # with params.logprobs: each output token's TokenLogprob (logprobs.py); `next_logprob`
+    # is the one of the token just picked, until the output processor takes it
+    token_logprobs: list = field(default_factory=list)
+    next_logprob: object = None
+    # with params.prompt_logprobs: prompt token p's TokenLogprob at p - 1 (None until computed)
+    prompt_lps: list | None = None
+    forks: list = field(default_factory=list)  # samples of the same prompt, queued once its prefill is done
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0

@@ -26,6 +26,8 @@ Sampler = Callable[[np.ndarray], int]
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) mean greedy
 MAX_TEMPERATURE = 10.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_REPEAT_PENALTY = 10.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 class SamplingError(ValueError):
@@ -89,14 +91,25 @@ BOUNDS: dict[str, Bound] = {
     "min_p": Bound(False, 0.0, 1.0, hi_open=True),
     "seed": Bound(True, 0),
     "max_tokens": Bound(True, 1),
+    "presence_penalty": Bound(False, -2.0, 2.0, note="0 disables it"),
+    "frequency_penalty": Bound(False, -2.0, 2.0, note="0 disables it"),
+    "repeat_penalty": Bound(False, 0.0, MAX_REPEAT_PENALTY, lo_open=True, note="1 disables it"),
+    "repeat_last_n": Bound(True, -1, note="-1: every generated token, 0 disables it"),
 }
+
+#: The bound of the number of alternatives a logprobs request may ask for (OpenAI's 20).
+LOGPROBS_BOUND = Bound(True, 0, MAX_TOP_LOGPROBS)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler; a temperature below GREEDY_BELOW (0 included)
-    means greedy. `logit_bias` (token id -> bias added to its logit) is applied by a
-    logits processor before the sampler (logits_processors.py)."""
+    means greedy. `logit_bias` (token id -> bias added to its logit) and the penalties are
+    applied by logits processors before the sampler (logits_processors.py): presence and
+    frequency as OpenAI defines them, repeat_penalty over the last repeat_last_n tokens as
+    llama.cpp does, all over the generated tokens. `logprobs` (None: off) asks for each
+    generated token's log-probability and that many alternatives; `prompt_logprobs` the
+    same for every prompt token after the first (logprobs.py)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -105,6 +118,12 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest (one line, naming the field) for a parameter outside its
@@ -119,6 +138,11 @@ class SamplingParams:
         if self.logit_bias is not None and not _is_bias(self.logit_bias):
             raise InvalidRequest(f"logit_bias must map token ids (integers >= 0) to numbers in "
                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            why = None if v is None else LOGPROBS_BOUND.problem(v)
+            if why is not None:
+                raise InvalidRequest(f"{name} {why}", param=name)
 
     @property
     def greedy(self) -> bool:

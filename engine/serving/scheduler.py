@@ -126,6 +126,14 @@ class Scheduler:
                 )
             self.waiting.append(req)
 
+    def add_first(self, reqs: list[Request]) -> None:
+        """Queue `reqs` at the head, in order, past the queue's limit: the other samples of a
+        request already admitted (its `forks`), which wait for nobody else: at the head of
+        their client's queue."""
+        with self._queue_lock:
+            for r in reversed(reqs):
+                self.waiting.appendleft(r)
+
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan the next step (no requests when nothing runs; the
         copies of requests admitted now are in the plan either way). Called on the engine
@@ -169,7 +177,8 @@ class Scheduler:
                 req = self.waiting.head(running)  # (only this thread takes from the queue)
             if req is None:
                 break
-            got = self.kv.admit(req.id, req.known) if len(self.running) < self.max_concurrent else None
+            got = (self.kv.admit(req.id, req.known, reuse=req.prompt_lps is None)  # prompt logprobs: all computed
+                   if len(self.running) < self.max_concurrent else None)
             if got is None:
                 if self._yield_place(req.client, running, admitted):
                     continue

@@ -59,7 +59,11 @@ def test_400_bad_json(http, raw):
     ({**OK, "stop": ["a", None]}, "stop"),
     ({**OK, "stop": ["s"] * 40}, "stop"),
     ({**OK, "stream": "yes"}, "stream"),
-    ({**OK, "n": 2}, "n"),
+    ({**OK, "n": 17}, "n"),
+    ({**OK, "presence_penalty": -2.5}, "presence_penalty"),
+    ({**OK, "top_logprobs": 3}, "top_logprobs"),
+    ({**OK, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({**OK, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({**OK, "model": 7}, "model"),
 ])
 def test_400_bad_params(http, body, param):
@@ -216,7 +220,7 @@ def test_a_bug_in_the_engine_path_is_a_500_logged_once(live, broken_tokenizer):
         assert _is_error(c.post("/v1/chat/completions", json=long), 400)["code"] == "context_length_exceeded"
         assert _is_error(c.post("/v1/chat/completions", json={**OK, "model": "gpt-4o"}), 404)["code"] == \
             "model_not_found"
-        assert _is_error(c.post("/v1/completions", json={"prompt": "hi", "echo": True}), 400)["param"] == "echo"
+        assert _is_error(c.post("/v1/completions", json={"prompt": "hi", "suffix": "!"}), 400)["param"] == "suffix"
         assert asyncio.run(_ws_send(srv.ws_url, "word " * (live.engine.ctx + 50)))["code"] == "prompt_too_long"
         assert len(log.bad()) == 3
         assert c.post("/v1/chat/completions", json=OK).status_code == 200

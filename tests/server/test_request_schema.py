@@ -66,8 +66,10 @@ def test_the_ranges_are_the_engines():
     ({"stop": 3}, "stop", None),
     ({"max_completion_tokens": "x"}, "max_completion_tokens", "invalid_type"),
     ({"max_completion_tokens": -3, "max_tokens": 5}, "max_tokens", "invalid_value"),  # the alias wins
-    ({"n": 2}, "n", None),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", None),
+    ({"n": 0}, "n", "invalid_value"),
+    ({"frequency_penalty": 5}, "frequency_penalty", "invalid_value"),
+    ({"logit_bias": {"3": -101}}, "logit_bias", "invalid_value"),
+    ({"audio": {"format": "wav"}}, "audio", None),
     ({"response_format": {"type": "json_object"}}, "response_format", None),
     ({"temperature": 10**400}, "temperature", "invalid_value"),  # too large for a float: infinite
 ])
@@ -89,7 +91,7 @@ def test_a_protocol_ignores_what_its_column_lacks():
     """`n` is an HTTP field: in a websocket `params` it is an unknown key, ignored like any."""
     assert read_fields({"n": 5, "echo": True}, WS) == read_fields({}, WS)
     with pytest.raises(FieldError):
-        read_fields({"echo": True}, COMPLETIONS)
+        read_fields({"suffix": "!"}, COMPLETIONS)
     assert read_fields({"echo": True}, CHAT) == read_fields({}, CHAT)
 
 
