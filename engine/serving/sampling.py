@@ -105,6 +105,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    grammar: str | None = field(default=None, hash=False)  # llguidance grammar (grammar.py); its mask applies
 
     def validate(self) -> None:
         """Raise InvalidRequest (one line, naming the field) for a parameter outside its
@@ -119,6 +120,8 @@ class SamplingParams:
         if self.logit_bias is not None and not _is_bias(self.logit_bias):
             raise InvalidRequest(f"logit_bias must map token ids (integers >= 0) to numbers in "
                                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequest("grammar must be a string (an llguidance grammar)", param="grammar")
 
     @property
     def greedy(self) -> bool:
