@@ -51,7 +51,7 @@ async def completions(request: Request) -> Response:
         request, parse_completion_request,
         lambda st, req, engine: st.submit_text(req.prompt, req.params, req.stop, engine=engine),
         CompletionSSE, "cmpl", "text_completion",
-        lambda fin: {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)})
+        lambda fin, req: {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": _finish_reason(fin)})
 
 
 class CompletionSSE(SSEResponse):

@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,9 +27,10 @@ from .errors import APIError, bad_request
 from .request_fields import FieldError, parse_json
 from .request_schema import CHAT, read_fields, sampling_params
 from .request_log import set_log_detail
+from .structured_output import OutputPlan, output_plan
 from .state import DEFAULT_ALIAS, ServerState, state_of
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    plan: OutputPlan = OutputPlan()
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -55,6 +57,8 @@ def _content(m: dict, i: int) -> str:
                                   "(only text content is supported)", param=f"messages[{i}].content")
             out.append(part["text"])
         return "".join(out)
+    if c is None and (m.get("tool_calls") or m.get("role") == "tool"):  # an assistant's calls alone
+        return ""
     raise bad_request(f"messages[{i}].content must be a string", param=f"messages[{i}].content",
                       code="invalid_type")
 
@@ -69,9 +73,26 @@ def parse_messages(v) -> list[dict]:
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise bad_request(f"messages[{i}].role must be one of system, user, assistant",
+            raise bad_request(f"messages[{i}].role must be one of system, user, assistant, tool",
                               param=f"messages[{i}].role")
-        out.append({"role": ROLES[role], "content": _content(m, i)})
+        out.append(_tool_fields(m, i, {"role": ROLES[role], "content": _content(m, i)}))
+    return out
+
+
+def _tool_fields(m: dict, i: int, out: dict) -> dict:
+    """`out` with the tools protocol's fields of message `m`: an assistant's `tool_calls`
+    (then its content may be null), a tool result's `tool_call_id` and `name`."""
+    calls = m.get("tool_calls")
+    if calls is not None and out["role"] == "assistant":
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                  and isinstance(c["function"].get("name"), str) for c in calls):
+            raise bad_request(f"messages[{i}].tool_calls must be a list of "
+                              '{"id", "type": "function", "function": {"name", "arguments"}}',
+                              param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if out["role"] == "tool" and isinstance(m.get(key), str):
+            out[key] = m[key]
     return out
 
 
@@ -108,6 +129,7 @@ class GenerationFields:
     stop: list[str]
     stream: bool
     include_usage: bool
+    plan: OutputPlan
 
 
 def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> GenerationFields:
@@ -115,17 +137,19 @@ def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> Generat
     refusals), validated as 400s naming the parameter."""
     try:
         f = read_fields(body, protocol)
+        plan = output_plan(f, engine.lm.template.source)
     except FieldError as e:
         raise bad_request(e.worded(f"'{e.key}'"), param=e.key, code=e.code) from None
     include_usage = bool((f["stream_options"] or {}).get("include_usage", False))
-    return GenerationFields(sampling_params(f, engine.ctx), list(f["stop"]), f["stream"], include_usage)
+    params = replace(sampling_params(f, engine.ctx), grammar=plan.grammar)
+    return GenerationFields(params, list(f["stop"]), f["stream"], include_usage, plan)
 
 
 def parse_chat_request(body, engine, model: str) -> ChatRequest:
     """The validated request for `engine`, the engine of `model`."""
     messages = parse_messages(body.get("messages"))
     f = parse_generation_fields(body, engine, CHAT)
-    return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage)
+    return ChatRequest(model, f.plan.prompt_messages(messages), f.params, f.stop, f.stream, f.include_usage, f.plan)
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -162,7 +186,9 @@ def timings_of(fin: FinishEvent) -> dict:
     }
 
 
-def _finish_reason(fin: FinishEvent) -> str:
+def _finish_reason(fin: FinishEvent, calls: bool = False) -> str:
+    if calls and fin.reason == "stop":
+        return "tool_calls"
     return fin.reason if fin.reason in ("stop", "length") else "stop"
 
 
@@ -216,10 +242,28 @@ async def submitted(st: ServerState, submit):
 async def chat_completions(request: Request) -> Response:
     return await generation_route(
         request, parse_chat_request,
-        lambda st, req, engine: st.submit(req.messages, req.params, req.stop, engine=engine),
-        SSEResponse, "chatcmpl", "chat.completion",
-        lambda fin: {"index": 0, "message": {"role": "assistant", "content": fin.text},
-                     "logprobs": None, "finish_reason": _finish_reason(fin)})
+        lambda st, req, engine: st.submit(req.messages, req.params, req.stop, engine=engine,
+                                          tools=req.plan.template_tools),
+        chat_stream, "chatcmpl", "chat.completion", _chat_choice)
+
+
+def _chat_choice(fin: FinishEvent, req: ChatRequest) -> dict:
+    content, calls = req.plan.reply(fin.text)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [tool_call_obj(c) for c in calls]
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(fin, bool(calls))}
+
+
+def tool_call_obj(c) -> dict:
+    """OpenAI's shape of one tool call."""
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def chat_stream(request: Request, gen, req: ChatRequest, cid: str, created: int) -> Response:
+    """The chat SSE stream; with tools offered, the one that sends tool-call deltas."""
+    cls = ToolCallSSE if req.plan.tool_format is not None else SSEResponse
+    return cls(request, gen, req, cid, created)
 
 
 async def generation_route(request: Request, parse, submit, sse_class, id_prefix: str, object_name: str,
@@ -227,7 +271,7 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
     """What every generation route does: read the body, resolve the engine of the model it
     names (loaded on first use), validate it with `parse(body, engine, model)`, submit
     with `submit(state, req, engine)`, then stream `sse_class` events or return the whole
-    reply, whose choices[0] is `choice(finish_event)`."""
+    reply, whose choices[0] is `choice(finish_event, req)`."""
     st = state_of(request)
     data = await read_json(request, st)
     model = model_field(data)
@@ -242,7 +286,7 @@ async def generation_route(request: Request, parse, submit, sse_class, id_prefix
     return JSONResponse({
         "id": cid, "object": object_name, "created": created, "model": req.model,
         "system_fingerprint": "panechat",
-        "choices": [choice(fin)],
+        "choices": [choice(fin, req)],
         "usage": usage_of(fin),
         "timings": timings_of(fin),
     })
@@ -291,6 +335,15 @@ class SSEResponse(Response):
         delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
+    def pieces(self, text: str) -> list[bytes]:
+        """The chunks that send `text`, new reply text, now."""
+        return [self._chunk(text)]
+
+    def closing(self, fin: FinishEvent) -> tuple[list[bytes], bool]:
+        """Chunks sent at the end, before the finishing chunk, and whether they are tool
+        calls (none here)."""
+        return [], False
+
     def _chunk(self, text: str | None, finish: str | None = None, **extra) -> bytes:
         obj = {"id": self.cid, "object": self.object_name, "created": self.created,
                "model": self.req.model, "system_fingerprint": "panechat",
@@ -319,7 +372,8 @@ class SSEResponse(Response):
                 await emit(opening)
             async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent) and ev.text:
-                    await emit(self._chunk(ev.text))
+                    for data in self.pieces(ev.text):
+                        await emit(data)
             fin = gen.finish
             set_log_detail(self.request, _log_line(fin, True))
             if fin.reason in ("error", "shutdown"):
@@ -327,7 +381,10 @@ class SSEResponse(Response):
                        errors.error_body(fin.error or "generation failed", "server_error", None, "generation_error"))
                 await emit(b"data: " + json.dumps(err).encode() + b"\n\n")
             elif fin.reason != "cancelled":
-                await emit(self._chunk("", _finish_reason(fin), usage=usage_of(fin), timings=timings_of(fin)))
+                closing, calls = self.closing(fin)
+                for data in closing:
+                    await emit(data)
+                await emit(self._chunk("", _finish_reason(fin, calls), usage=usage_of(fin), timings=timings_of(fin)))
                 if req.include_usage:
                     obj = {"id": self.cid, "object": self.object_name, "created": self.created,
                            "model": req.model, "system_fingerprint": "panechat", "choices": [],
@@ -411,3 +468,32 @@ async def get_model(request: Request) -> Response:
     if entry is None:
         raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_catalog_model_obj(st, entry))
+
+
+class ToolCallSSE(SSEResponse):
+    """The chat stream of a request offered tools: the reply is read whole (a call is only
+    known once its JSON is), then sent as content or as OpenAI's tool-call deltas (per
+    call: one chunk with its index, id and name, one with its arguments), finishing
+    "tool_calls"."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.text = ""
+
+    def pieces(self, text: str) -> list[bytes]:
+        self.text += text
+        return []
+
+    def closing(self, fin: FinishEvent) -> tuple[list[bytes], bool]:
+        content, calls = self.req.plan.reply(self.text)
+        if not calls:
+            return ([self._delta({"content": content})] if content else []), False
+        return [self._delta({"tool_calls": [d]}) for i, c in enumerate(calls) for d in (
+            {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}},
+            {"index": i, "function": {"arguments": c.arguments}})], True
+
+    def _delta(self, delta: dict) -> bytes:
+        obj = {"id": self.cid, "object": self.object_name, "created": self.created, "model": self.req.model,
+               "system_fingerprint": "panechat",
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from panechat.engine.serving.sampling import BOUNDS, Bound, SamplingParams
 from .request_fields import FieldError, boolean, integer, json_object, number, stop_strings
+from .structured_fields import grammar_text, response_format, tool_choice, tool_list
 
 CHAT, COMPLETIONS, WS = "chat", "completions", "ws"
 PROTOCOLS = (CHAT, COMPLETIONS, WS)
@@ -37,7 +38,9 @@ class _Context:
 CONTEXT = _Context()
 
 _TYPE_WORDS = {number: "a number", integer: "an integer", boolean: "true or false", json_object: "an object",
-               stop_strings: "a string or a list of strings"}
+               stop_strings: "a string or a list of strings",
+               response_format: '`{"type": "text" | "json_object" | "json_schema"}`', grammar_text: "a string",
+               tool_list: "a list of function tools", tool_choice: '"none", "auto", "required" or a function'}
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,12 @@ FIELDS: tuple[Field, ...] = (
           refusal="logprobs are not supported by this server"),
     Field("top_logprobs", _on(CHAT), REFUSED, accepts=_falsy, unless="0",
           refusal="top_logprobs are not supported by this server"),
-    Field("tools", _on(CHAT), REFUSED, accepts=_falsy, unless="empty", refusal="tools are not supported by this server"),
-    Field("tool_choice", _on(CHAT), REFUSED, accepts=lambda v: v in ("none", "auto"), unless='"none" or "auto"',
-          refusal="tool_choice needs tools, which this server does not support"),
-    Field("response_format", _on(CHAT), REFUSED, accepts=lambda v: v == {"type": "text"}, unless='{"type": "text"}',
-          refusal='only response_format {"type": "text"} is supported'),
+    Field("tools", _on(CHAT), read=tool_list, note="; the reply may call them (`tool_calls`)"),
+    Field("tool_choice", _on(CHAT, default="auto"), read=tool_choice,
+          note='; "required" and a named function are held to the call by a grammar'),
+    Field("response_format", _on(CHAT, WS), read=response_format,
+          note="; json_object and json_schema are held to it by a grammar"),
+    Field("grammar", _on(*PROTOCOLS), read=grammar_text, note="; the reply is held to it, as llama.cpp's `grammar`"),
     Field("frequency_penalty", _on(*HTTP, default=0), REFUSED, accepts=lambda v: v == 0, unless="0",
           refusal="frequency_penalty is not supported by this server (send 0 or leave it out)"),
     Field("presence_penalty", _on(*HTTP, default=0), REFUSED, accepts=lambda v: v == 0, unless="0",
@@ -127,7 +131,8 @@ FIELDS: tuple[Field, ...] = (
     Field("metadata", _on(CHAT), IGNORED),
     Field("store", _on(CHAT), IGNORED),
     Field("service_tier", _on(*HTTP), IGNORED),
-    Field("parallel_tool_calls", _on(CHAT), IGNORED),
+    Field("parallel_tool_calls", _on(CHAT, default=True), read=boolean,
+          note="; false: at most one call per reply"),
 )
 
 _OF_PROTOCOL = {p: tuple(f for f in FIELDS if p in f.defaults) for p in PROTOCOLS}

@@ -171,15 +171,17 @@ class ServerState:
 
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
-                     conversation: str | None = None, engine: "Engine | None" = None) -> "Generation":
-        """Render and tokenize `messages` off the event loop, then queue the generation on
-        `engine` (default: the default model's), with the template's own stop strings besides
-        `stop`. The caller owns it until it calls `done(gen)` (in a `finally`).
+                     conversation: str | None = None, engine: "Engine | None" = None,
+                     tools: list[dict] | None = None) -> "Generation":
+        """Render and tokenize `messages` (with `tools` for a template that knows them) off
+        the event loop, then queue the generation on `engine` (default: the default model's),
+        with the template's own stop strings besides `stop`. The caller owns it until it
+        calls `done(gen)` (in a `finally`).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
         engine = engine or self.require_engine()
-        return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
+        return await self._submit(engine, lambda: engine.prompt_ids(messages, tools), params,
                                   [*stop, *engine.chat_stops], conversation)
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
@@ -193,7 +195,9 @@ class ServerState:
         self.check_admitting()
         ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
-        gen = engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)
+        submit = lambda: engine.submit(prompt_ids=ids, params=params, conversation=conversation, stop=stop)  # noqa: E731
+        # a grammar compiles at submit (milliseconds; the first one builds the vocabulary, seconds)
+        gen = await asyncio.to_thread(submit) if params.grammar is not None else submit()
         self.inflight.add(gen)
         return gen
 

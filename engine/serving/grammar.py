@@ -31,6 +31,11 @@ from panechat.engine.serving.invalid_request import InvalidRequest
 _WORKER = ThreadPoolExecutor(1, thread_name_prefix="panechat-grammar")
 
 
+#: JSON written without free whitespace: a small model held to a schema may otherwise pad
+#: with newlines to its token limit (a schema's "x-guidance" options still apply over it).
+COMPACT = {"whitespace_flexible": False}
+
+
 class GrammarError(ValueError):
     """The tokens so far leave the grammar (cannot happen with the mask applied): the row
     fails alone."""
@@ -42,7 +47,7 @@ def json_schema_grammar(schema: dict | bool, param: str = "response_format") -> 
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"{param}: the JSON schema must be an object", param=param)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT)
     except ValueError as e:
         raise InvalidRequest(f"{param}: the JSON schema is not usable: {e}", param=param) from None
 

@@ -68,7 +68,7 @@ def test_the_ranges_are_the_engines():
     ({"max_completion_tokens": -3, "max_tokens": 5}, "max_tokens", "invalid_value"),  # the alias wins
     ({"n": 2}, "n", None),
     ({"frequency_penalty": 0.5}, "frequency_penalty", None),
-    ({"response_format": {"type": "json_object"}}, "response_format", None),
+    ({"response_format": {"type": "bogus"}}, "response_format", "invalid_value"),
     ({"temperature": 10**400}, "temperature", "invalid_value"),  # too large for a float: infinite
 ])
 def test_a_bad_field_is_named(body, key, code):
