@@ -118,6 +118,8 @@ def generic_schema(tools: list[dict], choice: str | None) -> dict:
 
 def _call_schema(fn: dict) -> dict:
     params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if "properties" in params and "additionalProperties" not in params:  # as OpenAI's strict tools
+        params = {**params, "additionalProperties": False}  # (a small model invents keys otherwise)
     return _object({"name": {"const": fn["name"]}, "arguments": params})
 
 
