@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from panechat.engine.serving.grammar import json_object_grammar, json_schema_grammar, text_grammar
+from panechat.engine.serving.grammar import json_schema_grammar, response_format_grammar, text_grammar
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.text.tool_calls import (GENERIC, ToolCall, generic_history, generic_instructions,
                                              generic_schema, native_history, parse_reply, template_format)
@@ -89,12 +89,7 @@ def _format_grammar(fields: Mapping) -> str | None:
         raise FieldError("grammar", "cannot be combined with response_format; send one of them", code="invalid_value")
     if text is not None:
         return _compiled(lambda: text_grammar(text), "grammar")
-    if fmt is None:
-        return None
-    if fmt["type"] == "json_object":
-        return json_object_grammar()
-    schema = fmt["json_schema"].get("schema", {"type": "object"})
-    return _compiled(lambda: json_schema_grammar(schema), "response_format")
+    return _compiled(lambda: response_format_grammar(fmt), "response_format")
 
 
 def _compiled(build, key: str) -> str:

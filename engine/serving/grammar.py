@@ -57,6 +57,16 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
+def response_format_grammar(fmt: dict | None) -> str | None:
+    """The grammar of OpenAI's `response_format` (already checked: `type` "text",
+    "json_object" or "json_schema" with `json_schema.schema`); None for free text."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return json_object_grammar()
+    return json_schema_grammar(fmt["json_schema"].get("schema", {"type": "object"}))
+
+
 def text_grammar(text: str, param: str = "grammar") -> str:
     """The llguidance grammar of a Lark or GBNF grammar (llama.cpp's `grammar` field; GBNF
     is converted to Lark by llguidance); InvalidRequest naming `param` when it does not parse."""
