@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from contextlib import contextmanager
 
@@ -29,8 +30,9 @@ PROMPT = [{"role": "user", "content": "Describe a book as JSON with its name, ta
 
 
 @contextmanager
-def _timed(cls, name: str, into: list[float]):
-    """Add the seconds each call of `cls.name` takes to `into` while inside."""
+def _timed(cls, name: str, into: list[float], in_worker: list[bool] | None = None):
+    """Add the seconds each call of `cls.name` takes to `into` while inside (and to
+    `in_worker` whether it ran in the grammar worker)."""
     real = getattr(cls, name)
 
     def wrapper(self, *a, **kw):
@@ -39,6 +41,8 @@ def _timed(cls, name: str, into: list[float]):
             return real(self, *a, **kw)
         finally:
             into.append(time.perf_counter() - t)
+            if in_worker is not None:
+                in_worker.append(threading.current_thread().name.startswith("panechat-grammar"))
 
     setattr(cls, name, wrapper)
     try:
@@ -67,14 +71,15 @@ def run_grammar(args: argparse.Namespace) -> int:
         rows = []
         for b in sizes:
             step_free, _ = _cell(engine, b, free)
-            applied, computed = [], []
+            applied, computed, in_worker = [], [], []
             with _timed(grammar_mod.GrammarMask, "apply", applied), \
-                    _timed(grammar_mod.GrammarMask, "_advance", computed):
+                    _timed(grammar_mod.GrammarMask, "_advance", computed, in_worker):
                 step_held, tokens = _cell(engine, b, held)
             steps = max(1, tokens / b)
             rows.append({"B": b, "step_ms_free": 1000 * step_free, "step_ms_grammar": 1000 * step_held,
                          "mask_ms_critical": 1000 * sum(applied) / steps,
-                         "mask_ms_computed": 1000 * sum(computed) / steps})
+                         "mask_ms_computed": 1000 * sum(computed) / steps,
+                         "prefetched": sum(in_worker) / max(1, len(in_worker))})
     finally:
         engine.stop()
     if args.json:
@@ -82,9 +87,9 @@ def run_grammar(args: argparse.Namespace) -> int:
         return 0
     print(f"model: {lm.name}  backend: {lm.model.backend.describe()}  tokens per row: {n}")
     print(f"{'B':>3} {'step free ms':>13} {'step grammar ms':>16} {'mask on path ms':>16} {'% of step':>9} "
-          f"{'mask computed ms':>17}")
+          f"{'mask computed ms':>17} {'prefetched':>10}")
     for r in rows:
         pct = 100 * r["mask_ms_critical"] / r["step_ms_grammar"] if r["step_ms_grammar"] else 0.0
         print(f"{r['B']:>3} {r['step_ms_free']:>13.2f} {r['step_ms_grammar']:>16.2f} {r['mask_ms_critical']:>16.3f} "
-              f"{pct:>8.1f}% {r['mask_ms_computed']:>17.3f}")
+              f"{pct:>8.1f}% {r['mask_ms_computed']:>17.3f} {r['prefetched']:>9.0%}")
     return 0
