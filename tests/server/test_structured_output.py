@@ -187,3 +187,41 @@ def test_twenty_schemas_all_parse_and_validate(client, live):
     for schema, c in zip(SCHEMAS, choices):
         assert c.finish_reason == "stop", (schema, c.message.content)
         jsonschema.validate(json.loads(c.message.content), schema)
+
+
+def test_a_grammar_holds_a_legacy_completion(live):
+    import httpx
+
+    r = httpx.post(live.url + "/v1/completions", timeout=300, json={
+        "model": live.model, "prompt": "The answer is", "max_tokens": 8, "temperature": 0,
+        "grammar": 'start: " " ("yes" | "no")'})  # Lark
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in (" yes", " no")
+
+
+async def test_websocket_params_take_json_mode(live):
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    async def recv(ws):
+        while True:
+            f = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            if f["type"] != "stats":
+                return f
+
+    async with connect(live.ws_url) as ws:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1, "client": "pytest/0"}))
+        assert (await recv(ws))["type"] == "welcome"
+        await ws.send(json.dumps({"type": "open"}))
+        cid = (await recv(ws))["conversation"]
+        send = {"type": "send", "conversation": cid, "content": "Describe a pet."}
+        await ws.send(json.dumps({**send, "request": "bad", "params": {"response_format": {"type": "bogus"}}}))
+        f = await recv(ws)
+        assert (f["type"], f["code"]) == ("error", "bad_params") and f["message"].startswith("params.response_format")
+        schema = {**Pet.model_json_schema(), "additionalProperties": False}
+        fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+        await ws.send(json.dumps({**send, "request": "r", "params": {"max_tokens": 60, "response_format": fmt}}))
+        while (f := await recv(ws))["type"] != "finished":
+            pass
+        assert f["reason"] == "stop" and isinstance(Pet.model_validate_json(f["text"]), Pet)
