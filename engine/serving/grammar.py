@@ -104,7 +104,10 @@ class GrammarMask:
         """Start the mask for the token after `output_ids` in the worker (called once the
         step's tokens are known, so it runs while the next forward pass does)."""
         if self._pending is None and len(output_ids) != self._mask_at:
-            self._pending = _WORKER.submit(self._advance, list(output_ids[self._consumed:]))
+            try:
+                self._pending = _WORKER.submit(self._advance, list(output_ids[self._consumed:]))
+            except RuntimeError:  # the interpreter is shutting down: `apply` computes it in line
+                pass
 
     def apply(self, logits: Any, output_ids: Sequence[int], xp: ModuleType) -> None:
         if self._pending is not None:
