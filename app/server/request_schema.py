@@ -39,7 +39,8 @@ CONTEXT = _Context()
 
 _TYPE_WORDS = {number: "a number", integer: "an integer", boolean: "true or false", json_object: "an object",
                stop_strings: "a string or a list of strings",
-               response_format: '`{"type": "text" | "json_object" | "json_schema"}`', grammar_text: "a string",
+               response_format: 'an object, `type` "text", "json_object" or "json_schema"',
+               grammar_text: "a GBNF or Lark grammar (a string)",
                tool_list: "a list of function tools", tool_choice: '"none", "auto", "required" or a function'}
 
 
