@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.text.tool_calls import GENERIC, GenericCallStream, ToolCall
 from . import errors
 from .errors import APIError, bad_request
 from .request_fields import FieldError, parse_json
@@ -471,20 +472,36 @@ async def get_model(request: Request) -> Response:
 
 
 class ToolCallSSE(SSEResponse):
-    """The chat stream of a request offered tools: the reply is read whole (a call is only
-    known once its JSON is), then sent as content or as OpenAI's tool-call deltas (per
-    call: one chunk with its index, id and name, one with its arguments), finishing
-    "tool_calls"."""
+    """The chat stream of a request offered tools, sending OpenAI's tool-call deltas and
+    finishing "tool_calls". The generic format's call streams as it comes: one chunk with
+    its index, id and name, then its arguments piece by piece. Other replies are read whole
+    (a native call is known once its JSON is), then sent as content or as calls (per call:
+    one chunk with index, id and name, one with its arguments)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.text = ""
+        self.call = GenericCallStream() if self.req.plan.tool_format == GENERIC else None
+        self.call_id: str | None = None  # of the call streamed as it came
 
     def pieces(self, text: str) -> list[bytes]:
         self.text += text
-        return []
+        if self.call is None:
+            return []
+        name, args = self.call.push(text)  # the generic format's call streams its arguments
+        out = []
+        if name is not None:
+            self.call_id = ToolCall(name, "").with_id().id
+            out.append(self._delta({"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                                    "function": {"name": name, "arguments": ""}}]}))
+        if args:
+            out.append(self._delta({"tool_calls": [{"index": 0, "function": {"arguments": args}}]}))
+        return out
 
     def closing(self, fin: FinishEvent) -> tuple[list[bytes], bool]:
+        if self.call_id is not None:
+            rest = self.call.finish()
+            return ([self._delta({"tool_calls": [{"index": 0, "function": {"arguments": rest}}]})] if rest else []), True
         content, calls = self.req.plan.reply(self.text)
         if not calls:
             return ([self._delta({"content": content})] if content else []), False

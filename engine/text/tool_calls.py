@@ -101,6 +101,42 @@ def _generic(text: str):
 
 
 # -- the generic format -------------------------------------------------------------------------
+# compact JSON: the grammar allows no free whitespace
+_GENERIC_NAMED = re.compile(r'\{"tool_call":\{"name":"((?:[^"\\]|\\.)*)","arguments":')
+
+
+class GenericCallStream:
+    """A generic reply's call as its text arrives: its name once known, then its arguments
+    text piece by piece, the two braces that close the call and the reply held back (a
+    reply that is no call, `{"response": ...}`, yields nothing)."""
+
+    HOLD = 2
+
+    def __init__(self):
+        self.text = ""
+        self.name: str | None = None
+        self._sent = 0  # text[:_sent] is accounted for
+
+    def push(self, piece: str) -> tuple[str | None, str]:
+        """(the call's name when this piece makes it known, else None; new arguments text)."""
+        self.text += piece
+        new_name = None
+        if self.name is None:
+            m = _GENERIC_NAMED.match(self.text)
+            if m is None:
+                return None, ""
+            self.name = new_name = json.loads(f'"{m.group(1)}"')
+            self._sent = m.end()
+        end = max(self._sent, len(self.text) - self.HOLD)
+        chunk, self._sent = self.text[self._sent:end], end
+        return new_name, chunk
+
+    def finish(self) -> str:
+        """The arguments text still held back (without the closing braces when complete)."""
+        rest = self.text[self._sent:]
+        return rest[:-self.HOLD] if rest.endswith("}" * self.HOLD) else rest
+
+
 def generic_schema(tools: list[dict], choice: str | None) -> dict:
     """The JSON schema of a generic reply: one call of one of `tools` (only the one named
     `choice`, when it names one); with `choice` "auto" also `{"response": text}`. `tools` are

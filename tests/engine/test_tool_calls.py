@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from panechat.engine.text.chat_template import ChatTemplate
-from panechat.engine.text.tool_calls import (GENERIC, HERMES, LLAMA3, MISTRAL, ToolCall, generic_history,
+from panechat.engine.text.tool_calls import (GENERIC, HERMES, LLAMA3, MISTRAL, GenericCallStream, ToolCall,
+                                             generic_history,
                                              generic_schema, native_history, parse_reply, template_format)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -90,3 +91,13 @@ def test_a_template_that_knows_tools_renders_them():
     assert text.startswith("<tools>get_weather;get_time;</tools>")
     assert '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>' in text
     assert template_format("{% for m in messages %}{{ m.content }}{% endfor %}") == GENERIC
+
+
+def test_a_generic_call_streams_its_arguments_and_holds_the_closing_braces():
+    s = GenericCallStream()
+    got = [s.push(p) for p in ['{"tool', '_call":{"name":"get_', 'weather","argu', 'ments":{"ci', 'ty":"Par', 'is"}}', '}']]
+    assert [n for n, _ in got if n] == ["get_weather"]
+    assert "".join(a for _, a in got) + s.finish() == '{"city":"Paris"}'
+    assert sum(bool(a) for _, a in got) > 1
+    reply = GenericCallStream()
+    assert reply.push('{"response":"hi"}') == (None, "") and reply.name is None

@@ -106,7 +106,7 @@ def test_tool_calls_stream_as_deltas(client, live):
     stream = client.chat.completions.create(model=live.model, stream=True, tools=[WEATHER], tool_choice="required",
                                             max_tokens=60, temperature=0,
                                             messages=[{"role": "user", "content": "Weather in Lima?"}])
-    calls, finish = {}, None
+    calls, finish, pieces = {}, None, 0
     for chunk in stream:
         ch = chunk.choices[0]
         for d in ch.delta.tool_calls or ():
@@ -114,8 +114,10 @@ def test_tool_calls_stream_as_deltas(client, live):
             c["id"] = c["id"] or d.id
             c["name"] += d.function.name or ""
             c["arguments"] += d.function.arguments or ""
+            pieces += bool(d.function.arguments)
         finish = ch.finish_reason or finish
     assert finish == "tool_calls" and list(calls) == [0]
+    assert pieces > 1  # the arguments stream as they are generated
     assert calls[0]["id"].startswith("call_") and calls[0]["name"] == "get_weather"
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
