@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.sampling import SamplingParams
-from panechat.engine.text.tool_calls import GENERIC, GenericCallStream, ToolCall
+from panechat.engine.text.tool_calls import GENERIC, GenericCallStream, GenericResponseStream, ToolCall
 from . import errors
 from .errors import APIError, bad_request
 from .request_fields import FieldError, parse_json
@@ -474,14 +474,17 @@ async def get_model(request: Request) -> Response:
 class ToolCallSSE(SSEResponse):
     """The chat stream of a request offered tools, sending OpenAI's tool-call deltas and
     finishing "tool_calls". The generic format's call streams as it comes: one chunk with
-    its index, id and name, then its arguments piece by piece. Other replies are read whole
+    its index, id and name, then its arguments piece by piece; its `{"response": text}` as
+    content, unescaped. Native replies are read whole
     (a native call is known once its JSON is), then sent as content or as calls (per call:
     one chunk with index, id and name, one with its arguments)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.text = ""
-        self.call = GenericCallStream() if self.req.plan.tool_format == GENERIC else None
+        generic = self.req.plan.tool_format == GENERIC
+        self.call = GenericCallStream() if generic else None
+        self.response = GenericResponseStream() if generic else None
         self.call_id: str | None = None  # of the call streamed as it came
 
     def pieces(self, text: str) -> list[bytes]:
@@ -489,7 +492,8 @@ class ToolCallSSE(SSEResponse):
         if self.call is None:
             return []
         name, args = self.call.push(text)  # the generic format's call streams its arguments
-        out = []
+        content = self.response.push(text)  # and its text reply its text
+        out = [self._delta({"content": content})] if content else []
         if name is not None:
             self.call_id = ToolCall(name, "").with_id().id
             out.append(self._delta({"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
@@ -502,6 +506,9 @@ class ToolCallSSE(SSEResponse):
         if self.call_id is not None:
             rest = self.call.finish()
             return ([self._delta({"tool_calls": [{"index": 0, "function": {"arguments": rest}}]})] if rest else []), True
+        if self.response is not None and self.response.started:
+            rest = self.response.finish()
+            return ([self._delta({"content": rest})] if rest else []), False
         content, calls = self.req.plan.reply(self.text)
         if not calls:
             return ([self._delta({"content": content})] if content else []), False

@@ -137,6 +137,52 @@ class GenericCallStream:
         return rest[:-self.HOLD] if rest.endswith("}" * self.HOLD) else rest
 
 
+_GENERIC_RESPONSE = '{"response":"'
+
+
+class GenericResponseStream:
+    """A generic reply's `{"response": text}` as its text arrives: the text, unescaped,
+    piece by piece (an escape cut between pieces and the closing `"}` held back; a reply
+    that is a call yields nothing)."""
+
+    HOLD = 2
+
+    def __init__(self):
+        self.text = ""
+        self.started = False
+        self._sent = 0  # text[:_sent] is accounted for
+
+    def push(self, piece: str) -> str:
+        """The reply text this piece lets through."""
+        self.text += piece
+        if not self.started:
+            if not self.text.startswith(_GENERIC_RESPONSE):
+                return ""
+            self.started, self._sent = True, len(_GENERIC_RESPONSE)
+        return self._take(len(self.text) - self.HOLD)
+
+    def finish(self) -> str:
+        """The text still held back (all that decodes of a reply cut short)."""
+        if not self.started:
+            return ""
+        return self._take(len(self.text) - self.HOLD if self.text.endswith('"}') else len(self.text))
+
+    def _take(self, end: int) -> str:
+        raw, i = self.text, self._sent
+        while i < end:
+            need = 1
+            if raw[i] == "\\":
+                need = 2 if raw[i + 1:i + 2] != "u" else 6
+                if need == 6 and i + 6 <= len(raw) and 0xD800 <= int(raw[i + 2:i + 6], 16) <= 0xDBFF:
+                    need = 12  # a surrogate pair decodes only whole
+            if i + need > end:
+                break
+            i += need
+        out = json.loads(f'"{raw[self._sent:i]}"') if i > self._sent else ""
+        self._sent = i
+        return out
+
+
 def generic_schema(tools: list[dict], choice: str | None) -> dict:
     """The JSON schema of a generic reply: one call of one of `tools` (only the one named
     `choice`, when it names one); with `choice` "auto" also `{"response": text}`. `tools` are

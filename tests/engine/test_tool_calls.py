@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from panechat.engine.text.chat_template import ChatTemplate
-from panechat.engine.text.tool_calls import (GENERIC, HERMES, LLAMA3, MISTRAL, GenericCallStream, ToolCall,
+from panechat.engine.text.tool_calls import (GENERIC, HERMES, LLAMA3, MISTRAL, GenericCallStream,
+                                             GenericResponseStream, ToolCall,
                                              generic_history,
                                              generic_schema, native_history, parse_reply, template_format)
 
@@ -101,3 +102,15 @@ def test_a_generic_call_streams_its_arguments_and_holds_the_closing_braces():
     assert sum(bool(a) for _, a in got) > 1
     reply = GenericCallStream()
     assert reply.push('{"response":"hi"}') == (None, "") and reply.name is None
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_a_generic_text_reply_streams_unescaped(step):
+    text = "Hi \"you\"\nok \u00e9 \U0001F600 end\\"
+    raw = json.dumps({"response": text}, separators=(",", ":"))  # escapes, a surrogate pair
+    s = GenericResponseStream()
+    pieces = [s.push(raw[i:i + step]) for i in range(0, len(raw), step)]
+    assert "".join(pieces) + s.finish() == text
+    assert sum(bool(p) for p in pieces) > 1
+    call = GenericResponseStream()
+    assert call.push('{"tool_call":{"name":"f","arguments":{}}}') == "" and not call.started

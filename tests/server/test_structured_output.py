@@ -121,6 +121,24 @@ def test_tool_calls_stream_as_deltas(client, live):
     assert calls[0]["id"].startswith("call_") and calls[0]["name"] == "get_weather"
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
+@pytest.mark.parametrize("prompt", ["Weather in Lima?", "Say hello to me."])
+def test_an_auto_reply_streams_what_it_returns_whole(client, live, prompt):
+    ask = dict(model=live.model, tools=[WEATHER], max_tokens=60, temperature=0,
+               messages=[{"role": "user", "content": prompt}])
+    whole = client.chat.completions.create(**ask).choices[0]
+    content, args, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        args += "".join(d.function.arguments or "" for d in ch.delta.tool_calls or ())
+        finish = ch.finish_reason or finish
+    assert finish == whole.finish_reason
+    if whole.message.tool_calls:
+        assert json.loads(args) == json.loads(whole.message.tool_calls[0].function.arguments)
+    else:
+        assert content == whole.message.content and not args
+
+
 def test_tool_choice_needs_its_tools(client, live):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=live.model, messages=[{"role": "user", "content": "hi"}], tools=[TIME],
