@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     _parent(_clients_option, defaults={"clients": "1,2,4"}), json_out])
     chat.add_argument("--url", help="OpenAI-compatible base URL (default: start our own server per cell)")
     chat.add_argument("--turns", type=int, default=6)
+    chat.add_argument("--with-schema", action="store_true",
+                      help="half the clients (the odd-numbered) ask for replies matching a JSON schema")
+    bsub.add_parser("grammar", help="the cost of a grammar's token mask per decode step (JSON schema, greedy)",
+                    parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 48}),
+                             _parent(_clients_option, defaults={"clients": "1,16"}), json_out])
     prefix = bsub.add_parser("prefix", help="N clients sharing one long system prompt: KV memory and TTFT "
                              "with prefix sharing on and off",
                              parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 32}),

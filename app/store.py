@@ -79,6 +79,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT '';
     """,
+    # 4: a conversation's JSON output ('' free text, 'json' any object, or a JSON schema file's path)
+    """
+    ALTER TABLE conversations ADD COLUMN json_output TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 
@@ -199,6 +203,7 @@ class Conversation:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     model: str = ""  # the model's name ('' = the backend's default model)
+    json_output: str = ""  # '' free text, 'json' any JSON object, or a JSON schema file (app/tui/json_output.py)
 
 
 @dataclass
@@ -332,21 +337,21 @@ class Store:
         """A new conversation (a fresh id unless `conv_id`, e.g. a server's conversation)."""
         conv = Conversation(id=conv_id or f"c-{uuid.uuid4().hex[:12]}", title=title or "New chat", **settings)
         self._write(lambda db: db.execute(
-            "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated, model) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated, model, "
+            "json_output) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (conv.id, conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed,
-             conv.created, conv.updated, conv.model)))
+             conv.created, conv.updated, conv.model, conv.json_output)))
         return conv
 
     def get_conversation(self, conv_id: str) -> Conversation | None:
         rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model "
+            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model, json_output "
             "FROM conversations WHERE id = ?", (conv_id,))
         return Conversation(*rows[0]) if rows else None
 
     def list_conversations(self) -> list[Conversation]:
         rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model "
+            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model, json_output "
             "FROM conversations ORDER BY updated DESC")
         return [Conversation(*r) for r in rows]
 
@@ -355,9 +360,9 @@ class Store:
         conv.updated = time.time()
         self._write(lambda db: db.execute(
             "UPDATE conversations SET title = ?, system = ?, temperature = ?, max_tokens = ?, seed = ?, "
-            "updated = ?, model = ? WHERE id = ?",
+            "updated = ?, model = ?, json_output = ? WHERE id = ?",
             (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.model,
-             conv.id)))
+             conv.json_output, conv.id)))
 
     def delete_conversation(self, conv_id: str) -> None:
         self._write(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)))

@@ -10,6 +10,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from .sweep import run_sweep
 
         return run_sweep(args)
+    if args.bench_command == "grammar":
+        from .grammar import run_grammar
+
+        return run_grammar(args)
     if args.bench_command == "prefix":
         from .prefix import run_prefix
 

@@ -74,9 +74,16 @@ async def _model_name(http: httpx.AsyncClient, base: str) -> str:
         return "default"
 
 
+#: What the odd-numbered clients of `--with-schema` ask their replies to match.
+REPLY_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
+    "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer", "minimum": 0, "maximum": 10}}}}}
+
+
 async def run_cell(base: str, clients: int, turns: int, max_tokens: int, api_key: str | None = None,
-                   timeout: float = 600.0) -> dict:
-    """One cell: `clients` concurrent conversations of `turns` turns each."""
+                   timeout: float = 600.0, with_schema: bool = False) -> dict:
+    """One cell: `clients` concurrent conversations of `turns` turns each (with
+    `with_schema`, every odd-numbered client's replies held to REPLY_SCHEMA)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits) as http:
@@ -90,6 +97,8 @@ async def run_cell(base: str, clients: int, turns: int, max_tokens: int, api_key
                 messages.append({"role": "user", "content": prompt_for(i, t)})
                 body = {"model": model, "messages": messages, "max_tokens": max_tokens,
                         "temperature": 0, "seed": 0, "stream": False}
+                if with_schema and i % 2:
+                    body["response_format"] = REPLY_SCHEMA
                 t0 = time.perf_counter()
                 while True:
                     try:
@@ -124,6 +133,7 @@ async def run_cell(base: str, clients: int, turns: int, max_tokens: int, api_key
         wall = time.perf_counter() - t0
     return {
         "clients": clients, "turns": turns, "max_tokens": max_tokens, "requests": len(latencies),
+        "schema_clients": clients // 2 if with_schema else 0,
         "completion_tokens": totals["completion"], "wall_s": round(wall, 3),
         "tok_s": round(totals["completion"] / wall, 2) if wall > 0 else 0.0,
         "p50_turn_s": round(percentile(latencies, 50), 3), "p99_turn_s": round(percentile(latencies, 99), 3),
@@ -148,7 +158,8 @@ def _own_server_cell(args: argparse.Namespace, clients: int) -> dict:
     try:
         srv = start_in_background(engine, "127.0.0.1", 0)
         try:
-            cell = asyncio.run(run_cell(srv.url + "/v1", clients, args.turns, args.max_tokens))
+            cell = asyncio.run(run_cell(srv.url + "/v1", clients, args.turns, args.max_tokens,
+                                        with_schema=args.with_schema))
         finally:
             srv.stop()
         cell["server"] = (f"panechat (max-concurrent {ns.max_concurrent}, "
@@ -177,7 +188,8 @@ def run_chat(args: argparse.Namespace) -> int:
     cells = []
     for n in clients:
         if args.url:
-            cell = asyncio.run(run_cell(base_url(args.url), n, args.turns, args.max_tokens, api_key))
+            cell = asyncio.run(run_cell(base_url(args.url), n, args.turns, args.max_tokens, api_key,
+                                        with_schema=args.with_schema))
             cell["server"] = base_url(args.url)
         else:
             cell = _own_server_cell(args, n)

@@ -30,6 +30,7 @@ class GenParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    response_format: dict | None = None  # OpenAI's: JSON mode or a JSON schema (a pane setting)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import AsyncIterator, Callable
 from panechat.engine.serving.engine import Engine, Generation
 from panechat.engine.serving.model_set import ModelSet
 from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
+from panechat.engine.serving.grammar import response_format_grammar
 from panechat.engine.serving.sampling import SamplingParams
 from panechat.engine.serving.stats import EngineStats
 from ..engine_errors import QUEUE_FULL, classify
@@ -119,7 +120,8 @@ class LocalBackend(ChatBackend):
             return LocalStream(None, error="the model is still loading")
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens)
+                            min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens,
+                            grammar=response_format_grammar(params.response_format))
         models = self.models
         # found (or loaded on first use, or reloaded after an unload) in the worker thread
         return LocalStream(lambda: models.get(model or None), msgs, sp, conversation)

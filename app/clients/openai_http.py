@@ -82,6 +82,8 @@ class OpenAIBackend(ChatBackend):
         }
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.response_format is not None:
+            body["response_format"] = params.response_format
         self._tasks[s.id] = asyncio.create_task(self._run(s, conversation, body))
         return s
 

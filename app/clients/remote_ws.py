@@ -240,7 +240,8 @@ class RemoteBackend(ChatBackend):
                 self._unqueued[s.id] = (conversation, messages, params, system, model)
             frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                                "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed},
+                                "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed,
+                                **_json_mode(params)},
                      "system": system}
             if model or self.model:
                 frame["model"] = model or self.model
@@ -272,3 +273,8 @@ class RemoteBackend(ChatBackend):
     def model_stats(self) -> dict[str, EngineStats]:
         return self._model_stats if self._ws is not None else {}
 
+
+
+def _json_mode(params: GenParams) -> dict:
+    """`response_format` in a send frame's params, only when set (an older server knows no such key)."""
+    return {} if params.response_format is None else {"response_format": params.response_format}

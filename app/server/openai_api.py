@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from panechat.engine.serving.events import FinishEvent, TokenEvent
 from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.text.tool_calls import GENERIC, GenericCallStream, GenericResponseStream, ToolCall
 from . import errors
 from .attribution import client_of
 from .errors import APIError, bad_request
@@ -30,11 +31,12 @@ from .request_fields import FieldError, parse_json
 from .logprobs_json import chat_content, chat_logprobs
 from .request_schema import CHAT, read_fields, sampling_params, unknown_fields
 from .request_log import set_log_detail
+from .structured_output import OutputPlan, output_plan
 from .state import DEFAULT_ALIAS, ServerState, state_of
 
 log = logging.getLogger("panechat.server")
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    plan: OutputPlan = OutputPlan()
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -61,6 +64,8 @@ def _content(m: dict, i: int) -> str:
                                   "(only text content is supported)", param=f"messages[{i}].content")
             out.append(part["text"])
         return "".join(out)
+    if c is None and (m.get("tool_calls") or m.get("role") == "tool"):  # an assistant's calls alone
+        return ""
     raise bad_request(f"messages[{i}].content must be a string", param=f"messages[{i}].content",
                       code="invalid_type")
 
@@ -75,9 +80,26 @@ def parse_messages(v) -> list[dict]:
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise bad_request(f"messages[{i}].role must be one of system, user, assistant",
+            raise bad_request(f"messages[{i}].role must be one of system, user, assistant, tool",
                               param=f"messages[{i}].role")
-        out.append({"role": ROLES[role], "content": _content(m, i)})
+        out.append(_tool_fields(m, i, {"role": ROLES[role], "content": _content(m, i)}))
+    return out
+
+
+def _tool_fields(m: dict, i: int, out: dict) -> dict:
+    """`out` with the tools protocol's fields of message `m`: an assistant's `tool_calls`
+    (then its content may be null), a tool result's `tool_call_id` and `name`."""
+    calls = m.get("tool_calls")
+    if calls is not None and out["role"] == "assistant":
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                  and isinstance(c["function"].get("name"), str) for c in calls):
+            raise bad_request(f"messages[{i}].tool_calls must be a list of "
+                              '{"id", "type": "function", "function": {"name", "arguments"}}',
+                              param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if out["role"] == "tool" and isinstance(m.get(key), str):
+            out[key] = m[key]
     return out
 
 
@@ -118,6 +140,7 @@ class GenerationFields:
     n: int = 1
     samples: int = 1
     echo: bool = False
+    plan: OutputPlan = OutputPlan()
 
 
 def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> GenerationFields:
@@ -127,6 +150,7 @@ def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> Generat
     try:
         f = read_fields(body, protocol)
         params = sampling_params(f, engine.ctx)
+        plan = output_plan(f, engine.lm.template.source)
     except FieldError as e:
         raise bad_request(e.worded(f"'{e.key}'"), param=e.key, code=e.code) from None
     unknown = unknown_fields(body, protocol)
@@ -143,15 +167,17 @@ def parse_generation_fields(body: dict, engine, protocol: str = CHAT) -> Generat
                               "send stream: false", param="best_of", code="invalid_value")
         if params.logprobs is None:  # the total logprob picks the best
             params = replace(params, logprobs=0)
+    params = replace(params, grammar=plan.grammar)
     return GenerationFields(params, list(f["stop"]), f["stream"], include_usage, n, samples,
-                            bool(f.get("echo")))
+                            bool(f.get("echo")), plan)
 
 
 def parse_chat_request(body, engine, model: str) -> ChatRequest:
     """The validated request for `engine`, the engine of `model`."""
     messages = parse_messages(body.get("messages"))
     f = parse_generation_fields(body, engine, CHAT)
-    return ChatRequest(model, messages, f.params, f.stop, f.stream, f.include_usage, f.n)
+    return ChatRequest(model, f.plan.prompt_messages(messages), f.params, f.stop, f.stream, f.include_usage, f.n,
+                       f.plan)
 
 
 def best_of(fins: list[FinishEvent], n: int) -> list[FinishEvent]:
@@ -199,7 +225,9 @@ def timings_of(fin: FinishEvent) -> dict:
     }
 
 
-def _finish_reason(fin: FinishEvent) -> str:
+def _finish_reason(fin: FinishEvent, calls: bool = False) -> str:
+    if calls and fin.reason == "stop":
+        return "tool_calls"
     return fin.reason if fin.reason in ("stop", "length") else "stop"
 
 
@@ -253,19 +281,35 @@ async def submitted(st: ServerState, submit):
 async def submit_chat(st: ServerState, req: ChatRequest, engine, client: str) -> list:
     """Queue the validated chat request's `n` samples on `engine` for `client`
     (attribution.client_of; its messages through the chat template): a Generation each."""
-    return await st.submit_n(req.n, req.messages, req.params, req.stop, engine=engine, client=client)
+    return await st.submit_n(req.n, req.messages, req.params, req.stop, engine=engine, client=client,
+                             tools=req.plan.template_tools)
 
 
 def chat_choice(req: ChatRequest, engine, fin: FinishEvent, i: int) -> dict:
-    """Choice i of a whole chat reply: the assistant message `fin` ends, with its logprobs
-    when asked for."""
-    return {"index": i, "message": {"role": "assistant", "content": fin.text},
-            "logprobs": chat_logprobs(engine.lm.tokenizer, fin.logprobs), "finish_reason": _finish_reason(fin)}
+    """Choice i of a whole chat reply: the assistant message `fin` ends (its tool calls
+    parsed out by the request's output plan), with its logprobs when asked for."""
+    content, calls = req.plan.reply(fin.text)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [tool_call_obj(c) for c in calls]
+    return {"index": i, "message": message, "logprobs": chat_logprobs(engine.lm.tokenizer, fin.logprobs),
+            "finish_reason": _finish_reason(fin, bool(calls))}
 
 
 async def chat_completions(request: Request) -> Response:
-    return await generation_route(request, parse_chat_request, submit_chat, SSEResponse, "chatcmpl",
+    return await generation_route(request, parse_chat_request, submit_chat, chat_stream, "chatcmpl",
                                   "chat.completion", chat_choice)
+
+
+def tool_call_obj(c) -> dict:
+    """OpenAI's shape of one tool call."""
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def chat_stream(request: Request, gens: list, req: ChatRequest, cid: str, created: int, engine) -> Response:
+    """The chat SSE stream; with tools offered, the one that sends tool-call deltas."""
+    cls = ToolCallSSE if req.plan.tool_format is not None else SSEResponse
+    return cls(request, gens, req, cid, created, engine)
 
 
 async def generation_route(request: Request, parse, submit, sse_class, id_prefix: str, object_name: str,
@@ -402,6 +446,16 @@ class SSEResponse(Response):
         return {"index": index, "delta": delta, "logprobs": self._logprobs(lps) if text is not None else None,
                 "finish_reason": finish}
 
+    def pieces(self, text: str, index: int, lps: list | None) -> list[bytes]:
+        """The chunks that send `text`, new reply text of choice `index` (with the logprobs
+        `lps` of its tokens), now."""
+        return [self._chunk(text, index=index, lps=lps)]
+
+    def closing(self, fin: FinishEvent, index: int) -> tuple[list[bytes], bool]:
+        """Chunks sent at the end of choice `index`, before its finishing chunk, and whether
+        they are tool calls (none here)."""
+        return [], False
+
     def _chunk(self, text: str | None, finish: str | None = None, index: int = 0, lps: list | None = None,
                **extra) -> bytes:
         obj = {"id": self.cid, "object": self.object_name, "created": self.created,
@@ -438,15 +492,19 @@ class SSEResponse(Response):
                     if ev.logprob is not None:
                         pending[i].append(ev.logprob)
                     if ev.text:
-                        await emit(self._chunk(ev.text, index=i, lps=pending[i]))
+                        for data in self.pieces(ev.text, i, pending[i]):
+                            await emit(data)
                         pending[i] = []
                 elif isinstance(ev, FinishEvent):
                     fins.append(ev)
                     if ev.reason in ("error", "shutdown", "cancelled"):
                         continue
+                    closing, calls = self.closing(ev, i)
+                    for data in closing:
+                        await emit(data)
                     last = len(fins) == len(gens)  # the last one also carries the usage and timings
                     extra = {"usage": usage_of(fins[0], fins[1:]), "timings": timings_of(fins[0])} if last else {}
-                    await emit(self._chunk("", _finish_reason(ev), index=i, lps=pending[i], **extra))
+                    await emit(self._chunk("", _finish_reason(ev, calls), index=i, lps=pending[i], **extra))
             set_log_detail(self.request, _log_line(fins[0], True))
             bad = next((f for f in fins if f.reason in ("error", "shutdown")), None)
             if bad is not None:
@@ -537,3 +595,68 @@ async def get_model(request: Request) -> Response:
     if entry is None:
         raise errors.not_found(f"the model '{name[:200]}' does not exist", param="model", code="model_not_found")
     return JSONResponse(_catalog_model_obj(st, entry))
+
+
+class ToolCallSSE(SSEResponse):
+    """The chat stream of a request offered tools, sending OpenAI's tool-call deltas and
+    finishing "tool_calls". The generic format's call streams as it comes: one chunk with
+    its index, id and name, then its arguments piece by piece; its `{"response": text}` as
+    content, unescaped. Native replies are read whole
+    (a native call is known once its JSON is), then sent as content or as calls (per call:
+    one chunk with index, id and name, one with its arguments). With n > 1 each choice
+    has its own reader."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        generic = self.req.plan.tool_format == GENERIC
+        self.readers = [_ToolCallReader(generic) for _ in self.gens]
+
+    def pieces(self, text: str, index: int, lps: list | None) -> list[bytes]:
+        r = self.readers[index]
+        r.text += text
+        if r.call is None:
+            return []
+        name, args = r.call.push(text)  # the generic format's call streams its arguments
+        content = r.response.push(text)  # and its text reply its text
+        out = [self._delta({"content": content}, index)] if content else []
+        if name is not None:
+            r.call_id = ToolCall(name, "").with_id().id
+            out.append(self._delta({"tool_calls": [{"index": 0, "id": r.call_id, "type": "function",
+                                                    "function": {"name": name, "arguments": ""}}]}, index))
+        if args:
+            out.append(self._delta({"tool_calls": [{"index": 0, "function": {"arguments": args}}]}, index))
+        return out
+
+    def closing(self, fin: FinishEvent, index: int) -> tuple[list[bytes], bool]:
+        r = self.readers[index]
+        if r.call_id is not None:
+            rest = r.call.finish()
+            return ([self._delta({"tool_calls": [{"index": 0, "function": {"arguments": rest}}]}, index)]
+                    if rest else []), True
+        if r.response is not None and r.response.started:
+            rest = r.response.finish()
+            return ([self._delta({"content": rest}, index)] if rest else []), False
+        content, calls = self.req.plan.reply(r.text)
+        if not calls:
+            return ([self._delta({"content": content}, index)] if content else []), False
+        return [self._delta({"tool_calls": [d]}, index) for i, c in enumerate(calls) for d in (
+            {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}},
+            {"index": i, "function": {"arguments": c.arguments}})], True
+
+    def _delta(self, delta: dict, index: int) -> bytes:
+        obj = {"id": self.cid, "object": self.object_name, "created": self.created, "model": self.req.model,
+               "system_fingerprint": "panechat",
+               "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _ToolCallReader:
+    """One choice's reply read for tool calls as it streams."""
+
+    __slots__ = ("text", "call", "response", "call_id")
+
+    def __init__(self, generic: bool):
+        self.text = ""
+        self.call = GenericCallStream() if generic else None
+        self.response = GenericResponseStream() if generic else None
+        self.call_id: str | None = None  # of the call streamed as it came

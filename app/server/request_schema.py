@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from panechat.engine.serving.sampling import BOUNDS, LOGPROBS_BOUND, Bound, SamplingParams
 from .request_fields import FieldError, boolean, integer, json_object, logprobs_flag, number, stop_strings, token_bias
+from .structured_fields import grammar_text, response_format, tool_choice, tool_list
 
 CHAT, COMPLETIONS, WS = "chat", "completions", "ws"
 PROTOCOLS = (CHAT, COMPLETIONS, WS)
@@ -39,7 +40,10 @@ CONTEXT = _Context()
 _TYPE_WORDS = {number: "a number", integer: "an integer", boolean: "true or false", json_object: "an object",
                stop_strings: "a string or a list of strings",
                token_bias: "an object: token id -> a number in [-100, 100]",
-               logprobs_flag: "true, false or an integer in [0, 20]"}
+               logprobs_flag: "true, false or an integer in [0, 20]",
+               response_format: 'an object, `type` "text", "json_object" or "json_schema"',
+               grammar_text: "a GBNF or Lark grammar (a string)",
+               tool_list: "a list of function tools", tool_choice: '"none", "auto", "required" or a function'}
 
 MAX_N = 16  # samples per request (n, best_of): each is a generation of its own
 N_BOUND = Bound(True, 1, MAX_N)
@@ -103,11 +107,12 @@ FIELDS: tuple[Field, ...] = (
     Field("top_logprobs", _on(CHAT), read=integer, bound=LOGPROBS_BOUND, note="; needs `logprobs`: true"),
     Field("echo", _on(COMPLETIONS, default=False), read=boolean,
           note="; the prompt before the reply (with `logprobs`: the prompt's too; `max_tokens` 0: the prompt alone)"),
-    Field("tools", _on(CHAT), REFUSED, accepts=_falsy, unless="empty", refusal="tools are not supported by this server"),
-    Field("tool_choice", _on(CHAT), REFUSED, accepts=lambda v: v in ("none", "auto"), unless='"none" or "auto"',
-          refusal="tool_choice needs tools, which this server does not support"),
-    Field("response_format", _on(CHAT), REFUSED, accepts=lambda v: v == {"type": "text"}, unless='{"type": "text"}',
-          refusal='only response_format {"type": "text"} is supported'),
+    Field("tools", _on(CHAT), read=tool_list, note="; the reply may call them (`tool_calls`)"),
+    Field("tool_choice", _on(CHAT, default="auto"), read=tool_choice,
+          note='; "required" and a named function are held to the call by a grammar'),
+    Field("response_format", _on(CHAT, WS), read=response_format,
+          note="; json_object and json_schema are held to it by a grammar"),
+    Field("grammar", _on(*PROTOCOLS), read=grammar_text, note="; the reply is held to it, as llama.cpp's `grammar`"),
     Field("functions", _on(CHAT), REFUSED, accepts=_falsy, unless="empty",
           refusal="functions (the deprecated form of tools) are not supported by this server"),
     Field("function_call", _on(CHAT), REFUSED, accepts=lambda v: v in ("none", "auto"), unless='"none" or "auto"',
@@ -155,7 +160,8 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt_cache_key", _on(CHAT), IGNORED, note="every prefix is cached anyway"),
     Field("prompt_cache_options", _on(CHAT), IGNORED, note="every prefix is cached anyway"),
     Field("prompt_cache_retention", _on(CHAT), IGNORED, note="every prefix is cached anyway"),
-    Field("parallel_tool_calls", _on(CHAT), IGNORED),
+    Field("parallel_tool_calls", _on(CHAT, default=True), read=boolean,
+          note="; false: at most one call per reply"),
 )
 
 _OF_PROTOCOL = {p: tuple(f for f in FIELDS if p in f.defaults) for p in PROTOCOLS}

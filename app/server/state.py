@@ -204,22 +204,24 @@ class ServerState:
     # -- generation -------------------------------------------------------------------
     async def submit(self, messages: list[dict], params: "SamplingParams", stop: list[str] | tuple = (),
                      conversation: str | None = None, engine: "Engine | None" = None,
-                     client: str = "") -> "Generation":
-        """Render and tokenize `messages` off the event loop, then queue the generation on
-        `engine` (default: the default model's), with the template's own stop strings besides
-        `stop`. The caller owns it until it calls `done(gen)` (in a `finally`). `client`:
-        who it is attributed to (attribution.py: the queue is fair across clients).
+                     client: str = "", tools: list[dict] | None = None) -> "Generation":
+        """Render and tokenize `messages` (with `tools` for a template that knows them) off
+        the event loop, then queue the generation on `engine` (default: the default model's),
+        with the template's own stop strings besides `stop`. The caller owns it until it
+        calls `done(gen)` (in a `finally`). `client`: who it is attributed to (attribution.py:
+        the queue is fair across clients).
 
         Raises ValueError (bad messages/params), PromptTooLong, QueueFull or EngineStopped, as
         `Engine.submit`, and ShuttingDown."""
-        return (await self.submit_n(1, messages, params, stop, conversation, engine, client))[0]
+        return (await self.submit_n(1, messages, params, stop, conversation, engine, client, tools))[0]
 
     async def submit_n(self, n: int, messages: list[dict], params: "SamplingParams",
                        stop: list[str] | tuple = (), conversation: str | None = None,
-                       engine: "Engine | None" = None, client: str = "") -> list["Generation"]:
+                       engine: "Engine | None" = None, client: str = "",
+                       tools: list[dict] | None = None) -> list["Generation"]:
         """`submit` of `n` samples (`Engine.submit_n`); the caller owns each."""
         engine = engine or self.require_engine()
-        return await self._submit(engine, lambda: engine.prompt_ids(messages), params,
+        return await self._submit(engine, lambda: engine.prompt_ids(messages, tools), params,
                                   [*stop, *engine.chat_stops], conversation, client, n)
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
@@ -246,8 +248,10 @@ class ServerState:
         ids = await asyncio.to_thread(prompt_ids)
         self.check_admitting()  # the drain may have begun meanwhile
         kw = dict(prompt_ids=ids, params=params, conversation=conversation, stop=stop, client=client)
+        submit = (lambda: [engine.submit(**kw)]) if n == 1 else (lambda: engine.submit_n(n, **kw))  # noqa: E731
         try:
-            gens = [engine.submit(**kw)] if n == 1 else engine.submit_n(n, **kw)
+            # a grammar compiles at submit (milliseconds; the first one builds the vocabulary, seconds)
+            gens = await asyncio.to_thread(submit) if params.grammar is not None else submit()
         except Exception as e:
             if classify(e) in (QUEUE_FULL, CLIENT_QUEUE_FULL):
                 self.usage.of(client).refused += 1

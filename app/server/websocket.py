@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -25,6 +26,7 @@ from ..engine_errors import classify, retry_after
 from .conversations import Conversation, HistoryTooLarge, message_bytes
 from .request_fields import FieldError, is_num, parse_json
 from .request_schema import WS, read_fields, sampling_params, unknown_field
+from .structured_output import output_plan
 from .state import SERVER_NAME, ServerState
 from .tokens import POLL_S
 
@@ -86,9 +88,10 @@ def parse_params(p, ctx: int, request: str | None):
                          "(docs/protocol.md, 'Request fields')", request)
     try:
         f = read_fields(p, WS)
+        grammar = output_plan(f, "").grammar  # response_format or grammar: the websocket has no tools
     except FieldError as e:
         raise FrameError("bad_params", e.worded(f"params.{e.key}"), request) from None
-    return sampling_params(f, ctx), list(f["stop"])
+    return replace(sampling_params(f, ctx), grammar=grammar), list(f["stop"])
 
 
 class Connection:

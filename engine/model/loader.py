@@ -27,9 +27,10 @@ class LoadedModel:
     def name(self) -> str:
         return self.path.name
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Render `messages` with the model's template and tokenize (special tokens parsed)."""
-        text = self.template.render(messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Render `messages` (and `tools`, for a template that knows them) with the model's
+        template and tokenize (special tokens parsed)."""
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
     def completion_ids(self, text: str) -> list[int]:

@@ -40,6 +40,7 @@ from panechat.engine.kv.persistence import KVPersistence
 from panechat.engine.kv.snapshot import KVShape
 from panechat.engine.kv.snapshot_store import reason as snapshot_reason
 from panechat.engine.model.loader import LoadedModel
+from panechat.engine.serving.grammar import GrammarMask
 from panechat.engine.serving.logits_processors import StepProcessors, make_processors, step_processors
 from panechat.engine.serving.logprobs import HostRows, log_softmax, prompt_logprobs, token_logprob
 from panechat.engine.serving.metrics import EngineMetrics, retry_after_estimate
@@ -50,6 +51,7 @@ from panechat.engine.serving.sampling import SamplingError, SamplingParams, devi
 from panechat.engine.serving.scheduler import ClientQueueFull, QueueFull, Scheduler, StepPlan
 from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats
 from panechat.engine.text.chat_template import ChatTemplateError
+from panechat.engine.text.grammar_vocab import ll_tokenizer
 
 #: The snapshot file's dtype name of each --kv-dtype (snapshots hold the cache's own bits).
 SNAPSHOT_DTYPES = {"f16": "float16", "f32": "float32"}
@@ -250,14 +252,14 @@ class Engine:
             for r in list(self._by_id.values()):
                 self._finish(r, reason)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Check `messages` and render them with the chat template into token ids, as
         `submit(messages)` does; raises InvalidRequest (the template's refusal of the
         conversation included). A long history takes milliseconds, so code on an event loop
         calls this in a worker thread, then `submit(prompt_ids=...)`."""
         _validate_messages(messages)
         try:
-            return self.lm.prompt_ids(messages)
+            return self.lm.prompt_ids(messages, tools)
         except ChatTemplateError as e:  # e.g. "roles must alternate": the conversation is the client's
             raise InvalidRequest(str(e), param="messages") from None
 
@@ -351,10 +353,19 @@ class Engine:
             id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
             sampler=make_sampler(params), emit=gen._emit,
             stop_ids=self.lm.tokenizer.stop_ids, stop_strings=tuple(s for s in stop if s),
-            processors=make_processors(params, self.lm.model.args.vocab_size), client=client,
+            processors=make_processors(params, self.lm.model.args.vocab_size) + self._grammar_mask(params),
+            client=client,
             prompt_lps=None if params.prompt_logprobs is None else [None] * (len(prompt_ids) - 1),
         )
         return gen, req
+
+    def _grammar_mask(self, params: SamplingParams) -> tuple[GrammarMask, ...]:
+        """The grammar's mask processor, when the request has one (its vocabulary built on
+        the model's first grammar, then shared); InvalidRequest when it does not compile."""
+        if params.grammar is None:
+            return ()
+        tok = self.lm.tokenizer
+        return (GrammarMask(params.grammar, ll_tokenizer(tok), tok.stop_ids, self.lm.model.args.vocab_size),)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Ask for a request to end; its FinishEvent follows, with `reason` ('cancelled' by
@@ -485,6 +496,8 @@ class Engine:
             picked = self._pick(sampled, logits, picks, procs, lp)
             for r, end in self.output.process(prefilling, picked, now):
                 self._end(r, end)
+        if procs is not None:  # the next step's masks, computed while its forward pass runs
+            procs.prefetch()
         self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
 
     def _forward(self, batch: Batch, sampled: list[Request], n_extra: int):

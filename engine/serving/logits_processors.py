@@ -30,7 +30,9 @@ class LogitsProcessor(Protocol):
     def apply(self, logits: Any, output_ids: Sequence[int], xp: ModuleType) -> None:
         """Change `logits` [V] (float32, this request's row of the step; numpy or a device
         array of array module `xp`) in place. `output_ids`: the tokens generated so far
-        (read only). A processor keeping state (a grammar) advances from them."""
+        (read only). A processor keeping state (a grammar) advances from them. One may
+        also have `prefetch(output_ids)`, called once the step's token is appended, to start
+        the next step's work while the next forward pass runs (grammar.py)."""
 
 
 class LogitBias:
@@ -134,6 +136,15 @@ class StepProcessors:
                     p.apply(row, output_ids, xp)
             except Exception as e:  # this row's alone
                 self.failed[i] = e
+
+    def prefetch(self) -> None:
+        """Let each row's processors that can start their next step's work now (the step's
+        tokens are appended); a failure is left for that row's next `apply` to meet."""
+        for _, procs, output_ids in self.rows:
+            for p in procs:
+                start = getattr(p, "prefetch", None)
+                if start is not None:
+                    start(output_ids)
 
     def check(self, i: int) -> None:
         """Raise what row `i`'s processors raised, if anything."""

@@ -124,6 +124,7 @@ class SamplingParams:
     repeat_last_n: int = 64
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = field(default=None, hash=False)  # llguidance grammar (grammar.py); its mask applies
 
     def validate(self) -> None:
         """Raise InvalidRequest (one line, naming the field) for a parameter outside its
@@ -143,6 +144,8 @@ class SamplingParams:
             why = None if v is None else LOGPROBS_BOUND.problem(v)
             if why is not None:
                 raise InvalidRequest(f"{name} {why}", param=name)
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequest("grammar must be a string (an llguidance grammar)", param="grammar")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ Reference followed: Hugging Face transformers chat templating
 the template runs in jinja2's ``ImmutableSandboxedEnvironment(trim_blocks=True,
 lstrip_blocks=True)`` with the ``loopcontrols`` extension, a ``{% generation %}`` block
 tag, a ``tojson`` filter that does not escape HTML or non-ASCII, and the globals
-``raise_exception`` and ``strftime_now``; it gets ``messages``, ``tools`` (None),
+``raise_exception`` and ``strftime_now``; it gets ``messages``, ``tools`` (None unless given),
 ``documents`` (None), ``add_generation_prompt``, ``bos_token`` and ``eos_token``.
 
 The template comes from the GGUF key ``tokenizer.chat_template``; a model without one (a
@@ -156,12 +156,14 @@ class ChatTemplate:
         for it: ChatML's turn markers for the fallback, nothing for the file's own."""
         return ("<|im_end|>", "<|im_start|>") if self._is_fallback else ()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         """The prompt text for ``messages`` (each a dict with str ``role`` and
         ``content``; other keys are passed through to the template).
 
         With ``add_generation_prompt`` the text ends with the header that opens the
-        assistant's reply.  Raises ``ChatTemplateError`` with a one-line message for malformed
+        assistant's reply; ``tools`` (OpenAI function tools) is what the template sees
+        under that name (None: the model is offered no tools).  Raises ``ChatTemplateError`` with a one-line message for malformed
         messages, and for any error the template raises (``raise_exception``, undefined
         values, sandbox violations, ...).
         """
@@ -169,7 +171,7 @@ class ChatTemplate:
         try:
             return self._template.render(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=bool(add_generation_prompt),
                 bos_token=self._bos_token,

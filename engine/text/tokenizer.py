@@ -445,6 +445,14 @@ class Tokenizer:
             raise IndexError(f"token id {i} outside the vocabulary (0..{len(self._bytes) - 1})")
         return self._bytes[i]
 
+    def is_special(self, token_id: int) -> bool:
+        """True for a control, unknown or user-defined token written like one (``<...>``):
+        a token that stands for a marker rather than for its text (llguidance's
+        llama.cpp vocabulary treats the same tokens as special)."""
+        ttype = self._types[int(token_id)]
+        text = self._tokens[int(token_id)]
+        return ttype in (CONTROL, UNKNOWN) or (ttype == USER_DEFINED and text.startswith("<") and text.endswith(">"))
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of a sequence of ids: the concatenated :meth:`token_bytes` decoded as
         UTF-8 with invalid bytes replaced by U+FFFD.  Special tokens are kept as text

@@ -70,7 +70,7 @@ def test_the_ranges_are_the_engines():
     ({"frequency_penalty": 5}, "frequency_penalty", "invalid_value"),
     ({"logit_bias": {"3": -101}}, "logit_bias", "invalid_value"),
     ({"audio": {"format": "wav"}}, "audio", None),
-    ({"response_format": {"type": "json_object"}}, "response_format", None),
+    ({"response_format": {"type": "bogus"}}, "response_format", "invalid_value"),
     ({"temperature": 10**400}, "temperature", "invalid_value"),  # too large for a float: infinite
 ])
 def test_a_bad_field_is_named(body, key, code):

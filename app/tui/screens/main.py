@@ -261,7 +261,8 @@ class MainScreen(Screen):
 
         def apply(result: PaneSettings | None) -> None:
             if result is not None:
-                pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed)
+                pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed,
+                                    result.json_output)
                 self.store.save_conversation(pane.conversation)
                 self.refresh_names()
 

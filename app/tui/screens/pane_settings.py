@@ -1,4 +1,4 @@
-"""The per-pane settings dialog: title, system prompt, temperature, max tokens, seed."""
+"""The per-pane settings dialog: title, system prompt, temperature, max tokens, seed, JSON output."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, TextArea
 
 from ...store import Conversation
+from ..json_output import response_format_of
 
 
 @dataclass
@@ -21,6 +22,7 @@ class PaneSettings:
     temperature: float
     max_tokens: int
     seed: int | None
+    json_output: str = ""  # app/tui/json_output.py
 
 
 class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
@@ -30,11 +32,11 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
     PaneSettingsScreen { align: center middle; }
     PaneSettingsScreen > Vertical {
         width: 72; height: auto; max-height: 100%;
-        border: round $primary; background: $surface; padding: 1 2;
+        border: round $primary; background: $surface; padding: 0 2;
     }
     PaneSettingsScreen Grid { grid-size: 2; grid-columns: 16 1fr; grid-rows: auto; height: auto; grid-gutter: 0 1; }
     PaneSettingsScreen Label { padding: 1 0 0 0; }
-    PaneSettingsScreen TextArea { height: 6; }
+    PaneSettingsScreen TextArea { height: 5; }
     PaneSettingsScreen #error { color: $error; height: auto; padding: 0; }
     PaneSettingsScreen Horizontal { height: auto; align: right middle; }
     PaneSettingsScreen Button { margin-left: 1; }
@@ -60,6 +62,8 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
                 yield Label("Seed")
                 yield Input("" if c.seed is None else str(c.seed), id="seed", type="integer",
                             placeholder="random")
+                yield Label("JSON output")
+                yield Input(c.json_output, id="json_output", placeholder="off; 'json', or a JSON schema file")
             yield Label("", id="error")
             with Horizontal():
                 yield Button("Cancel", id="cancel")
@@ -107,5 +111,6 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
             seed = int(val["seed"]) if val["seed"] else None
         except ValueError:
             raise ValueError("seed must be a whole number, or empty for random") from None
+        response_format_of(val["json_output"])  # a schema file that cannot be used is said now
         return PaneSettings(val["title"] or self.conversation.title, self.query_one("#system", TextArea).text,
-                            temperature, max_tokens, seed)
+                            temperature, max_tokens, seed, val["json_output"])

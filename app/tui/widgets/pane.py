@@ -19,6 +19,7 @@ from textual.widgets.markdown import MarkdownStream
 
 from ...store import Conversation, Message as StoredMessage, conversation_markdown
 from ...clients.base import ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued, StreamMeter
+from ..json_output import response_format_of
 from ..perf import UI_COST
 from .prompt_input import PromptInput
 from .transcript import AssistantMessage, Transcript, UserMessage
@@ -107,6 +108,7 @@ class ChatPane(Vertical):
         self._reply: AssistantMessage | None = None
         self._status = ""
         self._stop_requested = False
+        self._response_format: dict | None = None  # of the turn being sent (JSON output setting)
         last = next((m for m in reversed(self.history) if m.role == "assistant"), None)
         if last is not None:  # the previous session's last reply figures
             t, u = last.meta.get("timings") or {}, last.meta.get("usage") or {}
@@ -196,6 +198,11 @@ class ChatPane(Vertical):
         if self.busy:
             self.notify(f"pane {self.number} is still replying; ctrl+s stops it", severity="warning")
             return False
+        try:
+            self._response_format = response_format_of(self.conversation.json_output)
+        except ValueError as e:  # the schema file went away or changed since the settings were saved
+            self.notify(f"pane {self.number}: {e}", severity="error")
+            return False
         if self.conversation.title == "New chat":
             self.conversation.title = text.splitlines()[0][:40]
             self.post_message(self.ConversationChanged(self))
@@ -212,10 +219,13 @@ class ChatPane(Vertical):
             self._stop_requested = True  # also covers a reply still waiting for the model
             self.stream.cancel()
 
-    def apply_settings(self, title: str, system: str, temperature: float, max_tokens: int, seed: int | None) -> None:
+    def apply_settings(self, title: str, system: str, temperature: float, max_tokens: int, seed: int | None,
+                       json_output: str | None = None) -> None:
         """Change the conversation's title and settings (the caller stores them)."""
         c = self.conversation
         c.title, c.system, c.temperature, c.max_tokens, c.seed = title or c.title, system, temperature, max_tokens, seed
+        if json_output is not None:
+            c.json_output = json_output
         self.refresh_title()
 
     def transcript_markdown(self) -> str:
@@ -241,7 +251,8 @@ class ChatPane(Vertical):
             self._set_state("waiting for the model")
             await self.ready.wait()
         c = self.conversation
-        params = GenParams(temperature=c.temperature, max_tokens=c.max_tokens, seed=c.seed)
+        params = GenParams(temperature=c.temperature, max_tokens=c.max_tokens, seed=c.seed,
+                           response_format=self._response_format)
         messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         self.meter = meter = StreamMeter()
         self.stream = stream = self.backend.stream(c.id, messages, params, c.system, c.model)
