@@ -239,7 +239,6 @@ COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "bl
          "additionalProperties": False}
 
 
-@pytest.mark.xfail(strict=True, reason="needs structured output (h5)")
 def test_format_json_and_a_schema_constrain_the_reply(client, name, live):
     import jsonschema
 
@@ -268,7 +267,6 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-@pytest.mark.xfail(strict=True, reason="needs structured output (h5)")
 def test_tools_round_trip(client, name, live):
     ask = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
     r = client.chat(model=name, messages=ask, tools=[add], options={"temperature": 0, "num_predict": 48})

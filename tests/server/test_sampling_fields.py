@@ -148,7 +148,43 @@ def _effect_stop(client, live, call):
     assert _text(call(client, live, stop=[word])) == whole[:whole.index(word)]
 
 
+_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {
+    "type": "object", "properties": {"animal": {"type": "string", "enum": ["cat", "dog"]}}, "required": ["animal"]}}}
+    for n in ("count_cats", "count_dogs")]
+
+
+def _effect_response_format(client, live, call):
+    schema = {"type": "object", "properties": {"word": {"enum": ["cat", "dog"]}}, "required": ["word"],
+              "additionalProperties": False}
+    r = call(client, live, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+             max_tokens=40)
+    assert r.choices[0].finish_reason == "stop" and json.loads(_text(r))["word"] in ("cat", "dog")
+
+
+def _calls(r) -> list[str]:
+    return [c.function.name for c in r.choices[0].message.tool_calls or ()]
+
+
+def _effect_tools(client, live, call):
+    r = call(client, live, tools=_TOOLS, tool_choice="required", max_tokens=40)
+    assert _calls(r) and set(_calls(r)) <= {"count_cats", "count_dogs"} and r.choices[0].finish_reason == "tool_calls"
+
+
+def _effect_tool_choice(client, live, call):
+    named = {"type": "function", "function": {"name": "count_dogs"}}
+    r = call(client, live, tools=_TOOLS, tool_choice=named, max_tokens=40)
+    assert _calls(r) == ["count_dogs"]
+    assert _calls(call(client, live, tools=_TOOLS, tool_choice="none", max_tokens=12)) == []
+
+
+def _effect_parallel_tool_calls(client, live, call):
+    r = call(client, live, tools=_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=40)
+    assert len(_calls(r)) == 1
+
+
 EFFECTS = {
+    "response_format": _effect_response_format, "tools": _effect_tools, "tool_choice": _effect_tool_choice,
+    "parallel_tool_calls": _effect_parallel_tool_calls,
     "stream": _effect_stream, "stream_options": _effect_stream_options, "n": _effect_n, "best_of": _effect_best_of,
     "logprobs": _effect_logprobs, "top_logprobs": _effect_top_logprobs, "echo": _effect_echo,
     "frequency_penalty": _effect_penalty("frequency_penalty"), "presence_penalty": _effect_penalty("presence_penalty"),
@@ -159,8 +195,6 @@ EFFECTS = {
 
 #: For each refused field, a value that asks for something (the refusal must name the field).
 ASKS = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required", "response_format": {"type": "json_object"},
     "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": {"name": "f"},
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "moderation": {"policy": {"input": {"mode": "block"}}}, "reasoning_effort": "high", "verbosity": "low",
@@ -170,7 +204,7 @@ ASKS = {
 #: For each ignored field, a value a client may send.
 METADATA = {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto", "safety_identifier": "s-1",
             "prediction": {"type": "content", "content": "cat"}, "prompt_cache_key": "k",
-            "prompt_cache_options": {"ttl": "5m"}, "prompt_cache_retention": "24h", "parallel_tool_calls": True}
+            "prompt_cache_options": {"ttl": "5m"}, "prompt_cache_retention": "24h"}
 
 ROUTES = {CHAT: ("/v1/chat/completions", {"messages": USER}, _chat, chat_create_params),
           COMPLETIONS: ("/v1/completions", {"prompt": PROMPT}, _cmpl, completion_create_params)}
