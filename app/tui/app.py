@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Iterable
 
-from textual import work
+from textual import events, work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 from textual.theme import Theme
@@ -16,6 +16,7 @@ from ..clients.base import BackendError, ChatBackend
 from ..store import Store
 from .screens.main import MainScreen
 from .widgets.dashboard import Dashboard
+from .widgets.prompt_input import PromptInput
 
 ShareHook = Callable[["PanechatApp"], Awaitable[str]]
 
@@ -45,6 +46,14 @@ class PanechatApp(App):
         for theme in THEMES:
             self.register_theme(theme)
         self.theme = self._saved_theme()
+
+    async def on_event(self, event: events.Event) -> None:
+        # a printable key for a prompt box goes straight to it: a paste without bracketed
+        # paste is one key event per character, and the binding lookup per key is the cost
+        if (isinstance(event, events.Key) and not event.is_forwarded and isinstance(self.focused, PromptInput)
+                and self.focused.take_typed(event)):
+            return
+        await super().on_event(event)
 
     def _saved_theme(self) -> str:
         name = self.store.get_setting("theme", DEFAULT_THEME)

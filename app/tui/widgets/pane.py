@@ -225,7 +225,7 @@ class ChatPane(Vertical):
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
         if not self.send(event.text):
-            event.prompt_input.text = event.text  # keep what they typed
+            event.prompt_input.restore(event.text)  # keep what they typed
 
     def on_descendant_focus(self) -> None:
         self.post_message(self.Activated(self))
@@ -248,6 +248,7 @@ class ChatPane(Vertical):
         if self._stop_requested:
             stream.cancel()
         self._md_stream = Markdown.get_stream(reply)
+        await asyncio.sleep(0)  # let its task start: stopping one that never ran raises CancelledError here
         self._set_state("queued")
         timer = self.set_interval(1 / FLUSH_HZ, self.flush) if self.ticker else None
         fin = Finished("error", "", error="the stream ended without a finish")
