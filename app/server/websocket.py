@@ -263,7 +263,8 @@ class Connection:
             self.st.log.info("ws %s %s connected (%s)", self.peer, self.terminal,
                              str(frame.get("client", "?"))[:64])
         await self.send({
-            "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME, "model": engine.lm.name,
+            "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME,
+            "model": self.st.models.default or engine.lm.name,  # the name /v1/models and `open` use
             "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
             "max_concurrent": engine.cfg.max_concurrent, "batching": engine.batching,
             "chat_template": engine.lm.template.kind, "terminal": self.terminal, "models": self.st.models.names(),
@@ -414,7 +415,7 @@ class Connection:
 
     async def push_stats(self, interval: float) -> None:
         engine = self.st.engine
-        model, backend = engine.lm.name, engine.lm.model.backend.describe()
+        model, backend = self.st.models.default or engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
             stats = engine.stats().with_terminals(self.st.terminals)
