@@ -346,7 +346,7 @@ class Connection:
         messages.append({"role": "user", "content": content})
         conv.busy = rid  # reserved while the prompt is tokenized off the loop
         try:
-            gen = await self.st.submit(messages, params, stop, conversation=cid, engine=engine)
+            gen, fit = await self.st.submit_conversation(messages, params, stop, conversation=cid, engine=engine)
         except Exception as e:
             conv.busy = None
             refusal = classify(e)  # app/engine_errors.py
@@ -363,7 +363,8 @@ class Connection:
         if system is not None:
             conv.set_system(system)
         conv.append("user", content)
-        await self.send({"type": "queued", "request": rid, "conversation": cid})
+        await self.send({"type": "queued", "request": rid, "conversation": cid, "prompt_tokens": len(fit.ids),
+                         "dropped": fit.dropped})
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
         try:
@@ -373,8 +374,9 @@ class Connection:
                 elif isinstance(ev, PrefillEvent):
                     await self.send({"type": "prefill", "request": rid, "done": ev.done, "total": ev.total})
             fin: FinishEvent = gen.finish
-            if fin.text:
-                conv.append("assistant", fin.text)
+            if fin.text:  # a reply its terminal left (or the server's stop) ended is kept, marked
+                conv.append("assistant", fin.text, cut_off=fin.reason == "shutdown" or (
+                    self.closed and fin.reason == "cancelled"))
             frame = {"type": "finished", "request": rid, "conversation": conv.id, "reason": fin.reason,
                      "text": fin.text, "usage": fin.usage, "timings": fin.timings}
             if fin.error:

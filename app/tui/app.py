@@ -95,6 +95,11 @@ class PanechatApp(App):
         self.fatal_error = message
         self.exit(return_code=2)
 
+    async def action_quit(self) -> None:
+        if getattr(self, "main", None) is not None:
+            self.main.keep_partial_replies()  # before the backend closes and the replies end
+        await super().action_quit()
+
     async def on_unmount(self) -> None:
         # closing the backend ends every stream (engine stopped, socket closed, requests cancelled)
         if self.close_share is not None:

@@ -45,6 +45,23 @@ class UserMessage(Static):
         self.text = text
 
 
+class ContextNotice(Static):
+    """A line in the transcript saying the oldest turns were left out of a reply's prompt."""
+
+    DEFAULT_CSS = """
+    ContextNotice {
+        margin: 1 0 0 0;
+        padding: 0 1;
+        color: $warning;
+        text-style: italic;
+    }
+    """
+
+
+#: What a reply cut off by quitting ends with on screen (the stored text stays as generated).
+CUT_OFF_MARK = "\n\n*[cut off]*"
+
+
 class _GrowingList:
     """A list block that, when a streamed append re-parses it, keeps the items it already
     shows and rebuilds only the last one (Textual's default remounts the whole list on
