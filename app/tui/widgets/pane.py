@@ -29,7 +29,8 @@ FLUSH_HZ = 10
 class ChatPane(Vertical):
     """One conversation. Data comes down as constructor arguments and method calls; what
     changes goes up as messages (the screen keeps the store): `MessageAdded`,
-    `ConversationChanged`, `HistoryReplaced`, then `ReplyFinished` when a reply ends."""
+    `MessageWithdrawn` (a refused prompt), `ConversationChanged`, `HistoryReplaced`, then
+    `ReplyFinished` when a reply ends. `cut_off()` hands over a reply in flight at quit."""
 
     DEFAULT_CSS = """
     ChatPane {
