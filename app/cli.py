@@ -25,6 +25,7 @@ _ENGINE = EngineConfig()  # the engine flags' defaults; EngineConfig.validate() 
 #: only the top level sets its default (see _parent).
 SHARED_DEFAULTS = {
     "model": None, "models": None, "models_memory": None, "backend": "auto", "host": "127.0.0.1", "port": 8765, "token": None,
+    "connect": None, "api_key": None,
     **{name: getattr(_ENGINE, name) for name in
        ("ctx_size", "max_concurrent", "kv_sessions", "kv_memory", "kv_dtype", "max_queue", "max_queue_per_client",
         "prefill_chunk", "straggler_ms", "kv_snapshot_memory")},
@@ -86,7 +87,18 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
 def _listen_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help=f"bind address for serve and --share (default {_D['host']})")
     p.add_argument("--port", type=int, help=f"port for serve and --share (default {_D['port']})")
-    p.add_argument("--token", help="access token: required by serve and --share, sent by --connect ws://")
+    _token_option(p)
+
+
+def _token_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", help="access token: serve and --share then require it from every client (without "
+                                   "one they start open to whoever reaches the port); --connect ws:// sends it")
+
+
+def _connect_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", metavar="URL", help="ws://HOST:PORT of a panechat server, or http(s)://HOST/v1 of "
+                                                    "any OpenAI-compatible server")
+    p.add_argument("--api-key", help="API key for --connect http(s)://")
 
 
 def _max_tokens_option(p: argparse.ArgumentParser) -> None:
@@ -154,20 +166,21 @@ def _server_limit_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    shared = (_model_options, _context_options, _batching_options, _listen_options)
-    model, context, batching, listen = (_parent(add) for add in shared)
+    shared = (_model_options, _context_options, _batching_options, _listen_options, _connect_options)
+    model, context, batching, listen, connect = (_parent(add) for add in shared)
     json_out = _parent(_json_option)
 
     parser = argparse.ArgumentParser(prog="panechat", description="Terminal chat with a batch-invariant multi-session LLM engine.",
                                      parents=[_parent(*shared, defaults=SHARED_DEFAULTS)])
-    parser.add_argument("--connect", metavar="URL", help="ws://HOST:PORT of a panechat server, or http(s)://HOST/v1 of any OpenAI-compatible server")
-    parser.add_argument("--api-key", help="API key for --connect http(s)://")
+    parser.add_argument("--version", action="version", version=f"panechat {_version()}")
     parser.add_argument("--share", action="store_true", help="also serve this engine to other terminals")
     _server_limit_args(parser)  # for --share; `serve` declares them through a parent
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", help="generate one reply and stream it to stdout",
-                         parents=[model, context, _parent(_max_tokens_option, defaults={"max_tokens": 256}), json_out])
+    run = sub.add_parser("run", help="generate one reply and stream it to stdout (here, or on the server "
+                                     "--connect names)",
+                         parents=[model, context, connect, _parent(_token_option),
+                                  _parent(_max_tokens_option, defaults={"max_tokens": 256}), json_out])
     run.add_argument("--system", "-s", help="system prompt")
     run.add_argument("--messages", metavar="FILE", help="JSON list of {role, content} messages")
     run.add_argument("--raw", action="store_true",
@@ -179,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--quiet", "-q", action="store_true",
                      help="no start-up line on stderr (model, backend, time to the first token)")
-    run.add_argument("prompt", nargs="?", help="the user message (with --raw: the text to complete)")
+    run.add_argument("prompt", nargs="?", help="the user message (with --raw: the text to complete); '-' or none "
+                                                "with a pipe on stdin: read it from stdin")
 
     tok = sub.add_parser("tokenize", help="print the token ids of TEXT", parents=[model, json_out])
     tok.add_argument("text")
@@ -218,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       _parent(_clients_option, defaults={"clients": "16"}), json_out])
     prefix.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("panechat")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,21 @@ from .startup_clock import since_start
 from .usage import UsageError
 
 
+def prompt_arg(args: argparse.Namespace) -> str | None:
+    """PROMPT as given; read from stdin when it is '-', or when it is missing, no
+    --messages file is given and stdin is a pipe (`echo hi | panechat run`). The newline
+    `echo` ends with is dropped."""
+    prompt = args.prompt
+    piped = sys.stdin is not None and not sys.stdin.isatty()
+    if prompt == "-" or (prompt is None and not getattr(args, "messages", None) and piped):
+        if sys.stdin is None:
+            raise UsageError("PROMPT is '-' but there is no stdin to read it from")
+        prompt = sys.stdin.read().rstrip("\r\n")
+    return prompt
+
+
 def read_messages(args: argparse.Namespace) -> list[dict]:
-    """Messages from --messages FILE, --system and PROMPT, validated."""
+    """Messages from --messages FILE, --system and PROMPT (or stdin), validated."""
     messages: list[dict] = []
     if args.messages:
         path = Path(args.messages)
@@ -41,7 +54,7 @@ def read_messages(args: argparse.Namespace) -> list[dict]:
     if args.prompt is not None:
         messages.append({"role": "user", "content": args.prompt})
     if not any(m["content"].strip() for m in messages if m["role"] != "system"):
-        raise UsageError("empty prompt: give PROMPT or --messages FILE with a user message")
+        raise UsageError("empty prompt: give PROMPT, pipe it on stdin, or --messages FILE with a user message")
     return messages
 
 
@@ -55,11 +68,18 @@ def raw_prompt(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.prompt = prompt_arg(args)
     raw = raw_prompt(args) if args.raw else None
     messages = None if args.raw else read_messages(args)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
+    if args.connect:
+        from .oneshot_remote import run_remote  # deferred: the HTTP client
+
+        if raw is not None:
+            raise UsageError("--raw runs on the local engine only; drop --connect (or send a chat prompt)")
+        return run_remote(args, messages, params)
     cfg = EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1, ctx_size=args.ctx_size,
                        verify_invariance=False)  # validated: a bad --ctx-size fails before loading
     lm = load_model(resolve_model_path(args.model), args.backend, max_positions=cfg.ctx_size)

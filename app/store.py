@@ -381,6 +381,10 @@ class Store:
 
         return Message(role, content, meta or {}, self._write(insert))
 
+    def delete_message(self, message_id: int) -> None:
+        """Forget one stored message (a prompt the backend refused)."""
+        self._write(lambda db: db.execute("DELETE FROM messages WHERE id = ?", (message_id,)))
+
     def messages(self, conv_id: str) -> list[Message]:
         rows = self._read(
             "SELECT role, content, meta, id FROM messages WHERE conversation_id = ? ORDER BY id", (conv_id,))

@@ -35,7 +35,11 @@ class GenParams:
 
 @dataclass(frozen=True)
 class Queued:
-    """Accepted and waiting for a batch slot."""
+    """Accepted and waiting for a batch slot: the prompt's tokens (None when the backend
+    does not say) and how many of the oldest turns were left out to fit the context."""
+
+    prompt_tokens: int | None = None
+    dropped: int = 0
 
 
 @dataclass(frozen=True)

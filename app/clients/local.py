@@ -13,6 +13,7 @@ from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
 from panechat.engine.serving.grammar import response_format_grammar
 from panechat.engine.serving.sampling import SamplingParams
 from panechat.engine.serving.stats import EngineStats
+from ..context_fit import ContextFit, fit_context, reply_room
 from ..engine_errors import QUEUE_FULL, classify
 from ..startup_clock import since_start
 from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill, Queued
@@ -30,6 +31,7 @@ class LocalStream(ChatStream):
         self.engine, self.messages, self.params, self.conversation = engine, messages or [], params, conversation
         self.error = error
         self.gen: Generation | None = None
+        self.fit: ContextFit | None = None  # what was sent (turns left out to fit the context)
         self._cancelled = False
 
     async def _submit(self) -> None:
@@ -37,9 +39,12 @@ class LocalStream(ChatStream):
         try:
             if callable(self.engine) and not isinstance(self.engine, Engine):
                 self.engine = await asyncio.to_thread(self.engine)
-            ids = await asyncio.to_thread(self.engine.prompt_ids, self.messages)
-            gen = self.engine.submit(prompt_ids=ids, params=self.params, conversation=self.conversation,
-                                     stop=self.engine.chat_stops)
+            engine = self.engine
+            room = reply_room(self.params.max_tokens if self.params else 1, engine.ctx)
+            fit = await asyncio.to_thread(fit_context, self.messages, engine.prompt_ids, engine.ctx, room)
+            gen = engine.submit(prompt_ids=fit.ids, params=self.params, conversation=self.conversation,
+                                stop=engine.chat_stops)
+            self.fit = fit
         except Exception as e:  # refusals (app/engine_errors.py), incl. the engine stopping meanwhile
             refusal = classify(e)
             if refusal is None:
@@ -57,7 +62,7 @@ class LocalStream(ChatStream):
         if self.gen is None:
             yield Finished("error", "", error=self.error)
             return
-        yield Queued()
+        yield Queued(len(self.fit.ids), self.fit.dropped) if self.fit is not None else Queued()
         async for ev in self.gen.aevents():
             if isinstance(ev, TokenEvent):
                 yield Delta(ev.text, 0 if ev.token_id < 0 else 1)

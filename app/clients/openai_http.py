@@ -84,6 +84,10 @@ class OpenAIBackend(ChatBackend):
             body["seed"] = params.seed
         if params.response_format is not None:
             body["response_format"] = params.response_format
+        if params.top_k:  # extensions many servers take (panechat, llama.cpp, vLLM): sent only when set
+            body["top_k"] = params.top_k
+        if params.min_p:
+            body["min_p"] = params.min_p
         self._tasks[s.id] = asyncio.create_task(self._run(s, conversation, body))
         return s
 

@@ -178,7 +178,8 @@ class RemoteBackend(ChatBackend):
         if stream is None:
             return
         if kind == "queued":
-            stream.put(Queued())
+            n, dropped = f.get("prompt_tokens"), f.get("dropped")
+            stream.put(Queued(n if isinstance(n, int) else None, dropped if isinstance(dropped, int) else 0))
         elif kind == "prefill":
             stream.put(Prefill(int(f.get("done", 0)), int(f.get("total", 0))))
         elif kind == "delta":
@@ -219,7 +220,8 @@ class RemoteBackend(ChatBackend):
             await self._send(frame)
         messages = await asyncio.wait_for(asyncio.shield(fut), 30)
         self._opened.add(conversation)
-        return [{"role": m["role"], "content": m["content"]} for m in messages if m.get("role") != "system"]
+        return [{"role": m["role"], "content": m["content"], **({"cut_off": True} if m.get("cut_off") else {})}
+                for m in messages if m.get("role") != "system"]
 
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
                model: str = "") -> ChatStream:

@@ -47,6 +47,10 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
     """,
+    # 2: a reply cut off by its terminal leaving (or the server stopping) is kept, marked
+    """
+    ALTER TABLE messages ADD COLUMN cut_off INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 
@@ -148,16 +152,17 @@ class ConversationDB:
         self._write([("INSERT OR REPLACE INTO conversations (id, created, updated) VALUES (?, ?, ?)",
                       (cid, created, updated))])
 
-    def appended(self, cid: str, role: str, content: str, updated: float) -> None:
-        self._write([("INSERT INTO messages (conversation_id, role, content) VALUES (?, ?, ?)", (cid, role, content)),
+    def appended(self, cid: str, role: str, content: str, updated: float, cut_off: bool = False) -> None:
+        self._write([("INSERT INTO messages (conversation_id, role, content, cut_off) VALUES (?, ?, ?, ?)",
+                      (cid, role, content, int(cut_off))),
                      ("UPDATE conversations SET updated = ? WHERE id = ?", (updated, cid))])
 
     def rewritten(self, cid: str, messages: list[dict], created: float, updated: float) -> None:
         stmts = [("INSERT OR REPLACE INTO conversations (id, created, updated) VALUES (?, ?, ?)",
                   (cid, created, updated)),
                  ("DELETE FROM messages WHERE conversation_id = ?", (cid,))]
-        stmts += [("INSERT INTO messages (conversation_id, role, content) VALUES (?, ?, ?)",
-                   (cid, m["role"], m["content"])) for m in messages]
+        stmts += [("INSERT INTO messages (conversation_id, role, content, cut_off) VALUES (?, ?, ?, ?)",
+                   (cid, m["role"], m["content"], int(bool(m.get("cut_off"))))) for m in messages]
         self._write(stmts)
 
     def deleted(self, cid: str) -> None:
@@ -169,10 +174,10 @@ class ConversationDB:
         try:
             convs = {cid: StoredConversation(cid, created, updated, []) for cid, created, updated in
                      self.db.execute("SELECT id, created, updated FROM conversations ORDER BY updated, id")}
-            for cid, role, content in self.db.execute(
-                    "SELECT conversation_id, role, content FROM messages ORDER BY seq"):
+            for cid, role, content, cut_off in self.db.execute(
+                    "SELECT conversation_id, role, content, cut_off FROM messages ORDER BY seq"):
                 if cid in convs:
-                    convs[cid].messages.append({"role": role, "content": content})
+                    convs[cid].messages.append({"role": role, "content": content, **({"cut_off": True} if cut_off else {})})
         except sqlite3.Error as e:
             self.failed = str(e)
             self.log.warning("the conversation store %s could not be read (%s); starting without it", self.path, e)

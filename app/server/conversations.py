@@ -97,8 +97,10 @@ class Conversation:
         self.messages.extend(dict(m) for m in turns)
         self._grew(sum(message_bytes(m["role"], m["content"]) for m in turns))
 
-    def append(self, role: str, content: str) -> None:
-        self.messages.append({"role": role, "content": content})
+    def append(self, role: str, content: str, cut_off: bool = False) -> None:
+        """Add a message; `cut_off` marks a reply that ended because its terminal left (or
+        the server stopped), kept as far as it got."""
+        self.messages.append({"role": role, "content": content, **({"cut_off": True} if cut_off else {})})
         self._grew(message_bytes(role, content), self.messages[-1])
 
     def _grew(self, delta: int, appended: dict | None = None) -> None:
@@ -204,7 +206,8 @@ class ConversationStore:
             self._items.move_to_end(conv.id)
             if self.db is not None:  # written through before any eviction it causes
                 if appended is not None:
-                    self.db.appended(conv.id, appended["role"], appended["content"], conv.updated)
+                    self.db.appended(conv.id, appended["role"], appended["content"], conv.updated,
+                                     bool(appended.get("cut_off")))
                 else:
                     self.db.rewritten(conv.id, conv.messages, conv.created, conv.updated)
         if delta > 0:

@@ -21,6 +21,7 @@ from starlette.requests import Request
 
 from panechat.engine.serving.engine import PromptTooLong
 
+from ..context_fit import ContextFit, fit_context, reply_room
 from ..engine_errors import CLIENT_QUEUE_FULL, QUEUE_FULL, ShuttingDown, classify
 from . import errors
 from .attribution import USER_KEY, UsageByClient
@@ -223,6 +224,23 @@ class ServerState:
         engine = engine or self.require_engine()
         return await self._submit(engine, lambda: engine.prompt_ids(messages, tools), params,
                                   [*stop, *engine.chat_stops], conversation, client, n)
+
+    async def submit_conversation(self, messages: list[dict], params: "SamplingParams",
+                                  stop: list[str] | tuple = (), conversation: str | None = None,
+                                  engine: "Engine | None" = None, client: str = "") -> tuple["Generation", ContextFit]:
+        """`submit` for a stored conversation (the websocket's): a prompt over the context
+        loses its oldest turns first (app/context_fit.py, as the TUI's local engine does);
+        returns the generation and what was sent."""
+        engine = engine or self.require_engine()
+        fitted: list[ContextFit] = []
+
+        def prompt_ids() -> list[int]:
+            fitted.append(fit_context(messages, engine.prompt_ids, engine.ctx,
+                                      reply_room(params.max_tokens, engine.ctx)))
+            return fitted[0].ids
+
+        gen, = await self._submit(engine, prompt_ids, params, [*stop, *engine.chat_stops], conversation, client)
+        return gen, fitted[0]
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),
                           engine: "Engine | None" = None, client: str = "") -> "Generation":

@@ -311,7 +311,8 @@ class Connection:
             self.st.log.info("ws %s %s connected (%s%s)", self.peer, self.terminal,
                              str(frame.get("client", "?"))[:64], f", user {self.user}" if self.user else "")
         await self.send({
-            "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME, "model": engine.lm.name,
+            "type": "welcome", "protocol": PROTOCOL, "server": SERVER_NAME,
+            "model": self.st.models.default or engine.lm.name,  # the name /v1/models and `open` use
             "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
             "max_concurrent": engine.cfg.max_concurrent, "batching": engine.batching,
             "chat_template": engine.lm.template.kind, "terminal": self.terminal, "models": self.st.models.names(),
@@ -402,7 +403,8 @@ class Connection:
             messages.append({"role": "user", "content": content})
         conv.busy = rid  # reserved while the prompt is tokenized off the loop
         try:
-            gen = await self.st.submit(messages, params, stop, conversation=cid, engine=engine, client=self.client)
+            gen, fit = await self.st.submit_conversation(messages, params, stop, conversation=cid, engine=engine,
+                                                         client=self.client)
         except Exception as e:
             conv.busy = None
             refusal = classify(e)  # app/engine_errors.py
@@ -422,7 +424,8 @@ class Connection:
             conv.drop_last_user_turn()
         if content is not None:
             conv.append("user", content)
-        await self.send({"type": "queued", "request": rid, "conversation": cid})
+        await self.send({"type": "queued", "request": rid, "conversation": cid, "prompt_tokens": len(fit.ids),
+                         "dropped": fit.dropped})
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
         try:
@@ -432,8 +435,9 @@ class Connection:
                 elif isinstance(ev, PrefillEvent):
                     await self.send({"type": "prefill", "request": rid, "done": ev.done, "total": ev.total})
             fin: FinishEvent = gen.finish
-            if fin.text:
-                conv.append("assistant", fin.text)
+            if fin.text:  # a reply its terminal left (or the server's stop) ended is kept, marked
+                conv.append("assistant", fin.text, cut_off=fin.reason == "shutdown" or (
+                    self.closed and fin.reason == "cancelled"))
             frame = {"type": "finished", "request": rid, "conversation": conv.id, "reason": fin.reason,
                      "text": fin.text, "usage": fin.usage, "timings": fin.timings}
             if fin.error:
@@ -474,7 +478,7 @@ class Connection:
 
     async def push_stats(self, interval: float) -> None:
         engine = self.st.engine
-        model, backend = engine.lm.name, engine.lm.model.backend.describe()
+        model, backend = self.st.models.default or engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
             stats = self.st.shown_stats(engine.stats()).with_terminals(self.st.terminals)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable, Iterable
 
-from textual import work
+from textual import events, work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 from textual.theme import Theme
@@ -16,6 +16,7 @@ from ..clients.base import BackendError, ChatBackend
 from ..store import Store
 from .screens.main import MainScreen
 from .widgets.dashboard import Dashboard
+from .widgets.prompt_input import PromptInput
 
 ShareHook = Callable[["PanechatApp"], Awaitable[str]]
 
@@ -45,6 +46,14 @@ class PanechatApp(App):
         for theme in THEMES:
             self.register_theme(theme)
         self.theme = self._saved_theme()
+
+    async def on_event(self, event: events.Event) -> None:
+        # a printable key for a prompt box goes straight to it: a paste without bracketed
+        # paste is one key event per character, and the binding lookup per key is the cost
+        if (isinstance(event, events.Key) and not event.is_forwarded and isinstance(self.focused, PromptInput)
+                and self.focused.take_typed(event)):
+            return
+        await super().on_event(event)
 
     def _saved_theme(self) -> str:
         name = self.store.get_setting("theme", DEFAULT_THEME)
@@ -85,6 +94,11 @@ class PanechatApp(App):
     def _fatal(self, message: str) -> None:
         self.fatal_error = message
         self.exit(return_code=2)
+
+    async def action_quit(self) -> None:
+        if getattr(self, "main", None) is not None:
+            self.main.keep_partial_replies()  # before the backend closes and the replies end
+        await super().action_quit()
 
     async def on_unmount(self) -> None:
         # closing the backend ends every stream (engine stopped, socket closed, requests cancelled)

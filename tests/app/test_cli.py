@@ -23,8 +23,11 @@ from ..tiny_gguf import set_row_length, write_tiny_gguf
 PANECHAT = str(Path(sys.executable).parent / "panechat")
 
 
-def cli(*args, timeout=120):
-    return subprocess.run([PANECHAT, *args], capture_output=True, text=True, timeout=timeout)
+def cli(*args, timeout=120, stdin: str | None = None):
+    """`panechat ARGS` as a subprocess; its stdin is `stdin` piped in, else empty (never the
+    test runner's: `run` without a prompt reads a piped stdin)."""
+    return subprocess.run([PANECHAT, *args], capture_output=True, text=True, timeout=timeout,
+                          **({"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}))
 
 
 def test_tokenize_json_matches_llamacpp(golden):
@@ -200,7 +203,9 @@ SHARED = [  # (option, value, namespace key, parsed value, the subcommands that 
     ("--straggler-ms", "0.5", "straggler_ms", 0.5, ["serve"]),
     ("--host", "0.0.0.0", "host", "0.0.0.0", ["serve"]),
     ("--port", "9", "port", 9, ["serve"]),
-    ("--token", "t", "token", "t", ["serve"]),
+    ("--token", "t", "token", "t", ["serve", "run"]),
+    ("--connect", "ws://h:1", "connect", "ws://h:1", ["run"]),
+    ("--api-key", "k", "api_key", "k", ["run"]),
 ]
 
 
@@ -274,3 +279,29 @@ def test_one_model_commands_refuse_several_in_one_line(capsys):
     assert cli_module.main(["run", "--model", "a,b", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("panechat: error:") and "--model once" in err
+
+
+# -- issue 24 item 12 -----------------------------------------------------------------------------
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"panechat {version('panechat')}", p.stdout + p.stderr
+
+
+def test_help_does_not_say_serve_requires_a_token():
+    for argv in (["--help"], ["serve", "--help"]):
+        text = " ".join(cli(*argv).stdout.split())
+        assert "--token" in text and "required by serve" not in text
+        assert "without one they start open" in text
+
+
+@pytest.mark.parametrize("argv", [["run", "-n", "4", "--json"], ["run", "-n", "4", "--json", "-"]],
+                         ids=["piped", "dash"])
+def test_run_reads_the_prompt_from_stdin(argv):
+    """`echo hi | panechat run` said `empty prompt`; the same reply as the prompt given as an argument."""
+    piped = cli(*argv, stdin="What is the capital of France?\n")
+    given = cli("run", "-n", "4", "--json", "What is the capital of France?")
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["token_ids"] == json.loads(given.stdout)["token_ids"]
+    assert json.loads(piped.stdout)["prompt_tokens"] == json.loads(given.stdout)["prompt_tokens"]

@@ -79,7 +79,7 @@ def test_a_conversation_store_from_before_keeps_its_conversations(tmp_path):
     db.close()
     cdb = ConversationDB(tmp_path, LOG)
     assert [(c.id, c.messages) for c in cdb.load()] == [("old", [{"role": "user", "content": "hi"}])]
-    assert schema_version(cdb.db) == 1
+    assert schema_version(cdb.db) == len(conversation_db.MIGRATIONS)  # migrated on from 1
     cdb.close()
 
 
@@ -87,11 +87,12 @@ def test_a_newer_conversation_store_is_left_alone(tmp_path):
     ConversationDB(tmp_path, LOG).close()
     path = tmp_path / DB_NAME
     db = _db(path)
-    db.execute("PRAGMA user_version = 2")
+    known = len(conversation_db.MIGRATIONS)
+    db.execute(f"PRAGMA user_version = {known + 1}")
     db.close()
     data = path.read_bytes()
     with pytest.raises(ConversationDBError) as err:
         ConversationDB(tmp_path, LOG)
     msg = str(err.value)
-    assert "from a newer panechat (schema 2, this one knows 1)" in msg and "\n" not in msg
+    assert f"from a newer panechat (schema {known + 1}, this one knows {known})" in msg and "\n" not in msg
     assert path.read_bytes() == data

@@ -67,3 +67,15 @@ def test_a_damaged_file_is_moved_aside_with_one_line(tmp_path, caplog):
     b.open("new")[0].append("user", "again")
     b.db.close()
     assert _store(tmp_path).get("new").messages == [{"role": "user", "content": "again"}]
+
+
+def test_a_cut_off_reply_keeps_its_mark_across_a_restart(tmp_path):
+    """Issue 24 item 5: a reply its terminal left mid-way is stored marked, and comes back so."""
+    a = _store(tmp_path)
+    conv, _ = a.open("c-cut")
+    conv.append("user", "tell me a story")
+    conv.append("assistant", "Once upon a", cut_off=True)
+    a.db.close()
+    back = _store(tmp_path).get("c-cut").messages
+    assert back == [{"role": "user", "content": "tell me a story"},
+                    {"role": "assistant", "content": "Once upon a", "cut_off": True}]

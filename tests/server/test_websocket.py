@@ -57,7 +57,7 @@ async def test_handshake(live):
         f = await ask(ws, {**HELLO, "protocol": 2})
         assert f["type"] == "error" and f["code"] == "protocol"
         w = await hello(ws)
-        assert w["protocol"] == 1 and w["model"] == live.model and w["ctx"] == live.engine.ctx
+        assert w["protocol"] == 1 and w["model"] == live.model.removesuffix(".gguf") and w["ctx"] == live.engine.ctx
         assert w["max_concurrent"] == 4 and w["batching"] is live.engine.batching and w["terminal"].startswith("t-")
         assert isinstance(w["backend"], str) and w["server"].startswith("panechat/")
 
@@ -168,7 +168,7 @@ async def test_stats_subscription(live):
         for key in ("batch_now", "batch_max", "rows_now", "step_hist", "tok_s", "queue_depth", "kv_in_use",
                     "kv_resident", "kv_total", "streams", "requests_total", "generated_tokens"):
             assert key in s, key
-        assert s["terminals"] >= 1 and s["model"] == live.model and isinstance(s["backend"], str)
+        assert s["terminals"] >= 1 and s["model"] == live.model.removesuffix(".gguf") and isinstance(s["backend"], str)
         # a generation shows up in the streams list while it runs
         cid = (await ask_skipping_stats(ws, {"type": "open"}))["conversation"]
         await ws.send(json.dumps({"type": "send", "conversation": cid, "request": "s-1",

@@ -56,11 +56,13 @@ async def other_terminal(ws_url: str, started: asyncio.Event, release: asyncio.E
                 return frame
 
 
-async def test_ws_panes_join_the_servers_batch(server, store):
+async def test_ws_panes_join_the_servers_batch(server, store, tui_engine):
     app = make_app(RemoteBackend(server.ws_url), store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, app.backend_ready.is_set, what="the connection")
-        assert app.backend.info.model.endswith(".gguf") and app.backend.info.max_concurrent == 4
+        # the name the local engine goes by too (the file's name without .gguf)
+        assert app.backend.info.model == tui_engine.lm.name.removesuffix(".gguf")
+        assert app.backend.info.max_concurrent == 4
         await pilot.press("ctrl+n")
         a, b = app.main.panes
         dash = app.main.query_one(Dashboard)

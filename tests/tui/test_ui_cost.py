@@ -75,3 +75,27 @@ async def test_ui_cost_with_eight_streaming_panes(engine8, store):
           f"Markdown, rendering) {main_ms:.0f} ms/step = {100 * r['main_thread_cpu_s'] / r['wall_s']:.0f}% of one core; "
           f"flush interval at the end {1000 * interval:.0f} ms")
     assert tokens > 8
+
+
+async def test_paste_cost(store):
+    """A 40 KB and a 1 MB paste, bracketed (one Paste event) and as a terminal without
+    bracketed paste sends it (one key event per character): seconds until the box holds
+    it, and the latency of the key typed next."""
+    from .paste_probe import EchoBackend, filler, paste_figures
+    from panechat.app.tui.widgets.prompt_input import PromptInput
+
+    app = make_app(EchoBackend(), store)
+    figures = []
+    async with app.run_test(size=(160, 45)) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+        pane = app.main.panes[0]
+        box = pane.query_one(PromptInput)
+        for size, as_keys in ((40_000, False), (1_000_000, False), (40_000, True), (1_000_000, True)):
+            box.clear()
+            pane.focus_input()
+            await pilot.pause()
+            text = filler(size).replace("\n", " ") if as_keys else filler(size)
+            shown, key = await paste_figures(pilot, box, text, as_keys=as_keys, timeout=600)
+            figures.append(f"{size // 1000} KB {'as keys' if as_keys else 'pasted'}: shows in {shown:.2f} s, "
+                           f"next key {1000 * key:.0f} ms")
+    print("\npaste: " + "; ".join(figures))

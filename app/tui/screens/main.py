@@ -164,7 +164,19 @@ class MainScreen(Screen):
 
     def on_chat_pane_message_added(self, event: ChatPane.MessageAdded) -> None:
         m = event.message
-        self.store.add_message(event.pane.conversation.id, m.role, m.content, m.meta)
+        m.id = self.store.add_message(event.pane.conversation.id, m.role, m.content, m.meta).id
+
+    def on_chat_pane_message_withdrawn(self, event: ChatPane.MessageWithdrawn) -> None:
+        if event.message.id is not None:
+            self.store.delete_message(event.message.id)
+
+    def keep_partial_replies(self) -> None:
+        """Store every reply still streaming, marked cut off (the app is quitting: the
+        panes' messages would not be handled any more)."""
+        for pane in self.panes:
+            message = pane.cut_off()
+            if message is not None:
+                self.store.add_message(pane.conversation.id, message.role, message.content, message.meta)
 
     def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
         self.store.save_conversation(event.pane.conversation)

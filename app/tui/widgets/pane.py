@@ -22,7 +22,7 @@ from ...clients.base import ChatBackend, ChatStream, Delta, Finished, GenParams,
 from ..json_output import response_format_of
 from ..perf import UI_COST
 from .prompt_input import PromptInput
-from .transcript import AssistantMessage, Transcript, UserMessage
+from .transcript import CUT_OFF_MARK, AssistantMessage, ContextNotice, Transcript, UserMessage
 
 FLUSH_HZ = 10
 
@@ -30,7 +30,8 @@ FLUSH_HZ = 10
 class ChatPane(Vertical):
     """One conversation. Data comes down as constructor arguments and method calls; what
     changes goes up as messages (the screen keeps the store): `MessageAdded`,
-    `ConversationChanged`, `HistoryReplaced`, then `ReplyFinished` when a reply ends."""
+    `MessageWithdrawn` (a refused prompt), `ConversationChanged`, `HistoryReplaced`, then
+    `ReplyFinished` when a reply ends. `cut_off()` hands over a reply in flight at quit."""
 
     DEFAULT_CSS = """
     ChatPane {
@@ -74,6 +75,15 @@ class ChatPane(Vertical):
             super().__init__()
             self.pane = pane
 
+    class MessageWithdrawn(Message):
+        """The backend refused the prompt `message` before it started (too long for the
+        context, queue full, ...): it left the history, and its text is back in the input."""
+
+        def __init__(self, pane: "ChatPane", message: StoredMessage):
+            super().__init__()
+            self.pane = pane
+            self.message = message
+
     class HistoryReplaced(Message):
         """The pane's history is now `messages`, the server's copy of the conversation."""
 
@@ -109,12 +119,19 @@ class ChatPane(Vertical):
         self._status = ""
         self._stop_requested = False
         self._response_format: dict | None = None  # of the turn being sent (JSON output setting)
+        self._received: list[str] = []  # the reply's text so far (kept if the app quits mid-reply)
+        self._queued = False  # the backend accepted the prompt (a refusal comes before this)
+        self._cut = False  # cut_off() stored the reply in flight
+        self.prompt_tokens: int | None = None  # the current (or last) prompt's tokens
+        self.context_used: int | None = None  # tokens of the context the conversation fills
         last = next((m for m in reversed(self.history) if m.role == "assistant"), None)
         if last is not None:  # the previous session's last reply figures
             t, u = last.meta.get("timings") or {}, last.meta.get("usage") or {}
             if t.get("decode_tok_s") is not None or u.get("completion_tokens"):
                 self.last_metrics = _metrics(t.get("decode_tok_s") or 0.0, t.get("ttft_ms"),
                                              u.get("completion_tokens") or 0)
+            if u.get("prompt_tokens") is not None:
+                self.context_used = u["prompt_tokens"] + (u.get("completion_tokens") or 0)
 
     # -- composition --------------------------------------------------------------------
     def compose(self):
@@ -136,7 +153,7 @@ class ChatPane(Vertical):
             if m.role == "user":
                 widgets.append(UserMessage(m.content))
             elif m.role == "assistant":
-                widgets.append(AssistantMessage(m.content))
+                widgets.append(AssistantMessage(m.content + (CUT_OFF_MARK if m.meta.get("cut_off") else "")))
         if widgets:
             await transcript.mount_all(widgets)
         transcript.scroll_end(animate=False, immediate=True)
@@ -156,8 +173,9 @@ class ChatPane(Vertical):
             return
         if remote is None:
             return
-        if remote and remote != ours:
-            self.history = [StoredMessage(m["role"], m["content"]) for m in remote]
+        if remote and [{"role": m["role"], "content": m["content"]} for m in remote] != ours:
+            self.history = [StoredMessage(m["role"], m["content"], {"cut_off": True} if m.get("cut_off") else {})
+                            for m in remote]
             self.post_message(self.HistoryReplaced(self, list(self.history)))
             await self._render_history()
         elif not remote and ours:
@@ -228,6 +246,19 @@ class ChatPane(Vertical):
             c.json_output = json_output
         self.refresh_title()
 
+    def cut_off(self) -> StoredMessage | None:
+        """The reply in flight as a message marked cut off (the app is quitting), or None
+        when no text has come yet. The caller stores it: no message is processed any more."""
+        if not self.busy or not self._received:
+            return None
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.meter.tokens if self.meter else 0}
+        message = StoredMessage("assistant", "".join(self._received), {"reason": "cut off", "cut_off": True,
+                                                                        "usage": usage})
+        self.history.append(message)
+        self._received = []
+        self._cut = True  # its end, if it still comes, is not added a second time
+        return message
+
     def transcript_markdown(self) -> str:
         return conversation_markdown(self.conversation, self.history)
 
@@ -235,7 +266,7 @@ class ChatPane(Vertical):
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
         if not self.send(event.text):
-            event.prompt_input.text = event.text  # keep what they typed
+            event.prompt_input.restore(event.text)  # keep what they typed
 
     def on_descendant_focus(self) -> None:
         self.post_message(self.Activated(self))
@@ -255,10 +286,12 @@ class ChatPane(Vertical):
                            response_format=self._response_format)
         messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         self.meter = meter = StreamMeter()
+        self._received, self._queued = [], False
         self.stream = stream = self.backend.stream(c.id, messages, params, c.system, c.model)
         if self._stop_requested:
             stream.cancel()
         self._md_stream = Markdown.get_stream(reply)
+        await asyncio.sleep(0)  # let its task start: stopping one that never ran raises CancelledError here
         self._set_state("queued")
         timer = self.set_interval(1 / FLUSH_HZ, self.flush) if self.ticker else None
         fin = Finished("error", "", error="the stream ended without a finish")
@@ -268,6 +301,7 @@ class ChatPane(Vertical):
                 t0 = perf()
                 if isinstance(ev, Delta):
                     self._pending.append(ev.text)
+                    self._received.append(ev.text)
                     meter.on_tokens(ev.tokens)
                     if self.state != "decoding":
                         self.state = "decoding"
@@ -276,6 +310,11 @@ class ChatPane(Vertical):
                     self.state = "decoding" if ev.done >= ev.total else f"prefilling {pct}%"
                 elif isinstance(ev, Queued):
                     self.state = "queued"
+                    self._queued = True
+                    if ev.prompt_tokens is not None:
+                        self.prompt_tokens = ev.prompt_tokens
+                    if ev.dropped:
+                        await self._say_dropped(ev.dropped, reply)
                 elif isinstance(ev, Finished):
                     fin = ev
                 UI_COST.add("token", perf() - t0)
@@ -299,17 +338,33 @@ class ChatPane(Vertical):
         if text and self._md_stream is not None:
             await self._md_stream.write(text)
 
+    async def _say_dropped(self, dropped: int, reply: AssistantMessage) -> None:
+        """Show, above the reply, that its prompt left out the oldest turns."""
+        ctx = self.backend.info.ctx
+        room = f"the {ctx:,}-token context" if ctx else "the context"
+        turns = "message" if dropped == 1 else f"{dropped} messages"
+        line = f"the oldest {turns} no longer fit {room}: this reply does not see them"
+        await self.query_one(Transcript).mount(ContextNotice(line), before=reply)
+        self.notify(f"pane {self.number}: {line}", severity="warning", timeout=6)
+
     def _finish(self, fin: Finished, reply: AssistantMessage) -> None:
         t0 = time.perf_counter()
         self.last_finish = fin
+        self._received = []
+        usage = fin.usage or {}
+        if usage.get("prompt_tokens") is not None:
+            self.prompt_tokens = usage["prompt_tokens"]
+            self.context_used = usage["prompt_tokens"] + (usage.get("completion_tokens") or 0)
         text = fin.text or reply.source
         if fin.text and not reply.source:
             reply.update(fin.text)
         meta = {"reason": fin.reason, "usage": fin.usage, "timings": fin.timings}
-        if text:
+        if text and not self._cut:
             self._add_message(StoredMessage("assistant", text, meta))
         if fin.reason == "error":
-            if not text:
+            if not text and not self._queued:
+                self._withdraw(reply)
+            elif not text:
                 reply.add_class("-error")
                 reply.update(f"*error: {fin.error or 'unknown'}*")
             self._set_state(f"error: {fin.error or 'unknown'}")
@@ -326,6 +381,20 @@ class ChatPane(Vertical):
         UI_COST.add("finish", time.perf_counter() - t0)
         self.post_message(self.ReplyFinished(self, fin))
 
+    def _withdraw(self, reply: AssistantMessage) -> None:
+        """The prompt was refused before it started: take it out of the history (so later
+        prompts do not carry it) and give its text back to the input."""
+        prompt = self.history.pop() if self.history and self.history[-1].role == "user" else None
+        reply.remove()
+        users = list(self.query_one(Transcript).query_children(UserMessage))
+        if users:
+            users[-1].remove()
+        if prompt is not None:
+            box = self.query_one(PromptInput)
+            if not box.value.strip():
+                box.restore(prompt.content)
+            self.post_message(self.MessageWithdrawn(self, prompt))
+
     def _add_message(self, message: StoredMessage) -> None:
         self.history.append(message)
         self.post_message(self.MessageAdded(self, message))
@@ -338,8 +407,13 @@ class ChatPane(Vertical):
         m = self.meter
         if self.busy and m is not None:
             metrics = _metrics(m.tok_s(), m.ttft_ms, m.tokens)
+            used = self.prompt_tokens + m.tokens if self._queued and self.prompt_tokens is not None else None
         else:
             metrics = self.last_metrics
+            used = self.context_used
+        ctx = self.backend.info.ctx
+        if used is not None and ctx:  # before TTFT, the first figure a narrow pane drops
+            metrics = (*metrics[:2], f"{used:,} / {ctx:,} tok", *metrics[2:])
         status = _fit([self.state, *metrics], self.size.width - 6)
         if status != self._status:
             self._status = status

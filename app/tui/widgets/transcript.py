@@ -18,8 +18,14 @@ MarkdownBulletList = Markdown.BLOCKS["bullet_list_open"]
 MarkdownOrderedList = Markdown.BLOCKS["ordered_list_open"]
 
 
+#: Characters of a user turn the transcript shows; the rest is summed up in one line (a
+#: pasted megabyte would take seconds to wrap at every layout). The turn is kept whole.
+USER_SHOWN_MAX = 4_000
+
+
 class UserMessage(Static):
-    """A user turn, shown verbatim (no markup, no Markdown)."""
+    """A user turn, shown verbatim (no markup, no Markdown), its first `USER_SHOWN_MAX`
+    characters when it is longer."""
 
     DEFAULT_CSS = """
     UserMessage {
@@ -32,8 +38,28 @@ class UserMessage(Static):
     """
 
     def __init__(self, text: str, **kwargs):
-        super().__init__(Content(text), **kwargs)
+        shown = text
+        if len(text) > USER_SHOWN_MAX:
+            shown = f"{text[:USER_SHOWN_MAX]}\n[… {len(text) - USER_SHOWN_MAX:,} more characters, sent in full]"
+        super().__init__(Content(shown), **kwargs)
         self.text = text
+
+
+class ContextNotice(Static):
+    """A line in the transcript saying the oldest turns were left out of a reply's prompt."""
+
+    DEFAULT_CSS = """
+    ContextNotice {
+        margin: 1 0 0 0;
+        padding: 0 1;
+        color: $warning;
+        text-style: italic;
+    }
+    """
+
+
+#: What a reply cut off by quitting ends with on screen (the stored text stays as generated).
+CUT_OFF_MARK = "\n\n*[cut off]*"
 
 
 class _GrowingList:
