@@ -37,7 +37,7 @@ class RefusingEngine:
                                   template=SimpleNamespace(kind="gguf", source=""),
                                   model=SimpleNamespace(backend=SimpleNamespace(describe=lambda: "fake")))
 
-    def prompt_ids(self, messages):
+    def prompt_ids(self, messages, tools=None):
         return [1, 2, 3]
 
     def submit(self, *args, **kwargs):
