@@ -15,8 +15,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from panechat.engine.serving.stats import EngineStats
-from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill,
-                   QueueStream, Queued)
+from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, Followed, GenParams,
+                   HolderChanged, ModelChoice, Prefill, QueueStream, Queued)
 
 PROTOCOL = 1
 CLIENT = "panechat-tui/0.1"
@@ -42,6 +42,9 @@ class RemoteBackend(ChatBackend):
         self._streams: dict[str, QueueStream] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._opened: set[str] = set()
+        self._holders: dict[str, str | None] = {}  # conversation -> the terminal holding it (its opened/holder)
+        self._replying: dict[str, str] = {}  # conversation -> another terminal's reply so far, at open
+        self._watchers: dict[str, object] = {}  # conversation -> listener of its Followed/HolderChanged
         self._model_stats: dict[str, EngineStats] = {}
         self.models: list[str] = []  # the models the server holds (its welcome)
         # request id -> the stream's arguments, until the server has queued it: a send to a
@@ -93,6 +96,7 @@ class RemoteBackend(ChatBackend):
             self.info.model = self.model
         self._ws = ws
         self._opened.clear()
+        self._holders.clear()
         await ws.send(json.dumps({"type": "subscribe", "interval_ms": self.stats_interval_ms}))
         self._reader = asyncio.create_task(self._read(ws))
 
@@ -150,9 +154,16 @@ class RemoteBackend(ChatBackend):
                 pass  # a malformed frame: keep the last good snapshot
             return
         if kind == "opened":
-            fut = self._opening.pop(f.get("conversation", ""), None)
+            cid = f.get("conversation", "")
+            self._holders[cid] = f.get("holder")
+            if isinstance(f.get("replying"), str):
+                self._replying[cid] = f["replying"]
+            fut = self._opening.pop(cid, None)
             if fut is not None and not fut.done():
                 fut.set_result(f.get("messages", []))
+            return
+        if kind in ("holder", "follow"):
+            self._followed(f)
             return
         stream = self._streams.get(f.get("request", ""))
         if stream is not None and kind != "delta":
@@ -188,6 +199,19 @@ class RemoteBackend(ChatBackend):
             self._finish(stream, Finished(f.get("reason", "stop"), f.get("text", ""), f.get("usage") or {},
                                           f.get("timings") or {}, f.get("error") or f.get("message")))
 
+    def _followed(self, f: dict) -> None:
+        """A `holder` or `follow` frame, handed to the conversation's listener."""
+        cid = f.get("conversation", "")
+        if f["type"] == "holder":
+            self._holders[cid] = f.get("holder")
+            ev = HolderChanged(self.holder_of(cid))
+        else:
+            ev = Followed(str(f.get("event", "")), f.get("text") or f.get("content") or "", str(f.get("reason", "")),
+                          bool(f.get("replaces")))
+        listener = self._watchers.get(cid)
+        if listener is not None:
+            listener(ev)
+
     def _finish(self, stream: QueueStream, ev: Finished) -> None:
         stream.put(ev)
         self._streams.pop(stream.id, None)
@@ -204,12 +228,15 @@ class RemoteBackend(ChatBackend):
 
     # -- ChatBackend -------------------------------------------------------------------
     async def attach(self, conversation: str, system: str, history: list[dict],
-                     model: str = "") -> list[dict] | None:
+                     model: str = "", *, take: bool = False) -> list[dict] | None:
         await self.start()  # reconnects after a lost connection
         fut = self._opening.get(conversation)
         if fut is None:
             fut = self._opening[conversation] = asyncio.get_running_loop().create_future()
+            self._replying.pop(conversation, None)
             frame = {"type": "open", "conversation": conversation}
+            if take:
+                frame["take"] = True
             if model or self.model:  # the server's default otherwise
                 frame["model"] = model or self.model
             if system:
@@ -220,6 +247,26 @@ class RemoteBackend(ChatBackend):
         messages = await asyncio.wait_for(asyncio.shield(fut), 30)
         self._opened.add(conversation)
         return [{"role": m["role"], "content": m["content"]} for m in messages if m.get("role") != "system"]
+
+    def holder_of(self, conversation: str) -> str | None:
+        holder = self._holders.get(conversation)
+        return holder if holder and holder != self.terminal else None
+
+    def replying(self, conversation: str) -> str | None:
+        return self._replying.get(conversation)
+
+    def watch(self, conversation: str, listener) -> None:
+        if listener is None:
+            self._watchers.pop(conversation, None)
+        else:
+            self._watchers[conversation] = listener
+
+    async def release(self, conversation: str) -> None:
+        self._watchers.pop(conversation, None)
+        self._holders.pop(conversation, None)
+        if conversation in self._opened:
+            self._opened.discard(conversation)
+            await self._send_quiet({"type": "close", "conversation": conversation})
 
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
                model: str = "") -> ChatStream:

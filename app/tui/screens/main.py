@@ -55,6 +55,8 @@ class MainScreen(Screen):
                 tooltip="Open a stored conversation in a new pane"),
         Command("f5", "pick_model", "Model", title="Choose model",
                 tooltip="Open a new pane on a model (or put the empty active pane on it)"),
+        Command("ctrl+g", "take_over", "Take", title="Take over conversation", show=False,
+                tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
     ]
 
@@ -64,6 +66,7 @@ class MainScreen(Screen):
         self.store = store
         self.active: ChatPane | None = None
         self.zoomed = False
+        self.elsewhere: list[str] = []  # restored conversations another terminal holds: kept in the layout
 
     def compose(self):
         with Horizontal():
@@ -77,6 +80,7 @@ class MainScreen(Screen):
             conv = self.store.get_conversation(cid)
             if conv is not None:
                 panes.append(self._make_pane(conv))
+                panes[-1].restored = True
         if not panes:
             panes.append(self._make_pane(self._new_conversation()))
         await self.query_one(PaneGrid).mount_all(panes)
@@ -131,7 +135,8 @@ class MainScreen(Screen):
         if self.zoomed and not any(p.has_class("-zoomed") for p in panes):
             self.zoomed = False
         self.query_one(PaneGrid).reflow(len(panes), self.zoomed)
-        self.store.save_layout(self.backend.profile, [p.conversation.id for p in panes])
+        shown = [p.conversation.id for p in panes]
+        self.store.save_layout(self.backend.profile, shown + [c for c in self.elsewhere if c not in shown])
         self.refresh_names()
 
     def refresh_names(self) -> None:
@@ -175,6 +180,26 @@ class MainScreen(Screen):
     def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
         self.refresh_names()
 
+    async def on_chat_pane_held_elsewhere(self, event: ChatPane.HeldElsewhere) -> None:
+        """Another live terminal holds the pane's conversation: a pane restored at start
+        gives it up (this terminal opens its own); one opened on purpose follows it read-only."""
+        pane, title = event.pane, event.pane.conversation.title
+        if not event.restored:
+            self.notify(f"pane {pane.number}: {title!r} is open in terminal {event.holder}: read-only here, "
+                        "following its replies; ctrl+g takes it over", severity="warning", timeout=8)
+            return
+        self.elsewhere.append(pane.conversation.id)
+        self.notify(f"{title!r} is open in terminal {event.holder}; not restored here (F4 opens it read-only)",
+                    timeout=8)
+        await self.backend.release(pane.conversation.id)
+        focused = pane is self._active()
+        if len(self.panes) == 1:
+            await self.query_one(PaneGrid).mount(self._make_pane(self._new_conversation()))
+        await pane.remove()
+        self._relayout()
+        if focused:
+            self._focus(self.panes[0])
+
     # -- actions (keys and command palette) ----------------------------------------------
     def palette_commands(self) -> Iterator[SystemCommand]:
         """The command palette's entries for this screen: every Command binding, then the
@@ -207,6 +232,7 @@ class MainScreen(Screen):
             return  # the last pane is already an empty one
         idx = panes.index(pane)
         pane.stop()
+        self.run_worker(self.backend.release(pane.conversation.id), group="release")
         if not pane.history:
             self.store.delete_conversation(pane.conversation.id)
         await pane.remove()
@@ -238,6 +264,11 @@ class MainScreen(Screen):
             p.set_class(self.zoomed and p is pane, "-zoomed")
         self.query_one(PaneGrid).reflow(len(self.panes), self.zoomed)
         pane.focus_input()
+
+    def action_take_over(self) -> None:
+        pane = self._active()
+        if pane is not None and not pane.take_over():
+            self.notify(f"pane {pane.number} already holds its conversation")
 
     def action_stop(self) -> None:
         pane = self._active()
