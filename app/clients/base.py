@@ -80,6 +80,11 @@ class Followed:
 
 
 @dataclass(frozen=True)
+class Reconnected:
+    """The connection to the server came back after it was lost (open the conversation again)."""
+
+
+@dataclass(frozen=True)
 class HolderChanged:
     """Who may send to a conversation changed: `holder` is the other terminal holding it
     now, or None when this terminal does."""
@@ -192,6 +197,11 @@ class ChatBackend(ABC):
 
     async def release(self, conversation: str) -> None:
         """This terminal no longer shows `conversation` (a pane closed): its hold passes on."""
+
+    def trouble(self) -> str | None:
+        """What is wrong with the connection right now, in a few words ("disconnected,
+        retrying"), or None."""
+        return None
 
     @abstractmethod
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",

@@ -16,10 +16,11 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from panechat.engine.serving.stats import EngineStats
 from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, Followed, GenParams,
-                   HolderChanged, ModelChoice, Prefill, QueueStream, Queued)
+                   HolderChanged, ModelChoice, Prefill, QueueStream, Queued, Reconnected)
 
 PROTOCOL = 1
 CLIENT = "panechat-tui/0.1"
+RETRY_S = 1.0  # seconds between tries to connect again after the connection is lost
 
 
 class RemoteBackend(ChatBackend):
@@ -56,6 +57,8 @@ class RemoteBackend(ChatBackend):
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.last_error: str | None = None
+        self._closing = False  # close() called: a lost connection is not retried
+        self._retrying: asyncio.Task | None = None
 
     # -- connection ---------------------------------------------------------------------
     async def start(self) -> BackendInfo:
@@ -107,6 +110,9 @@ class RemoteBackend(ChatBackend):
         return f"connection closed: {e}"
 
     async def close(self) -> None:
+        self._closing = True
+        if self._retrying is not None:
+            self._retrying.cancel()
         for t in list(self._tasks):
             t.cancel()
         if self._ws is not None:
@@ -142,6 +148,25 @@ class RemoteBackend(ChatBackend):
                 if not fut.done():
                     fut.set_exception(BackendError(reason))
             self._opening.clear()
+            if not self._closing and self._retrying is None:
+                self._retrying = asyncio.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Connect again every RETRY_S until the server is back, then tell the panes."""
+        try:
+            while self._ws is None and not self._closing:
+                await asyncio.sleep(RETRY_S)
+                try:
+                    await self.start()
+                except BackendError as e:
+                    self.last_error = str(e)
+        finally:
+            self._retrying = None
+        for listener in list(self._watchers.values()):
+            listener(Reconnected())
+
+    def trouble(self) -> str | None:
+        return "disconnected, retrying" if self._retrying is not None else None
 
     def _dispatch(self, f: dict) -> None:
         kind = f.get("type")

@@ -506,7 +506,7 @@ class Connection:
         model, backend = engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
-            stats = self.st.shown_stats(engine.stats()).with_terminals(self.st.terminals)
+            stats = self.st.shown_stats(engine.stats()).with_terminals(self.st.terminals + self.st.hosted)
             frame = {"type": "stats", **stats.to_dict(), "model": model, "backend": backend}
             engines = self.st.models.engines()
             if len(engines) > 1:  # one snapshot per model (the top level is the default one's)

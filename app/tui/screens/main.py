@@ -27,6 +27,8 @@ from .model_picker import ModelPickerScreen
 from .pane_settings import PaneSettings, PaneSettingsScreen
 
 EXPORT_DIR_ENV = "PANECHAT_EXPORT_DIR"
+NARROW_COLUMNS = 120  # under this width the dashboard is one line under the panes (F6 toggles)
+WIDE_COLUMNS = 150  # from this width the dashboard panel is wider (longer names)
 UI_CPU_TARGET = 0.15  # share of one core the UI thread may use while replies stream
 MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
 
@@ -39,8 +41,9 @@ class MainScreen(Screen):
         Command("ctrl+n", "new_pane", "New", priority=True, title="New pane",
                 tooltip="Open a new conversation pane"),
         Command("ctrl+w", "close_pane", "Close", priority=True, title="Close pane", tooltip="Close the active pane"),
-        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane"),
-        Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane"),
+        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane", show=False),
+        Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane",
+                show=False),
         Command("ctrl+o", "toggle_maximize", "Max", priority=True, title="Maximize / restore pane",
                 tooltip="Show the active pane alone, or the grid again"),
         Command("ctrl+s", "stop", "Stop", priority=True, title="Stop generation",
@@ -57,6 +60,8 @@ class MainScreen(Screen):
                 tooltip="Open a new pane on a model (or put the empty active pane on it)"),
         Command("ctrl+g", "take_over", "Take", title="Take over conversation", show=False,
                 tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)"),
+        Command("f6", "toggle_dashboard", "Dash", priority=True, show=False, title="Dashboard: panel or line",
+                tooltip="Show the dashboard as a panel beside the panes, or as one line under them"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
     ]
 
@@ -66,6 +71,7 @@ class MainScreen(Screen):
         self.store = store
         self.active: ChatPane | None = None
         self.zoomed = False
+        self.dashboard_line: bool | None = None  # F6's choice; None: by the width (NARROW_COLUMNS)
         self.elsewhere: list[str] = []  # restored conversations another terminal holds: kept in the layout
 
     def compose(self):
@@ -126,6 +132,22 @@ class MainScreen(Screen):
         return ChatPane(conv, self.store.messages(conv.id), self.backend,
                         ready=getattr(self.app, "backend_ready", None), ticker=False)
 
+    def on_resize(self) -> None:
+        self._fit_width()
+
+    def _fit_width(self) -> None:
+        """The dashboard as a panel (wider on a wide screen) or, on a narrow one, a line."""
+        width = self.size.width
+        line = width < NARROW_COLUMNS if self.dashboard_line is None else self.dashboard_line
+        self.set_class(line, "-narrow")
+        dash = self.query_one(Dashboard)
+        dash.set_class(line, "-line")
+        dash.set_class(width >= WIDE_COLUMNS, "-wide")
+
+    def action_toggle_dashboard(self) -> None:
+        self.dashboard_line = not self.query_one(Dashboard).has_class("-line")
+        self._fit_width()
+
     def _relayout(self) -> None:
         panes = self.panes
         for i, p in enumerate(panes, start=1):
@@ -173,6 +195,7 @@ class MainScreen(Screen):
 
     def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
         self.store.save_conversation(event.pane.conversation)
+        self.refresh_names()  # the dashboard lists the new title during the first reply already
 
     def on_chat_pane_history_replaced(self, event: ChatPane.HistoryReplaced) -> None:
         self.store.replace_messages(event.pane.conversation.id, event.messages)

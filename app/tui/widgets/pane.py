@@ -19,7 +19,7 @@ from textual.widgets.markdown import MarkdownStream
 
 from ...store import Conversation, Message as StoredMessage, conversation_markdown
 from ...clients.base import (ChatBackend, ChatStream, Delta, Finished, Followed, GenParams, HolderChanged, Prefill,
-                             Queued, StreamMeter)
+                             Queued, Reconnected, StreamMeter)
 from ..perf import UI_COST
 from .prompt_input import PromptInput
 from .transcript import AssistantMessage, Transcript, UserMessage
@@ -94,9 +94,9 @@ class ChatPane(Vertical):
             self.restored = restored
 
     class Remote(Message):
-        """A Followed or HolderChanged event from the backend, brought onto the pane."""
+        """A Followed, HolderChanged or Reconnected event from the backend, brought onto the pane."""
 
-        def __init__(self, event: Followed | HolderChanged):
+        def __init__(self, event: Followed | HolderChanged | Reconnected):
             super().__init__()
             self.event = event
 
@@ -213,7 +213,9 @@ class ChatPane(Vertical):
     async def on_chat_pane_remote(self, event: "ChatPane.Remote") -> None:
         event.stop()
         ev = event.event
-        if isinstance(ev, HolderChanged):
+        if isinstance(ev, Reconnected):
+            self._sync_remote()  # open it again: the server may have restarted without it
+        elif isinstance(ev, HolderChanged):
             was = self.held_by
             if ev.holder != was:
                 self._hold(ev.holder)
