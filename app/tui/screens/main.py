@@ -48,7 +48,7 @@ class MainScreen(Screen):
                 tooltip="Show the active pane alone, or the grid again"),
         Command("ctrl+s", "stop", "Stop", priority=True, title="Stop generation",
                 tooltip="Stop the active pane's reply"),
-        Command("ctrl+t", "broadcast", "Broadcast", priority=True, title="Broadcast prompt",
+        Command("ctrl+t", "broadcast", "All", priority=True, title="Broadcast prompt",
                 tooltip="Send the same prompt to every pane"),
         Command("f2", "settings", "Settings", title="Pane settings",
                 tooltip="System prompt, temperature, max tokens, seed"),
@@ -143,6 +143,8 @@ class MainScreen(Screen):
         dash = self.query_one(Dashboard)
         dash.set_class(line, "-line")
         dash.set_class(width >= WIDE_COLUMNS, "-wide")
+        # the footer's palette entry would push F2-F5 off a narrow screen (ctrl+p still works)
+        self.query_one(Footer).show_command_palette = width >= NARROW_COLUMNS
 
     def action_toggle_dashboard(self) -> None:
         self.dashboard_line = not self.query_one(Dashboard).has_class("-line")

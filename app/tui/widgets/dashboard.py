@@ -274,7 +274,7 @@ class Dashboard(Vertical, can_focus=False):
         terminals = f"terminals {s.terminals if s.terminals is not None else 1}  "
         self._show("dash-kv", wrap_parts((terminals + kv_words(s)).split(", "), width, KV_LINES))
         kv = kv_words(s).split(", ")[0]
-        self._show("dash-line", f"[b]{now}{cap_text}[/b] batch  queue {s.queue_depth or 0}  {tok_s:.1f} tok/s  "
+        self._show("dash-line", f"batch [b]{now}{cap_text}[/b]  queue {s.queue_depth or 0}  {tok_s:.1f} tok/s  "
                    f"{terminals}{kv}", markup=True)
         occ = list(self.occupancy)
         tps = list(self.tok_s)
