@@ -318,6 +318,9 @@ class Connection:
         await self.engine_for(model)  # an unknown model is refused before the conversation exists
         system = _opt_str(frame, "system")
         seed = _seed_messages(frame)
+        take = frame.get("take", False)
+        if not isinstance(take, bool):
+            raise FrameError("bad_frame", "'take' must be true or false")
         store = self.st.conversations
         conv, created = store.open(cid)
         if not (seed and conv.busy is None and not conv.has_turns):
@@ -333,9 +336,6 @@ class Connection:
             conv.seed(seed)  # the server lost it (a restart, or dropped it for memory) and the client kept a copy
         if system is not None:
             conv.set_system(system)
-        take = frame.get("take", False)
-        if not isinstance(take, bool):
-            raise FrameError("bad_frame", "'take' must be true or false")
         self.opened.add(conv)
         previous = conv.holder
         changed = conv.show_to(self, take=take)

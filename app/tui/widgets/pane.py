@@ -186,17 +186,24 @@ class ChatPane(Vertical):
             self.post_message(self.HeldElsewhere(self, holder, restored))
         elif take:
             self._hold(None)
+        partial = self.backend.replying(cid)
         if remote and remote != ours:
             self.history = [StoredMessage(m["role"], m["content"]) for m in remote]
             if holder is None:  # a follower's copy is the holder's to store
                 self.post_message(self.HistoryReplaced(self, list(self.history)))
+            await self._stop_following()
             await self._render_history()
         elif not remote and ours:
             self.notify(f"pane {self.number}: the server has no copy of this conversation; "
                         "its replies start without the earlier turns", severity="warning")
-        partial = self.backend.replying(cid)
-        if holder is not None and partial is not None:  # another terminal's reply in flight
+        if partial is not None and not self.busy and self._follow is None:  # another terminal's reply in flight
             await self._follow_event(Followed("delta", partial))
+
+    async def _stop_following(self) -> None:
+        """Forget a followed reply's widget (the history is shown again from the server's copy)."""
+        if self._follow is not None:
+            await self._follow[1].stop()
+            self._follow = None
 
     def _hold(self, holder: str | None) -> None:
         self.held_by = holder
