@@ -351,3 +351,26 @@ async def test_one_terminal_holds_a_conversation_the_others_follow_it(live):
         assert await recv_type(a, "holder") == {"type": "holder", "conversation": "held", "holder": ta}
         lst = await ask(a, {"type": "list"})
         assert next(c for c in lst["conversations"] if c["conversation"] == "held")["holder"] == ta
+
+
+async def test_a_follower_opening_mid_reply_gets_the_text_so_far(live):
+    async with connect(live.ws_url) as a, connect(live.ws_url) as b:
+        await hello(a), await hello(b)
+        await ask(a, {"type": "open", "conversation": "mid"})
+        f = await ask(b, {"type": "open", "conversation": "mid", "take": "yes"})
+        assert (f["type"], f["code"]) == ("error", "bad_frame")
+        await a.send(json.dumps({"type": "send", "conversation": "mid", "request": "long",
+                                 "content": "Write a long essay about rivers.", "params": {"max_tokens": 300}}))
+        text = ""
+        while len(text) < 10:
+            f = await recv(a)
+            text += f.get("text", "") if f["type"] == "delta" else ""
+        opened = await ask_for(b, {"type": "open", "conversation": "mid"}, "opened")
+        assert opened["replying"].startswith(text) and opened["messages"][-1]["role"] == "user"
+        await a.send(json.dumps({"type": "cancel", "request": "long"}))
+        _, fin = await generation(a, "long")
+        follow = await recv_type(b, "follow")
+        while follow["event"] != "finished":
+            follow = await recv_type(b, "follow")
+        assert follow["text"] == fin["text"] and fin["text"].startswith(opened["replying"])
+    live.wait_idle()
