@@ -72,6 +72,31 @@ class Finished:
 StreamEvent = Queued | Prefill | Delta | Finished
 
 
+@dataclass(frozen=True)
+class Followed:
+    """A turn another terminal takes in a conversation this one follows read-only: event
+    'user' (its prompt in `text`; `replaces`: it took an unanswered prompt's place),
+    'delta' (reply text) or 'finished' (the whole reply in `text`, its `reason`)."""
+
+    event: str
+    text: str = ""
+    reason: str = ""
+    replaces: bool = False
+
+
+@dataclass(frozen=True)
+class Reconnected:
+    """The connection to the server came back after it was lost (open the conversation again)."""
+
+
+@dataclass(frozen=True)
+class HolderChanged:
+    """Who may send to a conversation changed: `holder` is the other terminal holding it
+    now, or None when this terminal does."""
+
+    holder: str | None
+
+
 @dataclass
 class BackendInfo:
     """What the dashboard shows about the backend."""
@@ -153,10 +178,34 @@ class ChatBackend(ABC):
     async def close(self) -> None:
         """Release the engine or the connection."""
 
-    async def attach(self, conversation: str, system: str, history: list[dict]) -> list[dict] | None:
+    async def attach(self, conversation: str, system: str, history: list[dict], *,
+                     take: bool = False) -> list[dict] | None:
         """Called when a pane opens `conversation` holding `history` (user/assistant turns);
         a backend that keeps histories (the websocket server) returns its copy, seeded from
-        `history` when it has none (after a server restart, say); the others return None."""
+        `history` when it has none (after a server restart, say); the others return None.
+        `take`: hold it even if another terminal does (see `holder_of`)."""
+        return None
+
+    def holder_of(self, conversation: str) -> str | None:
+        """The other terminal that holds `conversation` (this one may then only follow it,
+        read-only), or None when this terminal may send to it."""
+        return None
+
+    def replying(self, conversation: str) -> str | None:
+        """The text so far of a reply in flight when `conversation` was attached (another
+        terminal's, followed from there), or None."""
+        return None
+
+    def watch(self, conversation: str, listener) -> None:
+        """Call `listener` with each Followed and HolderChanged of `conversation` (on the
+        event loop; None stops)."""
+
+    async def release(self, conversation: str) -> None:
+        """This terminal no longer shows `conversation` (a pane closed): its hold passes on."""
+
+    def trouble(self) -> str | None:
+        """What is wrong with the connection right now, in a few words ("disconnected,
+        retrying"), or None."""
         return None
 
     @abstractmethod

@@ -15,11 +15,12 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from panechat.engine.serving.stats import EngineStats
-from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenParams, ModelChoice, Prefill,
-                   QueueStream, Queued)
+from .base import (BackendError, BackendInfo, ChatBackend, ChatStream, Delta, Finished, Followed, GenParams,
+                   HolderChanged, ModelChoice, Prefill, QueueStream, Queued, Reconnected)
 
 PROTOCOL = 1
 CLIENT = "panechat-tui/0.1"
+RETRY_S = 1.0  # seconds between tries to connect again after the connection is lost
 
 
 class RemoteBackend(ChatBackend):
@@ -42,6 +43,9 @@ class RemoteBackend(ChatBackend):
         self._streams: dict[str, QueueStream] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._opened: set[str] = set()
+        self._holders: dict[str, str | None] = {}  # conversation -> the terminal holding it (its opened/holder)
+        self._replying: dict[str, str] = {}  # conversation -> another terminal's reply so far, at open
+        self._watchers: dict[str, object] = {}  # conversation -> listener of its Followed/HolderChanged
         self._model_stats: dict[str, EngineStats] = {}
         self.models: list[str] = []  # the models the server holds (its welcome)
         # request id -> the stream's arguments, until the server has queued it: a send to a
@@ -53,6 +57,8 @@ class RemoteBackend(ChatBackend):
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.last_error: str | None = None
+        self._closing = False  # close() called: a lost connection is not retried
+        self._retrying: asyncio.Task | None = None
 
     # -- connection ---------------------------------------------------------------------
     async def start(self) -> BackendInfo:
@@ -93,6 +99,7 @@ class RemoteBackend(ChatBackend):
             self.info.model = self.model
         self._ws = ws
         self._opened.clear()
+        self._holders.clear()
         await ws.send(json.dumps({"type": "subscribe", "interval_ms": self.stats_interval_ms}))
         self._reader = asyncio.create_task(self._read(ws))
 
@@ -103,6 +110,9 @@ class RemoteBackend(ChatBackend):
         return f"connection closed: {e}"
 
     async def close(self) -> None:
+        self._closing = True
+        if self._retrying is not None:
+            self._retrying.cancel()
         for t in list(self._tasks):
             t.cancel()
         if self._ws is not None:
@@ -138,6 +148,25 @@ class RemoteBackend(ChatBackend):
                 if not fut.done():
                     fut.set_exception(BackendError(reason))
             self._opening.clear()
+            if not self._closing and self._retrying is None:
+                self._retrying = asyncio.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Connect again every RETRY_S until the server is back, then tell the panes."""
+        try:
+            while self._ws is None and not self._closing:
+                await asyncio.sleep(RETRY_S)
+                try:
+                    await self.start()
+                except BackendError as e:
+                    self.last_error = str(e)
+        finally:
+            self._retrying = None
+        for listener in list(self._watchers.values()):
+            listener(Reconnected())
+
+    def trouble(self) -> str | None:
+        return "disconnected, retrying" if self._retrying is not None else None
 
     def _dispatch(self, f: dict) -> None:
         kind = f.get("type")
@@ -150,9 +179,16 @@ class RemoteBackend(ChatBackend):
                 pass  # a malformed frame: keep the last good snapshot
             return
         if kind == "opened":
-            fut = self._opening.pop(f.get("conversation", ""), None)
+            cid = f.get("conversation", "")
+            self._holders[cid] = f.get("holder")
+            if isinstance(f.get("replying"), str):
+                self._replying[cid] = f["replying"]
+            fut = self._opening.pop(cid, None)
             if fut is not None and not fut.done():
                 fut.set_result(f.get("messages", []))
+            return
+        if kind in ("holder", "follow"):
+            self._followed(f)
             return
         stream = self._streams.get(f.get("request", ""))
         if stream is not None and kind != "delta":
@@ -189,6 +225,19 @@ class RemoteBackend(ChatBackend):
             self._finish(stream, Finished(f.get("reason", "stop"), f.get("text", ""), f.get("usage") or {},
                                           f.get("timings") or {}, f.get("error") or f.get("message")))
 
+    def _followed(self, f: dict) -> None:
+        """A `holder` or `follow` frame, handed to the conversation's listener."""
+        cid = f.get("conversation", "")
+        if f["type"] == "holder":
+            self._holders[cid] = f.get("holder")
+            ev = HolderChanged(self.holder_of(cid))
+        else:
+            ev = Followed(str(f.get("event", "")), f.get("text") or f.get("content") or "", str(f.get("reason", "")),
+                          bool(f.get("replaces")))
+        listener = self._watchers.get(cid)
+        if listener is not None:
+            listener(ev)
+
     def _finish(self, stream: QueueStream, ev: Finished) -> None:
         stream.put(ev)
         self._streams.pop(stream.id, None)
@@ -205,12 +254,15 @@ class RemoteBackend(ChatBackend):
 
     # -- ChatBackend -------------------------------------------------------------------
     async def attach(self, conversation: str, system: str, history: list[dict],
-                     model: str = "") -> list[dict] | None:
+                     model: str = "", *, take: bool = False) -> list[dict] | None:
         await self.start()  # reconnects after a lost connection
         fut = self._opening.get(conversation)
         if fut is None:
             fut = self._opening[conversation] = asyncio.get_running_loop().create_future()
+            self._replying.pop(conversation, None)
             frame = {"type": "open", "conversation": conversation}
+            if take:
+                frame["take"] = True
             if model or self.model:  # the server's default otherwise
                 frame["model"] = model or self.model
             if system:
@@ -222,6 +274,26 @@ class RemoteBackend(ChatBackend):
         self._opened.add(conversation)
         return [{"role": m["role"], "content": m["content"], **({"cut_off": True} if m.get("cut_off") else {})}
                 for m in messages if m.get("role") != "system"]
+
+    def holder_of(self, conversation: str) -> str | None:
+        holder = self._holders.get(conversation)
+        return holder if holder and holder != self.terminal else None
+
+    def replying(self, conversation: str) -> str | None:
+        return self._replying.get(conversation)
+
+    def watch(self, conversation: str, listener) -> None:
+        if listener is None:
+            self._watchers.pop(conversation, None)
+        else:
+            self._watchers[conversation] = listener
+
+    async def release(self, conversation: str) -> None:
+        self._watchers.pop(conversation, None)
+        self._holders.pop(conversation, None)
+        if conversation in self._opened:
+            self._opened.discard(conversation)
+            await self._send_quiet({"type": "close", "conversation": conversation})
 
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
                model: str = "") -> ChatStream:

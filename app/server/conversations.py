@@ -51,7 +51,11 @@ class Conversation:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     nbytes: int = CONVERSATION_OVERHEAD  # memory held, by message_bytes
-    sockets: int = 0  # open sockets that have opened it
+    # the open sockets (websocket.Connection) that show it, oldest first; `holder` is the one
+    # of them that may send to it: the others follow it read-only (docs/protocol.md, "Holding")
+    viewers: list = field(default_factory=list, repr=False)
+    holder: object | None = field(default=None, repr=False)
+    replying: list[str] = field(default_factory=list, repr=False)  # the reply in flight's text so far
     # called after each change with the bytes added and the message appended (None: the
     # messages were rewritten: system prompt, seeded turns)
     resized: Callable[["Conversation", int, dict | None], None] | None = field(default=None, repr=False)
@@ -74,6 +78,31 @@ class Conversation:
         old = self.messages[0] if self.messages and self.messages[0]["role"] == "system" else None
         return (message_bytes("system", text) if text else 0) - (
             message_bytes(old["role"], old["content"]) if old else 0)
+
+    @property
+    def sockets(self) -> int:
+        """How many open sockets show it (those it is dropped for memory last)."""
+        return len(self.viewers)
+
+    def show_to(self, sock, take: bool = False) -> bool:
+        """`sock` opened it: it holds it when nobody does, or when `take`; True when the
+        holder changed (the viewers are told)."""
+        if sock not in self.viewers:
+            self.viewers.append(sock)
+        if self.holder is sock or (self.holder is not None and not take):
+            return False
+        self.holder = sock
+        return True
+
+    def hide_from(self, sock) -> bool:
+        """`sock` closed it (or went away): the oldest other viewer holds it if `sock` did;
+        True when the holder changed."""
+        if sock in self.viewers:
+            self.viewers.remove(sock)
+        if self.holder is not sock:
+            return False
+        self.holder = self.viewers[0] if self.viewers else None
+        return True
 
     @property
     def has_turns(self) -> bool:
@@ -112,7 +141,8 @@ class Conversation:
     def summary(self) -> dict:
         first = next((m["content"] for m in self.messages if m["role"] == "user"), "")
         return {"conversation": self.id, "title": first[:60], "messages": len(self.messages),
-                "busy": self.busy is not None, "unanswered": self.unanswered, "updated": self.updated}
+                "busy": self.busy is not None, "unanswered": self.unanswered, "updated": self.updated,
+                "holder": getattr(self.holder, "terminal", None)}
 
     def snapshot(self) -> list[dict]:
         return [dict(m) for m in self.messages]

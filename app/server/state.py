@@ -69,7 +69,8 @@ class ServerState:
         self.load_error: str | None = None
         self.conversation_db = _open_db(state_dir, logger)
         self.conversations = ConversationStore(max_bytes=history_memory, db=self.conversation_db)
-        self.terminals = 0
+        self.terminals = 0  # websocket terminals past hello
+        self.hosted = 0  # terminals in the server's own process (--share's TUI): counted in the stats too
         self.terminal_ids = itertools.count(1)
         self.started = time.time()
         self.registry = None  # the /metrics CollectorRegistry, made by create_app

@@ -259,10 +259,9 @@ class Connection:
 
     async def shutdown(self) -> None:
         self.st.sockets.discard(self)
-        for conv in self.opened:
-            conv.sockets -= 1
-        self.opened.clear()
         self.closed = True
+        for conv in list(self.opened):  # the hold passes to the oldest other viewer
+            await self.hide(conv)
         if self.stats_task is not None:
             self.stats_task.cancel()
         for gen in list(self.gens.values()):
@@ -337,6 +336,9 @@ class Connection:
         await self.engine_for(model)  # an unknown model is refused before the conversation exists
         system = _opt_str(frame, "system")
         seed = _seed_messages(frame)
+        take = frame.get("take", False)
+        if not isinstance(take, bool):
+            raise FrameError("bad_frame", "'take' must be true or false")
         store = self.st.conversations
         conv, created = store.open(cid)
         if not (seed and conv.busy is None and not conv.has_turns):
@@ -352,13 +354,44 @@ class Connection:
             conv.seed(seed)  # the server lost it (a restart, or dropped it for memory) and the client kept a copy
         if system is not None:
             conv.set_system(system)
-        if conv not in self.opened:
-            self.opened.add(conv)
-            conv.sockets += 1
+        self.opened.add(conv)
+        previous = conv.holder
+        changed = conv.show_to(self, take=take)
         self.models[conv.id] = model
-        await self.send({"type": "opened", "conversation": conv.id, "created": created,
-                         "messages": conv.snapshot(), "unanswered": conv.unanswered,
-                         "model": model or self.st.models.default})
+        opened = {"type": "opened", "conversation": conv.id, "created": created,
+                  "messages": conv.snapshot(), "unanswered": conv.unanswered,
+                  "model": model or self.st.models.default, "holder": conv.holder.terminal}
+        if conv.busy is not None:  # the reply in flight so far: where a follower starts
+            opened["replying"] = "".join(conv.replying)
+        await self.send(opened)
+        if changed and previous is not None:
+            await self.tell_holder(conv)
+
+    async def on_close(self, frame: dict) -> None:
+        """This terminal no longer shows the conversation: it stops following it, and its
+        hold passes on."""
+        cid = _id(frame, "conversation", required=True)
+        conv = next((c for c in self.opened if c.id == cid), None)
+        if conv is not None:
+            await self.hide(conv)
+
+    async def hide(self, conv: Conversation) -> None:
+        self.opened.discard(conv)
+        if conv.hide_from(self):
+            await self.tell_holder(conv)
+
+    async def tell_holder(self, conv: Conversation) -> None:
+        """Every socket showing `conv` learns who holds it now."""
+        frame = {"type": "holder", "conversation": conv.id,
+                 "holder": conv.holder.terminal if conv.holder is not None else None}
+        for sock in list(conv.viewers):
+            await sock.send(frame)
+
+    async def tell_followers(self, conv: Conversation, frame: dict) -> None:
+        """A `follow` frame to every other socket showing `conv` (they follow its replies)."""
+        for sock in conv.viewers:
+            if sock is not self:
+                await sock.send({"type": "follow", "conversation": conv.id, **frame})
 
     async def on_list(self, frame: dict) -> None:
         await self.send({"type": "conversations", "conversations": self.st.conversations.list()})
@@ -382,6 +415,9 @@ class Connection:
         if conv is None:
             raise FrameError("unknown_conversation", f"no conversation {cid!r}; send open first "
                              "(with the turns you kept: the server may have dropped it for memory)", rid)
+        if conv.holder is not None and conv.holder is not self:
+            raise FrameError("conversation_held", f"conversation {cid!r} is held by terminal "
+                             f"{conv.holder.terminal}; open it with \"take\": true to take it over", rid)
         if conv.busy is not None:
             raise FrameError("conversation_busy", f"conversation {cid!r} is already generating "
                              f"(request {conv.busy!r}); wait for it or cancel it", rid)
@@ -426,12 +462,19 @@ class Connection:
             conv.append("user", content)
         await self.send({"type": "queued", "request": rid, "conversation": cid, "prompt_tokens": len(fit.ids),
                          "dropped": fit.dropped})
+        if conv.sockets > 1:
+            await self.tell_followers(conv, {"event": "user", "content": content,
+                                             "replaces": replaces or content is None})
 
     async def pump(self, rid: str, conv: Conversation, gen) -> None:
+        conv.replying = []
         try:
             async for ev in gen.aevents():
                 if isinstance(ev, TokenEvent):
+                    conv.replying.append(ev.text)
                     await self.send({"type": "delta", "request": rid, "text": ev.text, "token_id": ev.token_id})
+                    if conv.sockets > 1:  # other terminals follow it read-only
+                        await self.tell_followers(conv, {"event": "delta", "text": ev.text})
                 elif isinstance(ev, PrefillEvent):
                     await self.send({"type": "prefill", "request": rid, "done": ev.done, "total": ev.total})
             fin: FinishEvent = gen.finish
@@ -443,6 +486,8 @@ class Connection:
             if fin.error:
                 frame["error"] = fin.error
             await self.send(frame)
+            if conv.sockets > 1:
+                await self.tell_followers(conv, {"event": "finished", "reason": fin.reason, "text": fin.text})
             u, t = fin.usage, fin.timings
             self.st.log.info("ws %s %s %s %s prompt=%s reused=%s out=%s ttft=%.2fs %.1ftok/s %s",
                              self.peer, self.terminal, conv.id, rid, u.get("prompt_tokens"),
@@ -454,6 +499,7 @@ class Connection:
             self.gens.pop(rid, None)
             if conv.busy == rid:
                 conv.busy = None
+                conv.replying = []
             self.st.done(gen)
 
     async def on_cancel(self, frame: dict) -> None:
@@ -481,7 +527,7 @@ class Connection:
         model, backend = self.st.models.default or engine.lm.name, engine.lm.model.backend.describe()
         nxt = time.monotonic()
         while not self.closed:
-            stats = self.st.shown_stats(engine.stats()).with_terminals(self.st.terminals)
+            stats = self.st.shown_stats(engine.stats()).with_terminals(self.st.terminals + self.st.hosted)
             frame = {"type": "stats", **stats.to_dict(), "model": model, "backend": backend}
             engines = self.st.models.engines()
             if len(engines) > 1:  # one snapshot per model (the top level is the default one's)
@@ -497,6 +543,7 @@ HANDLERS = {
     "list": Connection.on_list,
     "send": Connection.on_send,
     "cancel": Connection.on_cancel,
+    "close": Connection.on_close,
     "subscribe": Connection.on_subscribe,
     "unsubscribe": Connection.on_unsubscribe,
 }

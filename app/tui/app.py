@@ -31,6 +31,7 @@ class PanechatApp(App):
     CSS = """
     Screen { layout: vertical; }
     MainScreen > Horizontal { height: 1fr; }
+    MainScreen.-narrow > Horizontal { layout: vertical; }
     """
 
     def __init__(self, backend: ChatBackend, store: Store, *, share: ShareHook | None = None,

@@ -54,8 +54,10 @@ class ShareServer:
     async def attach(self, app) -> str:
         """Serve the loaded engine; returns the line to show (how teammates connect; the
         app puts it on the dashboard)."""
-        self.srv.state.attach(self.backend.models)  # every model the panes use
-        self.backend.terminals = lambda: self.srv.state.terminals + 1  # the others, and this one
+        st = self.srv.state
+        st.attach(self.backend.models)  # every model the panes use
+        st.hosted = 1  # this terminal: the host and its guests count the same terminals
+        self.backend.terminals = lambda: st.terminals + st.hosted
         return f"sharing: panechat --connect ws://{self.host}:{self.srv.port}" + (" --token …" if self.token else "")
 
     async def close(self) -> None:

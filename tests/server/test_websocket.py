@@ -319,3 +319,58 @@ async def test_foreign_web_origins_are_refused(live):
     assert e.value.response.status_code == 403
     async with connect(live.ws_url, origin="http://localhost:5173") as ws:  # a local page may
         await hello(ws)
+
+
+async def test_one_terminal_holds_a_conversation_the_others_follow_it(live):
+    """The first socket to open a conversation holds it; another one that opens it follows
+    it read-only (its sends are refused, it gets `follow` frames) until it takes it over
+    (`take`) or the holder closes it (`close`, or the socket goes)."""
+    async with connect(live.ws_url) as a, connect(live.ws_url) as b:
+        ta, tb = (await hello(a))["terminal"], (await hello(b))["terminal"]
+        assert (await ask(a, {"type": "open", "conversation": "held"}))["holder"] == ta
+        opened = await ask(b, {"type": "open", "conversation": "held"})
+        assert opened["holder"] == ta
+        f = await ask(b, {"type": "send", "conversation": "held", "request": "r", "content": "Hi"})
+        assert (f["type"], f["code"], f["request"]) == ("error", "conversation_held", "r") and ta in f["message"]
+        await a.send(json.dumps({"type": "send", "conversation": "held", "request": "r-1", "content": "Say hi",
+                                 "params": {"max_tokens": 8}}))
+        _, fin = await generation(a, "r-1")
+        followed = []
+        while not followed or followed[-1]["event"] != "finished":
+            followed.append(await recv_type(b, "follow"))
+        assert followed[0] == {"type": "follow", "conversation": "held", "event": "user", "content": "Say hi",
+                               "replaces": False}
+        assert "".join(f.get("text", "") for f in followed[1:-1]) == fin["text"]
+        assert followed[-1]["text"] == fin["text"] and followed[-1]["reason"] == fin["reason"]
+        taken = await ask(b, {"type": "open", "conversation": "held", "take": True})
+        assert taken["holder"] == tb and [m["content"] for m in taken["messages"]] == ["Say hi", fin["text"]]
+        assert await recv_type(a, "holder") == {"type": "holder", "conversation": "held", "holder": tb}
+        assert (await ask(a, {"type": "send", "conversation": "held", "request": "x", "content": "?"}))[
+            "code"] == "conversation_held"
+        await b.send(json.dumps({"type": "close", "conversation": "held"}))
+        assert await recv_type(a, "holder") == {"type": "holder", "conversation": "held", "holder": ta}
+        lst = await ask(a, {"type": "list"})
+        assert next(c for c in lst["conversations"] if c["conversation"] == "held")["holder"] == ta
+
+
+async def test_a_follower_opening_mid_reply_gets_the_text_so_far(live):
+    async with connect(live.ws_url) as a, connect(live.ws_url) as b:
+        await hello(a), await hello(b)
+        await ask(a, {"type": "open", "conversation": "mid"})
+        f = await ask(b, {"type": "open", "conversation": "mid", "take": "yes"})
+        assert (f["type"], f["code"]) == ("error", "bad_frame")
+        await a.send(json.dumps({"type": "send", "conversation": "mid", "request": "long",
+                                 "content": "Write a long essay about rivers.", "params": {"max_tokens": 300}}))
+        text = ""
+        while len(text) < 10:
+            f = await recv(a)
+            text += f.get("text", "") if f["type"] == "delta" else ""
+        opened = await ask_for(b, {"type": "open", "conversation": "mid"}, "opened")
+        assert opened["replying"].startswith(text) and opened["messages"][-1]["role"] == "user"
+        await a.send(json.dumps({"type": "cancel", "request": "long"}))
+        _, fin = await generation(a, "long")
+        follow = await recv_type(b, "follow")
+        while follow["event"] != "finished":
+            follow = await recv_type(b, "follow")
+        assert follow["text"] == fin["text"] and fin["text"].startswith(opened["replying"])
+    live.wait_idle()

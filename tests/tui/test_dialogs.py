@@ -61,3 +61,19 @@ async def test_settings_error_fits_at_80x24():
         await pilot.pause()
         assert "seed must be a whole number" in str(app.screen.query_one("#error", Label).content)
         assert _not_shown(app.screen) == []
+
+
+async def test_model_picker_fits_at_80x24():
+    """F5's dialog, with a long unloadable entry (it ran off the edge: 90 columns wide)."""
+    from panechat.app.clients.base import ModelChoice
+    from panechat.app.tui.screens.model_picker import ModelPickerScreen
+
+    choices = [ModelChoice("SmolLM2-135M-Instruct.Q4_1", "loaded", loaded=True),
+               ModelChoice("gemma-3-270m-q4_k_m", "gemma3 Q4_K_M 241 MiB ctx 32768"),
+               ModelChoice("some-model-with-a-long-name-Q8_0", loadable=False,
+                           reason="architecture 'mamba' is not supported")]
+    app = App()
+    async with app.run_test(size=SMALLEST) as pilot:
+        await app.push_screen(ModelPickerScreen(choices))
+        await pilot.pause()
+        assert _not_shown(app.screen) == []

@@ -16,7 +16,7 @@ class BroadcastScreen(ModalScreen[str | None]):
     DEFAULT_CSS = """
     BroadcastScreen { align: center middle; }
     BroadcastScreen > Vertical {
-        width: 80; height: auto; border: round $accent; background: $surface; padding: 1 2;
+        width: 80; max-width: 100%; height: auto; border: round $accent; background: $surface; padding: 1 2;
     }
     BroadcastScreen Label { width: 1fr; color: $text-muted; margin-bottom: 1; }
     """

@@ -19,7 +19,7 @@ class ConversationsScreen(ModalScreen[str | None]):
     DEFAULT_CSS = """
     ConversationsScreen { align: center middle; }
     ConversationsScreen > Vertical {
-        width: 80; height: 70%; border: round $primary; background: $surface; padding: 1 2;
+        width: 80; max-width: 100%; height: 70%; border: round $primary; background: $surface; padding: 1 2;
     }
     ConversationsScreen OptionList { height: 1fr; }
     """

@@ -27,6 +27,8 @@ from .model_picker import ModelPickerScreen
 from .pane_settings import PaneSettings, PaneSettingsScreen
 
 EXPORT_DIR_ENV = "PANECHAT_EXPORT_DIR"
+NARROW_COLUMNS = 120  # under this width the dashboard is one line under the panes (F6 toggles)
+WIDE_COLUMNS = 150  # from this width the dashboard panel is wider (longer names)
 UI_CPU_TARGET = 0.15  # share of one core the UI thread may use while replies stream
 MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
 
@@ -39,13 +41,14 @@ class MainScreen(Screen):
         Command("ctrl+n", "new_pane", "New", priority=True, title="New pane",
                 tooltip="Open a new conversation pane"),
         Command("ctrl+w", "close_pane", "Close", priority=True, title="Close pane", tooltip="Close the active pane"),
-        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane"),
-        Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane"),
+        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane", show=False),
+        Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane",
+                show=False),
         Command("ctrl+o", "toggle_maximize", "Max", priority=True, title="Maximize / restore pane",
                 tooltip="Show the active pane alone, or the grid again"),
         Command("ctrl+s", "stop", "Stop", priority=True, title="Stop generation",
                 tooltip="Stop the active pane's reply"),
-        Command("ctrl+t", "broadcast", "Broadcast", priority=True, title="Broadcast prompt",
+        Command("ctrl+t", "broadcast", "All", priority=True, title="Broadcast prompt",
                 tooltip="Send the same prompt to every pane"),
         Command("f2", "settings", "Settings", title="Pane settings",
                 tooltip="System prompt, temperature, max tokens, seed"),
@@ -55,6 +58,10 @@ class MainScreen(Screen):
                 tooltip="Open a stored conversation in a new pane"),
         Command("f5", "pick_model", "Model", title="Choose model",
                 tooltip="Open a new pane on a model (or put the empty active pane on it)"),
+        Command("ctrl+g", "take_over", "Take", title="Take over conversation", show=False,
+                tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)"),
+        Command("f6", "toggle_dashboard", "Dash", priority=True, show=False, title="Dashboard: panel or line",
+                tooltip="Show the dashboard as a panel beside the panes, or as one line under them"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
     ]
 
@@ -64,6 +71,8 @@ class MainScreen(Screen):
         self.store = store
         self.active: ChatPane | None = None
         self.zoomed = False
+        self.dashboard_line: bool | None = None  # F6's choice; None: by the width (NARROW_COLUMNS)
+        self.elsewhere: list[str] = []  # restored conversations another terminal holds: kept in the layout
 
     def compose(self):
         with Horizontal():
@@ -77,6 +86,7 @@ class MainScreen(Screen):
             conv = self.store.get_conversation(cid)
             if conv is not None:
                 panes.append(self._make_pane(conv))
+                panes[-1].restored = True
         if not panes:
             panes.append(self._make_pane(self._new_conversation()))
         await self.query_one(PaneGrid).mount_all(panes)
@@ -122,6 +132,24 @@ class MainScreen(Screen):
         return ChatPane(conv, self.store.messages(conv.id), self.backend,
                         ready=getattr(self.app, "backend_ready", None), ticker=False)
 
+    def on_resize(self) -> None:
+        self._fit_width()
+
+    def _fit_width(self) -> None:
+        """The dashboard as a panel (wider on a wide screen) or, on a narrow one, a line."""
+        width = self.size.width
+        line = width < NARROW_COLUMNS if self.dashboard_line is None else self.dashboard_line
+        self.set_class(line, "-narrow")
+        dash = self.query_one(Dashboard)
+        dash.set_class(line, "-line")
+        dash.set_class(width >= WIDE_COLUMNS, "-wide")
+        # the footer's palette entry would push F2-F5 off a narrow screen (ctrl+p still works)
+        self.query_one(Footer).show_command_palette = width >= NARROW_COLUMNS
+
+    def action_toggle_dashboard(self) -> None:
+        self.dashboard_line = not self.query_one(Dashboard).has_class("-line")
+        self._fit_width()
+
     def _relayout(self) -> None:
         panes = self.panes
         for i, p in enumerate(panes, start=1):
@@ -131,7 +159,8 @@ class MainScreen(Screen):
         if self.zoomed and not any(p.has_class("-zoomed") for p in panes):
             self.zoomed = False
         self.query_one(PaneGrid).reflow(len(panes), self.zoomed)
-        self.store.save_layout(self.backend.profile, [p.conversation.id for p in panes])
+        shown = [p.conversation.id for p in panes]
+        self.store.save_layout(self.backend.profile, shown + [c for c in self.elsewhere if c not in shown])
         self.refresh_names()
 
     def refresh_names(self) -> None:
@@ -180,12 +209,33 @@ class MainScreen(Screen):
 
     def on_chat_pane_conversation_changed(self, event: ChatPane.ConversationChanged) -> None:
         self.store.save_conversation(event.pane.conversation)
+        self.refresh_names()  # the dashboard lists the new title during the first reply already
 
     def on_chat_pane_history_replaced(self, event: ChatPane.HistoryReplaced) -> None:
         self.store.replace_messages(event.pane.conversation.id, event.messages)
 
     def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
         self.refresh_names()
+
+    async def on_chat_pane_held_elsewhere(self, event: ChatPane.HeldElsewhere) -> None:
+        """Another live terminal holds the pane's conversation: a pane restored at start
+        gives it up (this terminal opens its own); one opened on purpose follows it read-only."""
+        pane, title = event.pane, event.pane.conversation.title
+        if not event.restored:
+            self.notify(f"pane {pane.number}: {title!r} is open in terminal {event.holder}: read-only here, "
+                        "following its replies; ctrl+g takes it over", severity="warning", timeout=8)
+            return
+        self.elsewhere.append(pane.conversation.id)
+        self.notify(f"{title!r} is open in terminal {event.holder}; not restored here (F4 opens it read-only)",
+                    timeout=8)
+        await self.backend.release(pane.conversation.id)
+        focused = pane is self._active()
+        if len(self.panes) == 1:
+            await self.query_one(PaneGrid).mount(self._make_pane(self._new_conversation()))
+        await pane.remove()
+        self._relayout()
+        if focused:
+            self._focus(self.panes[0])
 
     # -- actions (keys and command palette) ----------------------------------------------
     def palette_commands(self) -> Iterator[SystemCommand]:
@@ -219,6 +269,7 @@ class MainScreen(Screen):
             return  # the last pane is already an empty one
         idx = panes.index(pane)
         pane.stop()
+        self.run_worker(self.backend.release(pane.conversation.id), group="release")
         if not pane.history:
             self.store.delete_conversation(pane.conversation.id)
         await pane.remove()
@@ -250,6 +301,11 @@ class MainScreen(Screen):
             p.set_class(self.zoomed and p is pane, "-zoomed")
         self.query_one(PaneGrid).reflow(len(self.panes), self.zoomed)
         pane.focus_input()
+
+    def action_take_over(self) -> None:
+        pane = self._active()
+        if pane is not None and not pane.take_over():
+            self.notify(f"pane {pane.number} already holds its conversation")
 
     def action_stop(self) -> None:
         pane = self._active()

@@ -18,7 +18,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
     DEFAULT_CSS = """
     ModelPickerScreen { align: center middle; }
     ModelPickerScreen > Vertical {
-        width: 90; height: 70%; border: round $primary; background: $surface; padding: 1 2;
+        width: 90; max-width: 100%; height: 70%; border: round $primary; background: $surface; padding: 1 2;
     }
     ModelPickerScreen OptionList { height: 1fr; }
     """

@@ -31,7 +31,7 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
     DEFAULT_CSS = """
     PaneSettingsScreen { align: center middle; }
     PaneSettingsScreen > Vertical {
-        width: 72; height: auto; max-height: 100%;
+        width: 72; max-width: 100%; height: auto; max-height: 100%;
         border: round $primary; background: $surface; padding: 0 2;
     }
     PaneSettingsScreen Grid { grid-size: 2; grid-columns: 16 1fr; grid-rows: auto; height: auto; grid-gutter: 0 1; }

@@ -27,6 +27,28 @@ WRAPPING = {"dash-backend", "dash-model", "dash-share", "dash-models"}  # may ta
 _TEMPLATE_NOTE = {"chatml-fallback": "\ntemplate: chatml (fallback)"}
 REFRESH_HZ = 4
 WINDOW_S = 60
+KV_LINES = 2  # the KV words wrap onto this many lines (a fixed height: no layout pass per change)
+COLUMNS = ("stream", "state", "tok", "tok/s")
+TABLE_EXTRA = 2 * len(COLUMNS) + 1  # one cell's padding each side, and the scrollbar
+
+
+def cut(text: str, width: int) -> str:
+    """`text` in at most `width` columns, its end replaced by '…' when it is cut."""
+    return text if len(text) <= width else text[:max(0, width - 1)] + "…"
+
+
+def wrap_parts(parts: list[str], width: int, lines: int) -> str:
+    """`parts` joined with ', ' into at most `lines` lines of `width`, breaking only
+    between parts (the last line is cut when they do not fit)."""
+    out: list[str] = []
+    for part in parts:
+        if out and (len(out[-1]) + 2 + len(part) <= width or len(out) == lines):
+            out[-1] += ", " + part
+        else:
+            if out:
+                out[-1] += ","
+            out.append(part)
+    return "\n".join(cut(line, width) for line in out)
 
 
 def sparkline(values: list[float], width: int, vmax: float) -> str:
@@ -95,6 +117,12 @@ class Dashboard(Vertical, can_focus=False):
     Dashboard Static { height: 1; }
     Dashboard #dash-backend, Dashboard #dash-model, Dashboard #dash-share, Dashboard #dash-models { height: auto; }
     Dashboard #dash-backend { text-style: bold; }
+    Dashboard #dash-kv { height: 2; }
+    Dashboard.-wide { width: 56; }
+    Dashboard #dash-line { display: none; }
+    Dashboard.-line { width: 1fr; height: 1; border: none; padding: 0 1; }
+    Dashboard.-line > * { display: none; }
+    Dashboard.-line > #dash-line { display: block; }
     Dashboard .dash-dim { color: $text-muted; }
     Dashboard .dash-spark { color: $accent; }
     Dashboard #dash-streams-title { margin-top: 1; }
@@ -133,6 +161,7 @@ class Dashboard(Vertical, can_focus=False):
         self.stats = stats
 
     def compose(self):
+        yield Static(id="dash-line")  # the whole dashboard in one line, on a narrow screen (-line)
         yield Static(id="dash-backend")
         yield Static(id="dash-model", classes="dash-dim")
         yield Static(id="dash-share", classes="dash-dim")
@@ -152,7 +181,7 @@ class Dashboard(Vertical, can_focus=False):
         self._ready = True
         self.border_title = "batch"
         table = self.query_one(DataTable)
-        table.add_columns("stream", "state", "tok", "tok/s")
+        table.add_columns(*COLUMNS)
         self.refresh_stats()
         self.set_interval(1 / REFRESH_HZ, self.refresh_stats)
 
@@ -163,13 +192,15 @@ class Dashboard(Vertical, can_focus=False):
         self.model_stats = self.backend.model_stats()
         self.show_stats(self.backend.stats())
 
-    def model_lines(self) -> list[str]:
-        """One batch line per loaded model (none with a single model: the batch line is it)."""
+    def model_lines(self, width: int = 0) -> list[str]:
+        """One batch line per loaded model (none with a single model: the batch line is it),
+        each fitting `width` (the name is cut first; 0: the content width)."""
+        width = width or max(10, self.content_size.width)
         lines = []
         for name, s in self.model_stats.items():
             cap = f"/{s.batch_max}" if s.batch_max else ""
-            lines.append(f"{name[:22]}  batch {s.batch_now or 0}{cap}  queue {s.queue_depth or 0}  "
-                         f"{s.tok_s:.0f} tok/s")
+            rest = f"  {s.batch_now or 0}{cap}  queue {s.queue_depth or 0}  {s.tok_s:.0f} tok/s"
+            lines.append(cut(cut(name, max(4, width - len(rest))) + rest, width))
         return lines
 
     def watch_status_line(self) -> None:
@@ -194,9 +225,10 @@ class Dashboard(Vertical, can_focus=False):
         if not self._ready:
             return
         t0 = time.perf_counter()
-        if s is None:
-            self._show("dash-batch", "batch -")
+        if s is None:  # not connected (yet, or any more): no figure stays on screen
+            self._show("dash-batch", self.backend.trouble() or "batch -")
             self._show("dash-kv", "")
+            self._show("dash-line", self.backend.trouble() or self.status_line)
         else:
             self._update_numbers(s, max(10, self.content_size.width))
             self._update_streams(self._all_streams(s))
@@ -238,9 +270,12 @@ class Dashboard(Vertical, can_focus=False):
         if s.queue_depth is not None:
             parts.append(f"queue {s.queue_depth}")
         self._show("dash-batch", "  ".join(parts), markup=True)
-        self._show("dash-models", "\n".join(self.model_lines()))
-        kv = kv_words(s)
-        self._show("dash-kv", f"terminals {s.terminals if s.terminals is not None else 1}  {kv}")
+        self._show("dash-models", "\n".join(self.model_lines(width)))
+        terminals = f"terminals {s.terminals if s.terminals is not None else 1}  "
+        self._show("dash-kv", wrap_parts((terminals + kv_words(s)).split(", "), width, KV_LINES))
+        kv = kv_words(s).split(", ")[0]
+        self._show("dash-line", f"batch [b]{now}{cap_text}[/b]  queue {s.queue_depth or 0}  {tok_s:.1f} tok/s  "
+                   f"{terminals}{kv}", markup=True)
         occ = list(self.occupancy)
         tps = list(self.tok_s)
         self._show("dash-occ-label", f"occupancy, last {WINDOW_S} s (peak {self.peak_batch})")
@@ -262,7 +297,12 @@ class Dashboard(Vertical, can_focus=False):
         rows: dict[str, tuple[str, ...]] = {}
         for key, x in streams:
             name = self.pane_names.get(x.conversation) or f"{(x.client or 'other')[:7]} {x.conversation[-6:]}"
-            rows[key] = (name[:14], state_words(x)[:11], str(x.tokens), f"{x.tok_s:.1f}")
+            rows[key] = (name, state_words(x)[:11], str(x.tokens), f"{x.tok_s:.1f}")
+        # the names take the width the other columns leave (cut with '…')
+        others = sum(max(len(head), *(len(r[i]) for r in rows.values())) if rows else len(head)
+                     for i, head in enumerate(COLUMNS) if i)
+        name_width = max(8, self.content_size.width - others - TABLE_EXTRA)
+        rows = {key: (cut(r[0], name_width), *r[1:]) for key, r in rows.items()}
         old: dict[str, tuple[str, ...]] = self._shown.get("rows") or {}  # type: ignore[assignment]
         if rows == old:
             return

@@ -18,7 +18,8 @@ from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
 from ...store import Conversation, Message as StoredMessage, conversation_markdown
-from ...clients.base import ChatBackend, ChatStream, Delta, Finished, GenParams, Prefill, Queued, StreamMeter
+from ...clients.base import (ChatBackend, ChatStream, Delta, Finished, Followed, GenParams, HolderChanged, Prefill,
+                             Queued, Reconnected, StreamMeter)
 from ..json_output import response_format_of
 from ..perf import UI_COST
 from .prompt_input import PromptInput
@@ -92,6 +93,24 @@ class ChatPane(Vertical):
             self.pane = pane
             self.messages = messages
 
+    class HeldElsewhere(Message):
+        """The server says another live terminal (`holder`) holds this pane's conversation:
+        the pane is read-only, following it. `restored`: at the pane's first open (the
+        screen restored it from the layout)."""
+
+        def __init__(self, pane: "ChatPane", holder: str, restored: bool):
+            super().__init__()
+            self.pane = pane
+            self.holder = holder
+            self.restored = restored
+
+    class Remote(Message):
+        """A Followed, HolderChanged or Reconnected event from the backend, brought onto the pane."""
+
+        def __init__(self, event: Followed | HolderChanged | Reconnected):
+            super().__init__()
+            self.event = event
+
     class Activated(Message):
         """Focus moved into this pane."""
 
@@ -124,6 +143,9 @@ class ChatPane(Vertical):
         self._cut = False  # cut_off() stored the reply in flight
         self.prompt_tokens: int | None = None  # the current (or last) prompt's tokens
         self.context_used: int | None = None  # tokens of the context the conversation fills
+        self.held_by: str | None = None  # the other terminal holding the conversation: read-only
+        self.restored = False  # set by the screen for panes it restores at start
+        self._follow: tuple[AssistantMessage, MarkdownStream] | None = None  # a followed reply streaming
         last = next((m for m in reversed(self.history) if m.role == "assistant"), None)
         if last is not None:  # the previous session's last reply figures
             t, u = last.meta.get("timings") or {}, last.meta.get("usage") or {}
@@ -159,28 +181,112 @@ class ChatPane(Vertical):
         transcript.scroll_end(animate=False, immediate=True)
 
     @work(group="attach")
-    async def _sync_remote(self) -> None:
-        """Once the backend is up, sync with a server that keeps its own copy of the history."""
+    async def _sync_remote(self, take: bool = False) -> None:
+        """Once the backend is up, sync with a server that keeps its own copy of the history;
+        learn whether another terminal holds the conversation (`take`: take it over)."""
         if self.ready is not None:
             await self.ready.wait()
         if self.backend.info.kind != "remote":
             return
         ours = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
+        cid = self.conversation.id
+        self.backend.watch(cid, lambda ev: self.post_message(self.Remote(ev)))
         try:
-            remote = await self.backend.attach(self.conversation.id, self.conversation.system, ours)
+            remote = await self.backend.attach(cid, self.conversation.system, ours, take=take)
         except Exception as e:  # noqa: BLE001 - shown, never fatal: the pane still works locally
             self.notify(f"pane {self.number}: could not open the conversation on the server: {e}", severity="error")
             return
         if remote is None:
             return
+        holder, restored = self.backend.holder_of(cid), self.restored
+        self.restored = False
+        if holder is not None:
+            self._hold(holder)
+            self.post_message(self.HeldElsewhere(self, holder, restored))
+        elif take:
+            self._hold(None)
+        partial = self.backend.replying(cid)
         if remote and [{"role": m["role"], "content": m["content"]} for m in remote] != ours:
             self.history = [StoredMessage(m["role"], m["content"], {"cut_off": True} if m.get("cut_off") else {})
                             for m in remote]
-            self.post_message(self.HistoryReplaced(self, list(self.history)))
+            if holder is None:  # a follower's copy is the holder's to store
+                self.post_message(self.HistoryReplaced(self, list(self.history)))
+            await self._stop_following()
             await self._render_history()
         elif not remote and ours:
             self.notify(f"pane {self.number}: the server has no copy of this conversation; "
                         "its replies start without the earlier turns", severity="warning")
+        if partial is not None and not self.busy and self._follow is None:  # another terminal's reply in flight
+            await self._follow_event(Followed("delta", partial))
+
+    async def _stop_following(self) -> None:
+        """Forget a followed reply's widget (the history is shown again from the server's copy)."""
+        if self._follow is not None:
+            await self._follow[1].stop()
+            self._follow = None
+
+    def _hold(self, holder: str | None) -> None:
+        self.held_by = holder
+        self.refresh_title()
+        self._set_state(f"read-only: terminal {holder} holds it" if holder else "idle")
+
+    def take_over(self) -> bool:
+        """Take the conversation from the terminal holding it (False: this pane holds it)."""
+        if self.held_by is None:
+            return False
+        self._sync_remote(take=True)
+        return True
+
+    async def on_chat_pane_remote(self, event: "ChatPane.Remote") -> None:
+        event.stop()
+        ev = event.event
+        if isinstance(ev, Reconnected):
+            self._sync_remote()  # open it again: the server may have restarted without it
+        elif isinstance(ev, HolderChanged):
+            was = self.held_by
+            if ev.holder != was:
+                self._hold(ev.holder)
+            if ev.holder is None and was is not None:
+                self.notify(f"pane {self.number}: terminal {was} let go of this conversation; "
+                            "this terminal holds it now")
+                self._sync_remote()  # the server's copy, now ours to store
+            elif ev.holder is not None and was is None:
+                self.notify(f"pane {self.number}: terminal {ev.holder} took this conversation over; "
+                            "read-only here now (ctrl+g takes it back)", severity="warning")
+        else:
+            await self._follow_event(ev)
+
+    async def _follow_event(self, ev: Followed) -> None:
+        """Show another terminal's turn as it happens (kept in the history, not stored: the
+        holder stores it)."""
+        transcript = self.query_one(Transcript)
+        if ev.event == "user":
+            if ev.replaces and self.history and self.history[-1].role == "user":
+                self.history.pop()
+            if ev.text:
+                self.history.append(StoredMessage("user", ev.text))
+                await transcript.mount(UserMessage(ev.text))
+            ev = Followed("delta", "")
+        if ev.event == "delta":
+            if self._follow is None:
+                reply = AssistantMessage("")
+                await transcript.mount(reply)
+                self._follow = (reply, Markdown.get_stream(reply))
+                if self.held_by:
+                    self._set_state(f"read-only: terminal {self.held_by} is replying")
+            if ev.text:
+                await self._follow[1].write(ev.text)
+            transcript.anchor()
+        elif ev.event == "finished" and self._follow is not None:
+            reply, md = self._follow
+            self._follow = None
+            await md.stop()
+            if ev.text:
+                reply.update(ev.text)
+                self.history.append(StoredMessage("assistant", ev.text))
+            else:
+                await reply.remove()
+            self._hold(self.held_by)
 
     # -- public API (called by the screen) -------------------------------------------
     @property
@@ -198,7 +304,8 @@ class ChatPane(Vertical):
 
     def refresh_title(self) -> None:
         model = self.model
-        self.border_title = f"{self.number} · {self.conversation.title}" + (f" · {model}" if model else "")
+        self.border_title = (f"{self.number} · {self.conversation.title}" + (f" · {model}" if model else "")
+                             + (" · read-only" if self.held_by else ""))
 
     def set_model(self, model: str) -> None:
         """Talk to `model` from the next reply on (the caller stores the conversation)."""
@@ -215,6 +322,10 @@ class ChatPane(Vertical):
             return False
         if self.busy:
             self.notify(f"pane {self.number} is still replying; ctrl+s stops it", severity="warning")
+            return False
+        if self.held_by is not None:
+            self.notify(f"pane {self.number} is read-only: terminal {self.held_by} holds this conversation; "
+                        "ctrl+g takes it over", severity="warning")
             return False
         try:
             self._response_format = response_format_of(self.conversation.json_output)
