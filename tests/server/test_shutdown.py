@@ -15,15 +15,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from .serve_process import ServeProcess
 from .test_websocket import HELLO, recv
 
 LONG = "Write a very long story about a dragon and a knight, with many chapters."
@@ -31,48 +29,16 @@ LONG = "Write a very long story about a dragon and a knight, with many chapters.
 EXIT_SLACK_S = 4.0
 
 
-class Serve:
-    """`panechat serve --port 0 FLAGS` in a subprocess; stderr is collected by a thread."""
+class Serve(ServeProcess):
+    """`panechat serve --port 0 --ctx-size 1024 FLAGS` in a subprocess (serve_process.py),
+    with this process's environment; `term()` sends SIGTERM and returns when."""
 
     def __init__(self, model_path, *flags: str):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from panechat.app.cli import main; sys.exit(main())", "serve",
-             "--port", "0", "--model", str(model_path), "--ctx-size", "1024", *flags],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        self.lines: list[str] = []
-        first = self.p.stderr.readline()
-        self.lines.append(first)
-        m = re.search(r"listening on (http://127\.0\.0\.1:(\d+))", first)
-        assert m, first
-        self.url, self.ws_url = m.group(1), f"ws://127.0.0.1:{m.group(2)}/ws"
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.p.stderr:
-            self.lines.append(line)
-
-    @property
-    def err(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        t0 = time.monotonic()
-        while not any(line.startswith("ready in ") for line in self.lines):
-            assert self.p.poll() is None, self.err
-            assert time.monotonic() - t0 < timeout, self.err
-            time.sleep(0.1)
+        super().__init__(model_path, {**os.environ, "PYTHONUNBUFFERED": "1"}, "--ctx-size", "1024", *flags)
 
     def term(self) -> float:
         self.p.send_signal(signal.SIGTERM)
         return time.monotonic()
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(10)
-        self._reader.join(5)
 
 
 async def _sse(url: str, max_tokens: int, out: dict) -> None:
