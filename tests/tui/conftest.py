@@ -35,6 +35,16 @@ def tui_engine(loaded_model):
         yield engine
 
 
+@pytest.fixture(scope="module")
+def server(tui_engine):
+    """A panechat server on loopback (websocket and HTTP) over the shared engine, per module."""
+    from panechat.app.server import start_in_background
+
+    srv = start_in_background(tui_engine, "127.0.0.1", 0)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
     """PANECHAT_DATA_DIR and PANECHAT_EXPORT_DIR pointed at a temporary folder."""

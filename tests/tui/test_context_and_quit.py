@@ -37,15 +37,6 @@ def small_server(small_engine):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def long_server(tui_engine):
-    """The shared 1,024-token engine: room for a reply long enough to quit in the middle of
-    (a short one can be done on the server before the terminal has shown its first words)."""
-    srv = start_in_background(tui_engine, "127.0.0.1", 0)
-    yield srv
-    srv.stop()
-
-
 def _backend(kind: str, engine, srv):
     return engine if kind == "local" else RemoteBackend(srv.ws_url)
 
@@ -110,9 +101,9 @@ async def test_a_prompt_too_long_alone_is_refused_and_not_kept(kind, small_engin
 
 
 @pytest.mark.parametrize("kind", ["local", "remote"])
-async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engine, long_server, store):
+async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engine, server, store):
     store.set_setting("default_max_tokens", "800")
-    app = make_app(_backend(kind, tui_engine, long_server), store)
+    app = make_app(_backend(kind, tui_engine, server), store)
     async with app.run_test(size=SIZE) as pilot:
         pane = await _ready(pilot)
         cid = pane.conversation.id
@@ -121,8 +112,8 @@ async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engin
         await pilot.press("ctrl+q")
     if kind == "remote":  # the server keeps what it generated for the terminal that left, marked
         t0 = time.monotonic()
-        while not long_server.state.conversations.get(cid).messages[-1].get("cut_off"):
-            assert time.monotonic() - t0 < 30, long_server.state.conversations.get(cid).messages
+        while not server.state.conversations.get(cid).messages[-1].get("cut_off"):
+            assert time.monotonic() - t0 < 30, server.state.conversations.get(cid).messages
             await asyncio.sleep(0.05)
     wait_engine_idle(tui_engine)
     reopened = Store.open()  # the same data folder, as a new process would find it
@@ -130,7 +121,7 @@ async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engin
         kept = reopened.messages(cid)
         assert [m.role for m in kept] == ["user", "assistant"] and kept[1].meta.get("cut_off") is True
         assert kept[1].content.strip()
-        app = make_app(_backend(kind, tui_engine, long_server), reopened)
+        app = make_app(_backend(kind, tui_engine, server), reopened)
         async with app.run_test(size=SIZE) as pilot:
             pane = await _ready(pilot)
             assert pane.conversation.id == cid

@@ -24,13 +24,6 @@ SIZE = (160, 45)
 
 
 @pytest.fixture(scope="module")
-def server(tui_engine):
-    srv = start_in_background(tui_engine, "127.0.0.1", 0)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def token_server(tui_engine):
     srv = start_in_background(tui_engine, "127.0.0.1", 0, token="s3cret")
     yield srv

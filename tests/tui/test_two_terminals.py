@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from panechat.app.clients.remote_ws import RemoteBackend
-from panechat.app.server import start_in_background
 from panechat.app.store import Store
 from panechat.app.tui.screens.conversations import ConversationsScreen
 from panechat.app.tui.widgets.transcript import AssistantMessage, UserMessage
@@ -15,13 +14,6 @@ from panechat.app.tui.widgets.transcript import AssistantMessage, UserMessage
 from .conftest import make_app, type_and_send, wait_for
 
 SIZE = (160, 45)
-
-
-@pytest.fixture(scope="module")
-def server(tui_engine):
-    srv = start_in_background(tui_engine, "127.0.0.1", 0)
-    yield srv
-    srv.stop()
 
 
 def _replied(pane) -> bool:
