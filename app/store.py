@@ -83,6 +83,16 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE conversations ADD COLUMN json_output TEXT NOT NULL DEFAULT '';
     """,
+    # 5: the other continuations of a conversation (an earlier reply before a regenerate, the turns
+    # after a user message before its edit): one row per branch point, its position in the history
+    """
+    CREATE TABLE branches (
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    );
+    """,
 )
 
 
@@ -391,14 +401,32 @@ class Store:
         return [Message(role, content, json.loads(meta), mid) for role, content, meta, mid in rows]
 
     def replace_messages(self, conv_id: str, messages: list[Message]) -> None:
-        """Make the stored history exactly `messages` (a remote server's copy wins)."""
+        """Make the stored history exactly `messages` (a remote server's copy wins, a
+        branch flipped in); each message's `id` is its new row."""
         def replace(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM messages WHERE conversation_id = ?", (conv_id,))
-            db.executemany(
-                "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                [(conv_id, m.role, m.content, json.dumps(m.meta), time.time()) for m in messages])
+            for m in messages:
+                m.id = db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+                    (conv_id, m.role, m.content, json.dumps(m.meta), time.time())).lastrowid
 
         self._write(replace)
+
+    # -- branches ----------------------------------------------------------------------------
+    def save_branches(self, conv_id: str, branches: dict[int, dict]) -> None:
+        """Make the stored branch points of `conv_id` exactly `branches` (position -> a JSON
+        state, app/tui/branches.py)."""
+        def save(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM branches WHERE conversation_id = ?", (conv_id,))
+            db.executemany("INSERT INTO branches (conversation_id, position, state) VALUES (?, ?, ?)",
+                           [(conv_id, pos, json.dumps(state)) for pos, state in sorted(branches.items())])
+
+        self._write(save)
+
+    def branches(self, conv_id: str) -> dict[int, dict]:
+        """The branch points of `conv_id`: position in the history -> its state."""
+        rows = self._read("SELECT position, state FROM branches WHERE conversation_id = ?", (conv_id,))
+        return {pos: json.loads(state) for pos, state in rows}
 
     # -- layout ------------------------------------------------------------------------------
     def save_layout(self, profile: str, conversation_ids: list[str]) -> None:

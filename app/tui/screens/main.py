@@ -17,6 +17,7 @@ from textual.widgets import Footer
 
 from ...clients.base import ChatBackend
 from ...store import Store
+from ..branches import from_store
 from ..commands import Command, binding_commands
 from ..widgets.dashboard import Dashboard
 from ..widgets.pane import FLUSH_HZ, ChatPane
@@ -120,7 +121,8 @@ class MainScreen(Screen):
 
     def _make_pane(self, conv) -> ChatPane:
         return ChatPane(conv, self.store.messages(conv.id), self.backend,
-                        ready=getattr(self.app, "backend_ready", None), ticker=False)
+                        ready=getattr(self.app, "backend_ready", None), ticker=False,
+                        branches=from_store(self.store.branches(conv.id)))
 
     def _relayout(self) -> None:
         panes = self.panes
@@ -184,6 +186,11 @@ class MainScreen(Screen):
     def on_chat_pane_history_replaced(self, event: ChatPane.HistoryReplaced) -> None:
         self.store.replace_messages(event.pane.conversation.id, event.messages)
 
+    def on_chat_pane_history_rewritten(self, event: ChatPane.HistoryRewritten) -> None:
+        pane = event.pane
+        self.store.replace_messages(pane.conversation.id, pane.history)
+        self.store.save_branches(pane.conversation.id, pane.branches)
+
     def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
         self.refresh_names()
 
@@ -192,8 +199,9 @@ class MainScreen(Screen):
         """The command palette's entries for this screen: every Command binding, then the
         one action that has no key."""
         yield from binding_commands(self)
-        yield SystemCommand("Copy last reply", "Copy the active pane's last reply to the clipboard",
-                            self.action_copy_reply)
+        pane = self._active()
+        if pane is not None:  # the message actions: edit, delete, regenerate, copy, branches
+            yield from binding_commands(pane)
 
     async def action_new_pane(self, conversation_id: str | None = None) -> ChatPane | None:
         if len(self.panes) >= MAX_PANES:
@@ -334,10 +342,3 @@ class MainScreen(Screen):
         if pane is None:
             self.store.delete_conversation(conv.id)
         return pane
-
-    def action_copy_reply(self) -> None:
-        pane = self._active()
-        reply = next((m.content for m in reversed(pane.history) if m.role == "assistant"), None) if pane else None
-        if reply:
-            self.app.copy_to_clipboard(reply)
-            self.notify("copied the last reply")
