@@ -93,7 +93,14 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (conversation_id, position)
     );
     """,
+    # 6: the conversation's other sampling settings (top_p, top_k, min_p, stop, penalties) as a JSON
+    # object of the request schema's field names, only those set away from their defaults
+    """
+    ALTER TABLE conversations ADD COLUMN sampling TEXT NOT NULL DEFAULT '{}';
+    """,
 )
+
+_CONV_COLUMNS = "id, title, system, temperature, max_tokens, seed, created, updated, model, json_output, sampling"
 
 
 def data_dir() -> Path:
@@ -214,6 +221,11 @@ class Conversation:
     updated: float = field(default_factory=time.time)
     model: str = ""  # the model's name ('' = the backend's default model)
     json_output: str = ""  # '' free text, 'json' any JSON object, or a JSON schema file (app/tui/json_output.py)
+    sampling: dict = field(default_factory=dict)  # the other request fields: top_p, stop, penalties, ...
+
+
+def _conversation(row: tuple) -> Conversation:
+    return Conversation(*row[:-1], sampling=json.loads(row[-1] or "{}"))
 
 
 @dataclass
@@ -347,32 +359,27 @@ class Store:
         """A new conversation (a fresh id unless `conv_id`, e.g. a server's conversation)."""
         conv = Conversation(id=conv_id or f"c-{uuid.uuid4().hex[:12]}", title=title or "New chat", **settings)
         self._write(lambda db: db.execute(
-            "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated, model, "
-            "json_output) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO conversations ({_CONV_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (conv.id, conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed,
-             conv.created, conv.updated, conv.model, conv.json_output)))
+             conv.created, conv.updated, conv.model, conv.json_output, json.dumps(conv.sampling))))
         return conv
 
     def get_conversation(self, conv_id: str) -> Conversation | None:
-        rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model, json_output "
-            "FROM conversations WHERE id = ?", (conv_id,))
-        return Conversation(*rows[0]) if rows else None
+        rows = self._read(f"SELECT {_CONV_COLUMNS} FROM conversations WHERE id = ?", (conv_id,))
+        return _conversation(rows[0]) if rows else None
 
     def list_conversations(self) -> list[Conversation]:
-        rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model, json_output "
-            "FROM conversations ORDER BY updated DESC")
-        return [Conversation(*r) for r in rows]
+        rows = self._read(f"SELECT {_CONV_COLUMNS} FROM conversations ORDER BY updated DESC")
+        return [_conversation(r) for r in rows]
 
     def save_conversation(self, conv: Conversation) -> None:
-        """Write back title, system prompt, sampling settings and model."""
+        """Write back title, system prompt, sampling settings, model and JSON output."""
         conv.updated = time.time()
         self._write(lambda db: db.execute(
             "UPDATE conversations SET title = ?, system = ?, temperature = ?, max_tokens = ?, seed = ?, "
-            "updated = ?, model = ?, json_output = ? WHERE id = ?",
+            "updated = ?, model = ?, json_output = ?, sampling = ? WHERE id = ?",
             (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.model,
-             conv.json_output, conv.id)))
+             conv.json_output, json.dumps(conv.sampling), conv.id)))
 
     def delete_conversation(self, conv_id: str) -> None:
         self._write(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)))

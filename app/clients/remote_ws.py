@@ -262,7 +262,7 @@ class RemoteBackend(ChatBackend):
             frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                                 "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed,
-                                **_json_mode(params)},
+                                **_json_mode(params), **_extra_fields(params)},
                      "system": system}
             if model or self.model:
                 frame["model"] = model or self.model
@@ -308,6 +308,18 @@ class RemoteBackend(ChatBackend):
     def model_stats(self) -> dict[str, EngineStats]:
         return self._model_stats if self._ws is not None else {}
 
+
+
+def _extra_fields(params: GenParams) -> dict:
+    """Stop strings and penalties in a send frame's params, only those set away from the
+    defaults (the frame stays what an older server reads)."""
+    out = {k: getattr(params, k) for k, default in _PENALTY_DEFAULTS.items() if getattr(params, k) != default}
+    if params.stop:
+        out["stop"] = list(params.stop)
+    return out
+
+
+_PENALTY_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64}
 
 
 def _json_mode(params: GenParams) -> dict:

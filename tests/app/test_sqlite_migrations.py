@@ -99,8 +99,8 @@ def test_a_newer_conversation_store_is_left_alone(tmp_path):
 
 
 def test_a_history_store_from_before_branches_keeps_its_messages_and_gains_branches(tmp_path):
-    """A schema-4 history (before migration 5) opens with its messages; branch points then
-    round-trip and go with their conversation."""
+    """A schema-4 history (before migrations 5 and 6) opens with its messages; branch points
+    and the other sampling settings then round-trip, and go with their conversation."""
     db = _db(tmp_path / store.DB_NAME)
     for script in store.MIGRATIONS[:4]:
         db.executescript(script)
@@ -116,9 +116,14 @@ def test_a_history_store_from_before_branches_keeps_its_messages_and_gains_branc
     state = {"alts": [{"messages": [{"role": "assistant", "content": "a", "meta": {}}], "branches": {}},
                       {"messages": [], "branches": {}}], "current": 1}
     st.save_branches("old", {1: state})
+    conv = st.get_conversation("old")
+    assert conv.sampling == {}  # migration 6: the other sampling fields, none set
+    conv.sampling = {"top_k": 40, "stop": ["###"]}
+    st.save_conversation(conv)
     st.close()
     st = store.Store.open(tmp_path)
     assert st.branches("old") == {1: state}
+    assert st.get_conversation("old").sampling == {"top_k": 40, "stop": ["###"]}
     st.delete_conversation("old")  # its branch points go with it
     assert st.branches("old") == {}
     st.close()

@@ -49,7 +49,7 @@ class MainScreen(Screen):
         Command("ctrl+t", "broadcast", "Broadcast", priority=True, title="Broadcast prompt",
                 tooltip="Send the same prompt to every pane"),
         Command("f2", "settings", "Settings", title="Pane settings",
-                tooltip="System prompt, temperature, max tokens, seed"),
+                tooltip="System prompt, temperature, max tokens, seed, top p/k, min p, stop, penalties"),
         Command("f3", "export", "Export", title="Export conversation to Markdown",
                 tooltip="Write the active pane's conversation to a .md file"),
         Command("f4", "open_conversation", "Open", title="Open conversation",
@@ -282,7 +282,7 @@ class MainScreen(Screen):
         def apply(result: PaneSettings | None) -> None:
             if result is not None:
                 pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed,
-                                    result.json_output)
+                                    result.json_output, result.sampling)
                 self.store.save_conversation(pane.conversation)
                 self.refresh_names()
 

@@ -24,6 +24,7 @@ from ...clients.base import ChatBackend, ChatStream, Delta, Finished, GenParams,
 from .. import branches as br
 from ..commands import Command
 from ..json_output import response_format_of
+from ..sampling_fields import DEFAULTS as SAMPLING_DEFAULTS
 from ..perf import UI_COST
 from .prompt_input import PromptInput
 from .transcript import CUT_OFF_MARK, AssistantMessage, BranchLabel, ContextNotice, Transcript, UserMessage
@@ -402,12 +403,15 @@ class ChatPane(Vertical):
             self.stream.cancel()
 
     def apply_settings(self, title: str, system: str, temperature: float, max_tokens: int, seed: int | None,
-                       json_output: str | None = None) -> None:
-        """Change the conversation's title and settings (the caller stores them)."""
+                       json_output: str | None = None, sampling: dict | None = None) -> None:
+        """Change the conversation's title and settings (the caller stores them); `sampling`
+        holds the other request fields set away from their defaults (app/tui/sampling_fields.py)."""
         c = self.conversation
         c.title, c.system, c.temperature, c.max_tokens, c.seed = title or c.title, system, temperature, max_tokens, seed
         if json_output is not None:
             c.json_output = json_output
+        if sampling is not None:
+            c.sampling = dict(sampling)
         self.refresh_title()
 
     def cut_off(self) -> StoredMessage | None:
@@ -451,8 +455,9 @@ class ChatPane(Vertical):
             self._set_state("waiting for the model")
             await self.ready.wait()
         c = self.conversation
+        extra = {k: c.sampling[k] for k in SAMPLING_DEFAULTS if k in c.sampling}
         params = GenParams(temperature=c.temperature, max_tokens=c.max_tokens, seed=c.seed,
-                           response_format=self._response_format)
+                           response_format=self._response_format, stop=tuple(c.sampling.get("stop") or ()), **extra)
         messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         self.meter = meter = StreamMeter()
         self._received, self._queued = [], False
