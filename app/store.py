@@ -372,6 +372,18 @@ class Store:
         rows = self._read(f"SELECT {_CONV_COLUMNS} FROM conversations ORDER BY updated DESC")
         return [_conversation(r) for r in rows]
 
+    def search_conversations(self, text: str) -> list[Conversation]:
+        """The conversations whose title or any message holds `text` (case-insensitive for
+        ASCII, SQLite's LIKE), most recently updated first; all of them for ''."""
+        if not text.strip():
+            return self.list_conversations()
+        pattern = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self._read(
+            f"SELECT {_CONV_COLUMNS} FROM conversations c WHERE title LIKE ? ESCAPE '\\' OR EXISTS "
+            "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND m.content LIKE ? ESCAPE '\\') "
+            "ORDER BY updated DESC", (pattern, pattern))
+        return [_conversation(r) for r in rows]
+
     def save_conversation(self, conv: Conversation) -> None:
         """Write back title, system prompt, sampling settings, model and JSON output."""
         conv.updated = time.time()

@@ -53,7 +53,7 @@ class MainScreen(Screen):
         Command("f3", "export", "Export", title="Export conversation to Markdown",
                 tooltip="Write the active pane's conversation to a .md file"),
         Command("f4", "open_conversation", "Open", title="Open conversation",
-                tooltip="Open a stored conversation in a new pane"),
+                tooltip="Search, preview, open or delete stored conversations"),
         Command("f5", "pick_model", "Model", title="Choose model",
                 tooltip="Open a new pane on a model (or put the empty active pane on it)"),
         Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
@@ -312,7 +312,8 @@ class MainScreen(Screen):
             if conv_id:
                 await self.action_new_pane(conv_id)
 
-        self.app.push_screen(ConversationsScreen(convs), open_it)
+        self.app.push_screen(ConversationsScreen(convs, store=self.store, exclude=shown,
+                                                 default_model=self.backend.info.model), open_it)
 
     @work(exclusive=True, group="model-picker")
     async def action_pick_model(self) -> None:
