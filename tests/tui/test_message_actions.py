@@ -114,3 +114,40 @@ async def test_the_message_actions_are_in_the_command_palette(tui_engine, store)
         for t in ("Regenerate reply", "Edit prompt", "Delete message", "Copy reply", "Copy code block",
                   "Previous branch"):
             assert t in titles
+
+
+async def test_a_refused_regenerate_keeps_the_prompt_and_the_old_reply_as_a_branch(tui_engine, store):
+    from panechat.app.clients.local import LocalStream
+
+    app = make_app(tui_engine, store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Say hello")
+        await _reply(pilot, pane, 1)
+        first = pane.history[-1].content
+        real = app.backend.stream
+        app.backend.stream = lambda *a, **k: LocalStream(None, error="the engine queue is full")  # a refusal
+        before = pane.last_finish
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: pane.last_finish is not before and not pane.busy, what="the refusal")
+        app.backend.stream = real
+        assert [m.role for m in pane.history] == ["user"] and pane.history[0].content == "Say hello"
+        assert [m.content for m in store.messages(pane.conversation.id)] == ["Say hello"]
+        await pilot.press("alt+left")
+        await pilot.pause()
+        assert pane.history[-1].content == first
+
+
+async def test_broadcast_while_editing_does_not_replace_the_edited_prompt(tui_engine, store):
+    app = make_app(tui_engine, store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the backend")
+        pane = app.main.panes[0]
+        await type_and_send(pilot, pane, "Name a color")
+        await _reply(pilot, pane, 1)
+        await pilot.press("ctrl+g")
+        assert pane.send("Name a fruit")  # what broadcast does: a new turn, not the edit
+        await _reply(pilot, pane, 2)
+        assert [m.content for m in pane.history][::2] == ["Name a color", "Name a fruit"]
+        assert not pane.branches

@@ -150,6 +150,7 @@ class ChatPane(Vertical):
         self.branches: br.Branches = dict(branches or {})
         self.selected: int | None = None  # the message index the actions work on (None: the last)
         self._editing: int | None = None  # the prompt being edited: the next send replaces it
+        self._regenerating = False  # the reply in flight answers a prompt already in the history
         self.backend = backend
         self.ready = ready
         self.number = number
@@ -262,8 +263,9 @@ class ChatPane(Vertical):
     def focus_input(self) -> None:
         self.query_one(PromptInput).focus()
 
-    def send(self, text: str) -> bool:
-        """Append a user turn and start the reply; False (and a notice) while one is running."""
+    def send(self, text: str, *, replacing: int | None = None) -> bool:
+        """Append a user turn and start the reply; False (and a notice) while one is running.
+        `replacing`: the index of the prompt this one edits (it and what followed become a branch)."""
         text = text.strip()
         if not text:
             return False
@@ -279,9 +281,11 @@ class ChatPane(Vertical):
             self.conversation.title = text.splitlines()[0][:40]
             self.post_message(self.ConversationChanged(self))
             self.refresh_title()
-        rerender = self._editing is not None
+        rerender = replacing is not None and replacing < len(self.history)
         if rerender:  # the edited prompt and what followed it become a branch
-            self._fork(self._editing)
+            self._fork(replacing)
+        self._editing = None
+        self._regenerating = False
         self._add_message(StoredMessage("user", text))
         self._stop_requested = False
         self.stream = _PENDING  # busy from now on, even before the backend answers
@@ -318,6 +322,7 @@ class ChatPane(Vertical):
             self._fork(len(self.history) - 1)
         self.selected = None
         self._stop_requested = False
+        self._regenerating = True  # a refusal leaves the prompt where it is
         self.stream = _PENDING
         self._generate(rerender=True, prompt_shown=True)
 
@@ -433,7 +438,7 @@ class ChatPane(Vertical):
     # -- events --------------------------------------------------------------------------
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
-        if not self.send(event.text):
+        if not self.send(event.text, replacing=self._editing):
             event.prompt_input.restore(event.text)  # keep what they typed
 
     def on_descendant_focus(self) -> None:
@@ -559,8 +564,10 @@ class ChatPane(Vertical):
     def _withdraw(self, reply: AssistantMessage) -> None:
         """The prompt was refused before it started: take it out of the history (so later
         prompts do not carry it) and give its text back to the input."""
-        prompt = self.history.pop() if self.history and self.history[-1].role == "user" else None
         reply.remove()
+        if self._regenerating:  # the prompt was there before: it stays, the old reply is a branch
+            return
+        prompt = self.history.pop() if self.history and self.history[-1].role == "user" else None
         users = list(self.query_one(Transcript).query_children(UserMessage))
         if users:
             users[-1].remove()
