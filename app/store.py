@@ -479,6 +479,8 @@ def conversation_markdown(conv: Conversation, messages: list[Message]) -> str:
     settings = f"temperature {conv.temperature:g}, max tokens {conv.max_tokens}"
     if conv.seed is not None:
         settings += f", seed {conv.seed}"
+    for name, value in conv.sampling.items():  # the other request fields set away from their defaults
+        settings += f", {name.replace('_', ' ')} {json.dumps(value) if name == 'stop' else value}"
     lines += [f"*{settings}*", ""]
     if conv.system:
         lines += ["## System", "", conv.system, ""]

@@ -511,3 +511,9 @@ def test_search_matches_titles_and_message_text_literally(tmp_path):
     assert [c.id for c in st.search_conversations("camelcase")] == [b.id]  # message text, any ASCII case
     assert len(st.search_conversations("  ")) == 3
     st.close()
+
+
+def test_markdown_export_names_the_other_sampling_settings(tmp_path):
+    conv = store_mod.Conversation("c-1", "T", sampling={"top_k": 40, "stop": ["###"]})
+    md = store_mod.conversation_markdown(conv, [])
+    assert '*temperature 0, max tokens 512, top k 40, stop ["###"]*' in md
