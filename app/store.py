@@ -83,7 +83,24 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE conversations ADD COLUMN json_output TEXT NOT NULL DEFAULT '';
     """,
+    # 5: the other continuations of a conversation (an earlier reply before a regenerate, the turns
+    # after a user message before its edit): one row per branch point, its position in the history
+    """
+    CREATE TABLE branches (
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    );
+    """,
+    # 6: the conversation's other sampling settings (top_p, top_k, min_p, stop, penalties) as a JSON
+    # object of the request schema's field names, only those set away from their defaults
+    """
+    ALTER TABLE conversations ADD COLUMN sampling TEXT NOT NULL DEFAULT '{}';
+    """,
 )
+
+_CONV_COLUMNS = "id, title, system, temperature, max_tokens, seed, created, updated, model, json_output, sampling"
 
 
 def data_dir() -> Path:
@@ -204,6 +221,11 @@ class Conversation:
     updated: float = field(default_factory=time.time)
     model: str = ""  # the model's name ('' = the backend's default model)
     json_output: str = ""  # '' free text, 'json' any JSON object, or a JSON schema file (app/tui/json_output.py)
+    sampling: dict = field(default_factory=dict)  # the other request fields: top_p, stop, penalties, ...
+
+
+def _conversation(row: tuple) -> Conversation:
+    return Conversation(*row[:-1], sampling=json.loads(row[-1] or "{}"))
 
 
 @dataclass
@@ -337,32 +359,39 @@ class Store:
         """A new conversation (a fresh id unless `conv_id`, e.g. a server's conversation)."""
         conv = Conversation(id=conv_id or f"c-{uuid.uuid4().hex[:12]}", title=title or "New chat", **settings)
         self._write(lambda db: db.execute(
-            "INSERT INTO conversations (id, title, system, temperature, max_tokens, seed, created, updated, model, "
-            "json_output) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO conversations ({_CONV_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (conv.id, conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed,
-             conv.created, conv.updated, conv.model, conv.json_output)))
+             conv.created, conv.updated, conv.model, conv.json_output, json.dumps(conv.sampling))))
         return conv
 
     def get_conversation(self, conv_id: str) -> Conversation | None:
-        rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model, json_output "
-            "FROM conversations WHERE id = ?", (conv_id,))
-        return Conversation(*rows[0]) if rows else None
+        rows = self._read(f"SELECT {_CONV_COLUMNS} FROM conversations WHERE id = ?", (conv_id,))
+        return _conversation(rows[0]) if rows else None
 
     def list_conversations(self) -> list[Conversation]:
+        rows = self._read(f"SELECT {_CONV_COLUMNS} FROM conversations ORDER BY updated DESC")
+        return [_conversation(r) for r in rows]
+
+    def search_conversations(self, text: str) -> list[Conversation]:
+        """The conversations whose title or any message holds `text` (case-insensitive for
+        ASCII, SQLite's LIKE), most recently updated first; all of them for ''."""
+        if not text.strip():
+            return self.list_conversations()
+        pattern = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._read(
-            "SELECT id, title, system, temperature, max_tokens, seed, created, updated, model, json_output "
-            "FROM conversations ORDER BY updated DESC")
-        return [Conversation(*r) for r in rows]
+            f"SELECT {_CONV_COLUMNS} FROM conversations c WHERE title LIKE ? ESCAPE '\\' OR EXISTS "
+            "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND m.content LIKE ? ESCAPE '\\') "
+            "ORDER BY updated DESC", (pattern, pattern))
+        return [_conversation(r) for r in rows]
 
     def save_conversation(self, conv: Conversation) -> None:
-        """Write back title, system prompt, sampling settings and model."""
+        """Write back title, system prompt, sampling settings, model and JSON output."""
         conv.updated = time.time()
         self._write(lambda db: db.execute(
             "UPDATE conversations SET title = ?, system = ?, temperature = ?, max_tokens = ?, seed = ?, "
-            "updated = ?, model = ?, json_output = ? WHERE id = ?",
+            "updated = ?, model = ?, json_output = ?, sampling = ? WHERE id = ?",
             (conv.title, conv.system, conv.temperature, conv.max_tokens, conv.seed, conv.updated, conv.model,
-             conv.json_output, conv.id)))
+             conv.json_output, json.dumps(conv.sampling), conv.id)))
 
     def delete_conversation(self, conv_id: str) -> None:
         self._write(lambda db: db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)))
@@ -391,14 +420,32 @@ class Store:
         return [Message(role, content, json.loads(meta), mid) for role, content, meta, mid in rows]
 
     def replace_messages(self, conv_id: str, messages: list[Message]) -> None:
-        """Make the stored history exactly `messages` (a remote server's copy wins)."""
+        """Make the stored history exactly `messages` (a remote server's copy wins, a
+        branch flipped in); each message's `id` is its new row."""
         def replace(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM messages WHERE conversation_id = ?", (conv_id,))
-            db.executemany(
-                "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
-                [(conv_id, m.role, m.content, json.dumps(m.meta), time.time()) for m in messages])
+            for m in messages:
+                m.id = db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, meta, created) VALUES (?, ?, ?, ?, ?)",
+                    (conv_id, m.role, m.content, json.dumps(m.meta), time.time())).lastrowid
 
         self._write(replace)
+
+    # -- branches ----------------------------------------------------------------------------
+    def save_branches(self, conv_id: str, branches: dict[int, dict]) -> None:
+        """Make the stored branch points of `conv_id` exactly `branches` (position -> a JSON
+        state, app/tui/branches.py)."""
+        def save(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM branches WHERE conversation_id = ?", (conv_id,))
+            db.executemany("INSERT INTO branches (conversation_id, position, state) VALUES (?, ?, ?)",
+                           [(conv_id, pos, json.dumps(state)) for pos, state in sorted(branches.items())])
+
+        self._write(save)
+
+    def branches(self, conv_id: str) -> dict[int, dict]:
+        """The branch points of `conv_id`: position in the history -> its state."""
+        rows = self._read("SELECT position, state FROM branches WHERE conversation_id = ?", (conv_id,))
+        return {pos: json.loads(state) for pos, state in rows}
 
     # -- layout ------------------------------------------------------------------------------
     def save_layout(self, profile: str, conversation_ids: list[str]) -> None:
@@ -432,6 +479,8 @@ def conversation_markdown(conv: Conversation, messages: list[Message]) -> str:
     settings = f"temperature {conv.temperature:g}, max tokens {conv.max_tokens}"
     if conv.seed is not None:
         settings += f", seed {conv.seed}"
+    for name, value in conv.sampling.items():  # the other request fields set away from their defaults
+        settings += f", {name.replace('_', ' ')} {json.dumps(value) if name == 'stop' else value}"
     lines += [f"*{settings}*", ""]
     if conv.system:
         lines += ["## System", "", conv.system, ""]

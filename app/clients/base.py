@@ -22,7 +22,8 @@ class BackendError(Exception):
 
 @dataclass
 class GenParams:
-    """Sampling settings a pane sends with each prompt (the engine's SamplingParams subset)."""
+    """Sampling settings a pane sends with each prompt (the engine's SamplingParams subset,
+    named and defaulted as the request schema's `/ws` column)."""
 
     temperature: float = 0.0
     max_tokens: int = 512
@@ -31,6 +32,11 @@ class GenParams:
     top_k: int = 0
     min_p: float = 0.0
     response_format: dict | None = None  # OpenAI's: JSON mode or a JSON schema (a pane setting)
+    stop: tuple[str, ...] = ()  # the reply ends before any of them (besides the template's own)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
 
 
 @dataclass(frozen=True)

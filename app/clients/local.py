@@ -25,11 +25,13 @@ class LocalStream(ChatStream):
     submit errors become Finished('error')."""
 
     def __init__(self, engine: Engine | Callable[[], Engine] | None, messages: list[dict] | None = None,
-                 params: SamplingParams | None = None, conversation: str = "", *, error: str | None = None):
+                 params: SamplingParams | None = None, conversation: str = "", *, error: str | None = None,
+                 stop: tuple[str, ...] = ()):
         super().__init__()
         # a callable finds (or loads) the pane's model in the worker thread first
         self.engine, self.messages, self.params, self.conversation = engine, messages or [], params, conversation
         self.error = error
+        self.stop = tuple(stop)  # the pane's stop strings, besides the template's
         self.gen: Generation | None = None
         self.fit: ContextFit | None = None  # what was sent (turns left out to fit the context)
         self._cancelled = False
@@ -43,7 +45,7 @@ class LocalStream(ChatStream):
             room = reply_room(self.params.max_tokens if self.params else 1, engine.ctx)
             fit = await asyncio.to_thread(fit_context, self.messages, engine.prompt_ids, engine.ctx, room)
             gen = engine.submit(prompt_ids=fit.ids, params=self.params, conversation=self.conversation,
-                                stop=engine.chat_stops)
+                                stop=(*engine.chat_stops, *self.stop))
             self.fit = fit
         except Exception as e:  # refusals (app/engine_errors.py), incl. the engine stopping meanwhile
             refusal = classify(e)
@@ -126,10 +128,12 @@ class LocalBackend(ChatBackend):
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens,
+                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                            repeat_penalty=params.repeat_penalty, repeat_last_n=params.repeat_last_n,
                             grammar=response_format_grammar(params.response_format))
         models = self.models
         # found (or loaded on first use, or reloaded after an unload) in the worker thread
-        return LocalStream(lambda: models.get(model or None), msgs, sp, conversation)
+        return LocalStream(lambda: models.get(model or None), msgs, sp, conversation, stop=params.stop)
 
     def stats(self) -> EngineStats | None:
         if self.engine is None:

@@ -88,6 +88,12 @@ class OpenAIBackend(ChatBackend):
             body["top_k"] = params.top_k
         if params.min_p:
             body["min_p"] = params.min_p
+        if params.stop:
+            body["stop"] = list(params.stop)
+        for key, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),  # OpenAI's own
+                             ("repeat_penalty", 1.0), ("repeat_last_n", 64)):  # llama.cpp's, sent only when set
+            if getattr(params, key) != default:
+                body[key] = getattr(params, key)
         self._tasks[s.id] = asyncio.create_task(self._run(s, conversation, body))
         return s
 

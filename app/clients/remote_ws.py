@@ -52,6 +52,10 @@ class RemoteBackend(ChatBackend):
         # conversation the server dropped (for memory, see --history-memory) reopens it with
         # the history and sends again, once
         self._unqueued: dict[str, tuple] = {}
+        # conversation -> the (role, content) turns the server holds, as far as this terminal
+        # knows: a send whose earlier turns differ (an edit, a regenerate, a delete) says so
+        self._held: dict[str, list[tuple[str, str]]] = {}
+        self._sent: dict[str, tuple[str, list[tuple[str, str]]]] = {}  # request -> its turns once queued
         self._ids = itertools.count(1)
         self._stats: EngineStats | None = None
         self._lock = asyncio.Lock()
@@ -144,6 +148,7 @@ class RemoteBackend(ChatBackend):
                 s.put(Finished("error", "", error=reason))
             self._streams.clear()
             self._unqueued.clear()
+            self._sent.clear()
             for fut in self._opening.values():
                 if not fut.done():
                     fut.set_exception(BackendError(reason))
@@ -201,6 +206,7 @@ class RemoteBackend(ChatBackend):
         if kind == "error":
             msg = f.get("message") or f.get("code") or "error"
             if stream is not None:
+                self._sent.pop(stream.id, None)
                 self._finish(stream, Finished("error", "", error=msg))
             elif self._opening and f.get("code") in ("unknown_conversation", "bad_frame", "unknown_model",
                                                      "models_memory", "model_not_loadable"):
@@ -213,6 +219,8 @@ class RemoteBackend(ChatBackend):
             return
         if stream is None:
             return
+        if kind in ("queued", "finished"):
+            self._track(stream.id, kind, f)
         if kind == "queued":
             n, dropped = f.get("prompt_tokens"), f.get("dropped")
             stream.put(Queued(n if isinstance(n, int) else None, dropped if isinstance(dropped, int) else 0))
@@ -237,6 +245,16 @@ class RemoteBackend(ChatBackend):
         listener = self._watchers.get(cid)
         if listener is not None:
             listener(ev)
+
+    def _track(self, rid: str, kind: str, f: dict) -> None:
+        """Follow the server's copy: the turns of a queued send, then its reply."""
+        if kind == "queued" and rid in self._sent:
+            conversation, turns = self._sent[rid]
+            self._held[conversation] = list(turns)
+        elif kind == "finished":
+            sent = self._sent.pop(rid, None)
+            if sent is not None and f.get("text") and sent[0] in self._held:
+                self._held[sent[0]].append(("assistant", f.get("text", "")))
 
     def _finish(self, stream: QueueStream, ev: Finished) -> None:
         stream.put(ev)
@@ -272,6 +290,7 @@ class RemoteBackend(ChatBackend):
             await self._send(frame)
         messages = await asyncio.wait_for(asyncio.shield(fut), 30)
         self._opened.add(conversation)
+        self._held[conversation] = [(m["role"], m["content"]) for m in messages if m.get("role") != "system"]
         return [{"role": m["role"], "content": m["content"], **({"cut_off": True} if m.get("cut_off") else {})}
                 for m in messages if m.get("role") != "system"]
 
@@ -315,15 +334,29 @@ class RemoteBackend(ChatBackend):
             frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                                 "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed,
-                                **_json_mode(params)},
+                                **_json_mode(params), **_extra_fields(params)},
                      "system": system}
             if model or self.model:
                 frame["model"] = model or self.model
+            frame.update(self._rewrite(conversation, messages[:-1]))
+            self._sent[s.id] = (conversation, [(m["role"], m["content"]) for m in messages])
             await self._send(frame)
         except (BackendError, asyncio.TimeoutError, websockets.exceptions.WebSocketException, OSError) as e:
             self._streams.pop(s.id, None)
             self._unqueued.pop(s.id, None)
+            self._sent.pop(s.id, None)
             s.put(Finished("error", "", error=str(e) or type(e).__name__))
+
+    def _rewrite(self, conversation: str, before: list[dict]) -> dict:
+        """What a send frame adds when the turns before it are not the server's (docs/protocol.md):
+        `keep` when they are the start of its copy (an edit, a regenerate), else `messages`."""
+        turns = [(m["role"], m["content"]) for m in before]
+        held = self._held.get(conversation)
+        if held is None or held == turns:
+            return {}
+        if held[:len(turns)] == turns:
+            return {"keep": len(turns)}
+        return {"messages": [{"role": r, "content": c} for r, c in turns]}
 
     def _cancel(self, s: QueueStream) -> None:
         if s.id in self._streams:
@@ -347,6 +380,18 @@ class RemoteBackend(ChatBackend):
     def model_stats(self) -> dict[str, EngineStats]:
         return self._model_stats if self._ws is not None else {}
 
+
+
+def _extra_fields(params: GenParams) -> dict:
+    """Stop strings and penalties in a send frame's params, only those set away from the
+    defaults (the frame stays what an older server reads)."""
+    out = {k: getattr(params, k) for k, default in _PENALTY_DEFAULTS.items() if getattr(params, k) != default}
+    if params.stop:
+        out["stop"] = list(params.stop)
+    return out
+
+
+_PENALTY_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64}
 
 
 def _json_mode(params: GenParams) -> dict:

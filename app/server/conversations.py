@@ -121,6 +121,17 @@ class Conversation:
             old = self.messages.pop()
             self._grew(-message_bytes(old["role"], old["content"]))
 
+    def turns(self) -> list[dict]:
+        """The user and assistant messages (the system prompt left out)."""
+        return [m for m in self.messages if m["role"] != "system"]
+
+    def set_turns(self, turns: list[dict]) -> None:
+        """Make the turns after the system prompt exactly `turns` (a `send` with `keep` or
+        `messages`: an edit, a regenerate or a delete on the terminal)."""
+        old = sum(message_bytes(m["role"], m["content"]) for m in self.turns())
+        self.messages[:] = [m for m in self.messages if m["role"] == "system"] + [dict(m) for m in turns]
+        self._grew(sum(message_bytes(m["role"], m["content"]) for m in turns) - old)
+
     def seed(self, turns: list[dict]) -> None:
         """Give a conversation without turns the earlier turns a client kept."""
         self.messages.extend(dict(m) for m in turns)

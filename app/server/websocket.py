@@ -75,6 +75,30 @@ def _seed_messages(frame: dict) -> list[dict] | None:
     return [{"role": m["role"], "content": m["content"]} for m in v]
 
 
+def _base_turns(frame: dict, conv, rid: str) -> list[dict] | None:
+    """The turns a `send` continues when it rewrites them: the first `keep` of the
+    conversation's, or its `messages`; None when it leaves them as they are."""
+    keep, rewrite = frame.get("keep"), frame.get("messages")
+    if keep is not None and rewrite is not None:
+        raise FrameError("bad_frame", "give 'keep' or 'messages', not both", rid)
+    if rewrite is not None:
+        try:
+            return _seed_messages(frame)
+        except FrameError as e:
+            raise FrameError(e.code, e.message, rid) from None
+    if keep is None:
+        return None
+    turns = conv.turns()
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep <= len(turns):
+        raise FrameError("bad_frame", f"'keep' must be a whole number from 0 to {len(turns)} (the "
+                         "conversation's turns)", rid)
+    return turns[:keep]
+
+
+def _bytes(turns: list[dict]) -> int:
+    return sum(message_bytes(m["role"], m["content"]) for m in turns)
+
+
 def parse_params(p, ctx: int, request: str | None):
     """SamplingParams and stop strings from a `send` frame's `params`: the websocket column
     of the request schema (request_schema.py: greedy, 256 tokens)."""
@@ -409,7 +433,10 @@ class Connection:
             raise FrameError("duplicate_request", f"request {rid!r} is already running on this connection", rid)
         store = self.st.conversations
         conv = store.get(cid)
-        if content is None and (conv is None or conv.busy is None and not conv.unanswered):
+        base = _base_turns(frame, conv, rid) if conv is not None and conv.busy is None else None
+        unanswered = conv is not None and (conv.unanswered if base is None else bool(base)
+                                           and base[-1]["role"] == "user")
+        if content is None and (conv is None or conv.busy is None and not unanswered):
             raise FrameError("bad_frame", "'content' must be a string (leave it out only to answer the "
                              "conversation's unanswered turn)", rid)
         if conv is None:
@@ -423,11 +450,15 @@ class Connection:
                              f"(request {conv.busy!r}); wait for it or cancel it", rid)
         try:
             store.check_fits(conv, (message_bytes("user", content) if content is not None else 0)
-                             + conv.system_delta(system))
+                             + conv.system_delta(system)
+                             + (0 if base is None else _bytes(base) - _bytes(conv.turns())))
         except HistoryTooLarge as e:
             raise FrameError("history_too_large", str(e), rid) from None
-        replaces = content is not None and conv.unanswered  # the new turn takes the unanswered one's place
+        # the new turn takes the unanswered one's place, unless the send says the turns before it
+        replaces = content is not None and base is None and unanswered
         messages = conv.snapshot()
+        if base is not None:  # applied to the conversation only once the send is accepted
+            messages = [m for m in messages if m["role"] == "system"] + [dict(m) for m in base]
         if replaces:
             messages.pop()
         if system is not None:  # applied to the conversation only once the send is accepted
@@ -456,6 +487,8 @@ class Connection:
         task.add_done_callback(self.pumps.discard)
         if system is not None:
             conv.set_system(system)
+        if base is not None:
+            conv.set_turns(base)
         if replaces:
             conv.drop_last_user_turn()
         if content is not None:

@@ -96,3 +96,34 @@ def test_a_newer_conversation_store_is_left_alone(tmp_path):
     msg = str(err.value)
     assert f"from a newer panechat (schema {known + 1}, this one knows {known})" in msg and "\n" not in msg
     assert path.read_bytes() == data
+
+
+def test_a_history_store_from_before_branches_keeps_its_messages_and_gains_branches(tmp_path):
+    """A schema-4 history (before migrations 5 and 6) opens with its messages; branch points
+    and the other sampling settings then round-trip, and go with their conversation."""
+    db = _db(tmp_path / store.DB_NAME)
+    for script in store.MIGRATIONS[:4]:
+        db.executescript(script)
+    db.execute("INSERT INTO conversations (id, title, created, updated) VALUES ('old', 't', 1.0, 2.0)")
+    for i, role in enumerate(("user", "assistant", "user")):
+        db.execute("INSERT INTO messages (conversation_id, role, content, created) VALUES ('old', ?, ?, 1.0)",
+                   (role, f"m{i}"))
+    db.execute("PRAGMA user_version = 4")
+    db.close()
+    st = store.Store.open(tmp_path)
+    assert st.version == len(store.MIGRATIONS) >= 5
+    assert [m.content for m in st.messages("old")] == ["m0", "m1", "m2"]
+    state = {"alts": [{"messages": [{"role": "assistant", "content": "a", "meta": {}}], "branches": {}},
+                      {"messages": [], "branches": {}}], "current": 1}
+    st.save_branches("old", {1: state})
+    conv = st.get_conversation("old")
+    assert conv.sampling == {}  # migration 6: the other sampling fields, none set
+    conv.sampling = {"top_k": 40, "stop": ["###"]}
+    st.save_conversation(conv)
+    st.close()
+    st = store.Store.open(tmp_path)
+    assert st.branches("old") == {1: state}
+    assert st.get_conversation("old").sampling == {"top_k": 40, "stop": ["###"]}
+    st.delete_conversation("old")  # its branch points go with it
+    assert st.branches("old") == {}
+    st.close()

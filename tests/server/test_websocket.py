@@ -374,3 +374,33 @@ async def test_a_follower_opening_mid_reply_gets_the_text_so_far(live):
             follow = await recv_type(b, "follow")
         assert follow["text"] == fin["text"] and fin["text"].startswith(opened["replying"])
     live.wait_idle()
+
+async def test_send_keep_and_messages_rewrite_the_turns_before_it(live):
+    """`keep` cuts the conversation to its first turns before the new one (an edit or a
+    regenerate on the terminal), `messages` replaces them; a bad `keep` changes nothing."""
+    async with connect(live.ws_url) as ws:
+        await hello(ws)
+        seed = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+        opened = await ask(ws, {"type": "open", "conversation": "c-keep", "messages": seed})
+        assert len(opened["messages"]) == 4
+        send = {"type": "send", "conversation": "c-keep", "params": {"max_tokens": 4}}
+        for bad in (5, -1, "2", True):
+            f = await ask(ws, {**send, "request": f"r-bad-{bad}", "content": "x", "keep": bad})
+            assert f["type"] == "error" and f["code"] == "bad_frame" and "keep" in f["message"], f
+        f = await ask(ws, {**send, "request": "r-both", "content": "x", "keep": 1, "messages": []})
+        assert f["code"] == "bad_frame"
+        await ws.send(json.dumps({**send, "request": "r-1", "content": "e", "keep": 2}))
+        frames, fin = await generation(ws, "r-1")
+        assert frames[0]["type"] == "queued" and fin["reason"] in ("stop", "length")
+        opened = await ask(ws, {"type": "open", "conversation": "c-keep"})
+        assert [m["content"] for m in opened["messages"]] == ["a", "b", "e", fin["text"]]
+        await ws.send(json.dumps({**send, "request": "r-2", "keep": 3}))  # regenerate: answers "e" again
+        _, fin = await generation(ws, "r-2")
+        opened = await ask(ws, {"type": "open", "conversation": "c-keep"})
+        assert [m["content"] for m in opened["messages"]] == ["a", "b", "e", fin["text"]]
+        await ws.send(json.dumps({**send, "request": "r-3", "content": "f",
+                                  "messages": [{"role": "user", "content": "a"}]}))
+        _, fin = await generation(ws, "r-3")  # two user turns in a row, as the terminal has them
+        opened = await ask(ws, {"type": "open", "conversation": "c-keep"})
+        assert [m["content"] for m in opened["messages"]] == ["a", "f", fin["text"]]

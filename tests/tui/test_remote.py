@@ -293,3 +293,50 @@ async def test_a_conversation_the_server_dropped_is_reopened_with_the_terminals_
         assert kept[:3] == [m["content"] for m in history]  # restored, then the new turn
     finally:
         await backend.close()
+
+
+async def test_ws_regenerate_edit_and_delete_send_the_right_history(server, store):
+    """With --connect the server keeps the history: a regenerate, an edit and a delete in
+    the pane rewrite the server's copy too (`keep`, `messages` in the send frame), so each
+    prompt is the pane's history, and the server ends with exactly the pane's turns."""
+    app = make_app(RemoteBackend(server.ws_url), store)
+    served = server.state.conversations
+
+    def server_turns(pane):
+        return [(m["role"], m["content"]) for m in served.get(pane.conversation.id).turns()]
+
+    def pane_turns(pane):
+        return [(m.role, m.content) for m in pane.history]
+
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, app.backend_ready.is_set, what="the connection")
+        pane = app.main.panes[0]
+        replies = lambda n: lambda: not pane.busy and sum(m.role == "assistant" for m in pane.history) == n  # noqa: E731
+
+        async def answered(*keys):  # press the keys, then wait for the reply they start to end
+            before = pane.last_finish
+            await pilot.press(*keys)
+            await wait_for(pilot, lambda: pane.last_finish is not before and not pane.busy, timeout=90,
+                           what=f"the reply after {keys}")
+            await wait_for(pilot, lambda: server_turns(pane) == pane_turns(pane), timeout=10,
+                           what=f"the server copy {server_turns(pane)} vs {pane_turns(pane)}")
+        await type_and_send(pilot, pane, "Name a color")
+        await wait_for(pilot, replies(1), timeout=90, what="reply 1")
+        await type_and_send(pilot, pane, "Name a fruit")
+        await wait_for(pilot, replies(2), timeout=90, what="reply 2")
+        await answered("ctrl+r")  # regenerate: the server drops its reply 2 first
+        assert len(server_turns(pane)) == 4
+        await pilot.press("ctrl+up", "ctrl+up", "ctrl+g")  # edit prompt 2
+        await pilot.pause()
+        pane.query_one(PromptInput).clear()
+        await answered(*"Name a tree", "enter")
+        assert server_turns(pane)[2] == ("user", "Name a tree") and len(server_turns(pane)) == 4
+        for _ in range(4):
+            await pilot.press("ctrl+up")  # select reply 1 (from the end: 3, 2, 1, 0 -> back to 1)
+        await pilot.press("ctrl+down", "f8")
+        await pilot.pause()
+        assert [r for r, _ in pane_turns(pane)] == ["user", "user", "assistant"]
+        await pilot.press("f8")  # and the last reply: the pane ends on two prompts
+        await pilot.pause()
+        await answered("ctrl+r")  # answers the last prompt; the server gets the pane's turns (`messages`)
+        assert [c for _, c in server_turns(pane)][:2] == ["Name a color", "Name a tree"]

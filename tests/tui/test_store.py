@@ -498,3 +498,22 @@ async def test_the_app_starts_on_a_damaged_store_and_says_so(tui_engine, data_di
     st.close()
     moved = aside_databases(path)
     assert len(moved) == 1 and moved[0].read_bytes() == bytes(data)
+
+
+def test_search_matches_titles_and_message_text_literally(tmp_path):
+    st = store_mod.Store.open(tmp_path)
+    a = st.new_conversation("Budget 100% done")
+    b = st.new_conversation("snake_case names")
+    st.add_message(b.id, "user", "What about Ünïcode and CamelCase?")
+    st.new_conversation("1000 tries, snakeXcase")
+    assert [c.id for c in st.search_conversations("100%")] == [a.id]  # % and _ are no wildcards
+    assert [c.id for c in st.search_conversations("snake_case")] == [b.id]
+    assert [c.id for c in st.search_conversations("camelcase")] == [b.id]  # message text, any ASCII case
+    assert len(st.search_conversations("  ")) == 3
+    st.close()
+
+
+def test_markdown_export_names_the_other_sampling_settings(tmp_path):
+    conv = store_mod.Conversation("c-1", "T", sampling={"top_k": 40, "stop": ["###"]})
+    md = store_mod.conversation_markdown(conv, [])
+    assert '*temperature 0, max tokens 512, top k 40, stop ["###"]*' in md

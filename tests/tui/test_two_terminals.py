@@ -1,6 +1,6 @@
 """Two terminals on one `panechat serve` with the same HOME (one store file), both under
 Pilot: neither takes the other's conversation. The second restores none of the first's
-live panes; opening one with F4 follows it read-only; ctrl+g takes it over."""
+live panes; opening one with F4 follows it read-only; F7 takes it over."""
 
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ async def test_a_second_terminal_never_takes_a_live_terminals_conversation(serve
                 assert shown.last().text == "Name a color"
                 assert follower.query(AssistantMessage).last().source == reply
 
-                # ctrl+g: B takes it over; A's pane turns read-only and follows B
+                # F7: B takes it over; A's pane turns read-only and follows B
                 follower.focus_input()
-                await pb.press("ctrl+g")
+                await pb.press("f7")
                 await wait_for(pb, lambda: follower.held_by is None, timeout=20, what="B holding it")
                 await wait_for(pa, lambda: a.held_by is not None, timeout=20, what="A told it was taken")
                 assert not a.send("Name a bird")

@@ -17,6 +17,7 @@ from textual.widgets import Footer
 
 from ...clients.base import ChatBackend
 from ...store import Store
+from ..branches import from_store
 from ..commands import Command, binding_commands
 from ..widgets.dashboard import Dashboard
 from ..widgets.pane import FLUSH_HZ, ChatPane
@@ -51,14 +52,14 @@ class MainScreen(Screen):
         Command("ctrl+t", "broadcast", "All", priority=True, title="Broadcast prompt",
                 tooltip="Send the same prompt to every pane"),
         Command("f2", "settings", "Settings", title="Pane settings",
-                tooltip="System prompt, temperature, max tokens, seed"),
+                tooltip="System prompt, temperature, max tokens, seed, top p/k, min p, stop, penalties"),
         Command("f3", "export", "Export", title="Export conversation to Markdown",
                 tooltip="Write the active pane's conversation to a .md file"),
         Command("f4", "open_conversation", "Open", title="Open conversation",
-                tooltip="Open a stored conversation in a new pane"),
+                tooltip="Search, preview, open or delete stored conversations"),
         Command("f5", "pick_model", "Model", title="Choose model",
                 tooltip="Open a new pane on a model (or put the empty active pane on it)"),
-        Command("ctrl+g", "take_over", "Take", title="Take over conversation", show=False,
+        Command("f7", "take_over", "Take", title="Take over conversation", show=False,
                 tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)"),
         Command("f6", "toggle_dashboard", "Dash", priority=True, show=False, title="Dashboard: panel or line",
                 tooltip="Show the dashboard as a panel beside the panes, or as one line under them"),
@@ -130,7 +131,8 @@ class MainScreen(Screen):
 
     def _make_pane(self, conv) -> ChatPane:
         return ChatPane(conv, self.store.messages(conv.id), self.backend,
-                        ready=getattr(self.app, "backend_ready", None), ticker=False)
+                        ready=getattr(self.app, "backend_ready", None), ticker=False,
+                        branches=from_store(self.store.branches(conv.id)))
 
     def on_resize(self) -> None:
         self._fit_width()
@@ -214,6 +216,11 @@ class MainScreen(Screen):
     def on_chat_pane_history_replaced(self, event: ChatPane.HistoryReplaced) -> None:
         self.store.replace_messages(event.pane.conversation.id, event.messages)
 
+    def on_chat_pane_history_rewritten(self, event: ChatPane.HistoryRewritten) -> None:
+        pane = event.pane
+        self.store.replace_messages(pane.conversation.id, pane.history)
+        self.store.save_branches(pane.conversation.id, pane.branches)
+
     def on_chat_pane_reply_finished(self, event: ChatPane.ReplyFinished) -> None:
         self.refresh_names()
 
@@ -223,7 +230,7 @@ class MainScreen(Screen):
         pane, title = event.pane, event.pane.conversation.title
         if not event.restored:
             self.notify(f"pane {pane.number}: {title!r} is open in terminal {event.holder}: read-only here, "
-                        "following its replies; ctrl+g takes it over", severity="warning", timeout=8)
+                        "following its replies; F7 takes it over", severity="warning", timeout=8)
             return
         self.elsewhere.append(pane.conversation.id)
         self.notify(f"{title!r} is open in terminal {event.holder}; not restored here (F4 opens it read-only)",
@@ -242,8 +249,9 @@ class MainScreen(Screen):
         """The command palette's entries for this screen: every Command binding, then the
         one action that has no key."""
         yield from binding_commands(self)
-        yield SystemCommand("Copy last reply", "Copy the active pane's last reply to the clipboard",
-                            self.action_copy_reply)
+        pane = self._active()
+        if pane is not None:  # the message actions: edit, delete, regenerate, copy, branches
+            yield from binding_commands(pane)
 
     async def action_new_pane(self, conversation_id: str | None = None) -> ChatPane | None:
         if len(self.panes) >= MAX_PANES:
@@ -330,7 +338,7 @@ class MainScreen(Screen):
         def apply(result: PaneSettings | None) -> None:
             if result is not None:
                 pane.apply_settings(result.title, result.system, result.temperature, result.max_tokens, result.seed,
-                                    result.json_output)
+                                    result.json_output, result.sampling)
                 self.store.save_conversation(pane.conversation)
                 self.refresh_names()
 
@@ -360,7 +368,8 @@ class MainScreen(Screen):
             if conv_id:
                 await self.action_new_pane(conv_id)
 
-        self.app.push_screen(ConversationsScreen(convs), open_it)
+        self.app.push_screen(ConversationsScreen(convs, store=self.store, exclude=shown,
+                                                 default_model=self.backend.info.model), open_it)
 
     @work(exclusive=True, group="model-picker")
     async def action_pick_model(self) -> None:
@@ -390,10 +399,3 @@ class MainScreen(Screen):
         if pane is None:
             self.store.delete_conversation(conv.id)
         return pane
-
-    def action_copy_reply(self) -> None:
-        pane = self._active()
-        reply = next((m.content for m in reversed(pane.history) if m.role == "assistant"), None) if pane else None
-        if reply:
-            self.app.copy_to_clipboard(reply)
-            self.notify("copied the last reply")

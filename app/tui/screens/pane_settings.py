@@ -1,4 +1,5 @@
-"""The per-pane settings dialog: title, system prompt, temperature, max tokens, seed, JSON output."""
+"""The per-pane settings dialog: title, system prompt, temperature, max tokens, seed, JSON
+output, and the request schema's other per-pane fields (top p/k, min p, stop, penalties)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from textual.widgets import Button, Input, Label, TextArea
 
 from ...store import Conversation
 from ..json_output import response_format_of
+from ..sampling_fields import NUMBERS, changed, read_number, read_stop, show_stop
 
 
 @dataclass
@@ -23,6 +25,7 @@ class PaneSettings:
     max_tokens: int
     seed: int | None
     json_output: str = ""  # app/tui/json_output.py
+    sampling: dict | None = None  # the other fields away from their defaults (app/tui/sampling_fields.py)
 
 
 class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
@@ -31,12 +34,16 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
     DEFAULT_CSS = """
     PaneSettingsScreen { align: center middle; }
     PaneSettingsScreen > Vertical {
-        width: 72; max-width: 100%; height: auto; max-height: 100%;
-        border: round $primary; background: $surface; padding: 0 2;
+        width: 76; max-width: 100%; height: auto; max-height: 100%;
+        border: round $primary; background: $surface; padding: 0 1;
     }
-    PaneSettingsScreen Grid { grid-size: 2; grid-columns: 16 1fr; grid-rows: auto; height: auto; grid-gutter: 0 1; }
-    PaneSettingsScreen Label { padding: 1 0 0 0; }
-    PaneSettingsScreen TextArea { height: 5; }
+    PaneSettingsScreen Grid {
+        grid-size: 4; grid-columns: 15 1fr 15 1fr; grid-rows: auto; height: auto; grid-gutter: 0 1;
+        margin-top: 1;
+    }
+    PaneSettingsScreen .wide { column-span: 3; }
+    PaneSettingsScreen Label { padding: 0; }
+    PaneSettingsScreen TextArea { height: 3; }
     PaneSettingsScreen #error { color: $error; height: auto; padding: 0; }
     PaneSettingsScreen Horizontal { height: auto; align: right middle; }
     PaneSettingsScreen Button { margin-left: 1; }
@@ -52,22 +59,29 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
         with Vertical():
             with Grid():
                 yield Label("Title")
-                yield Input(c.title, id="title")
+                yield Input(c.title, id="title", classes="wide", compact=True)
                 yield Label("System prompt")
-                yield TextArea(c.system, id="system", soft_wrap=True)
+                yield TextArea(c.system, id="system", soft_wrap=True, classes="wide", compact=True)
                 yield Label("Temperature")
-                yield Input(f"{c.temperature:g}", id="temperature", type="number")
+                yield Input(f"{c.temperature:g}", id="temperature", type="number", compact=True)
                 yield Label("Max tokens")
-                yield Input(str(c.max_tokens), id="max_tokens", type="integer")
+                yield Input(str(c.max_tokens), id="max_tokens", type="integer", compact=True)
                 yield Label("Seed")
                 yield Input("" if c.seed is None else str(c.seed), id="seed", type="integer",
-                            placeholder="random")
+                            placeholder="random", compact=True)
                 yield Label("JSON output")
-                yield Input(c.json_output, id="json_output", placeholder="off; 'json', or a JSON schema file")
+                yield Input(c.json_output, id="json_output", placeholder="off; json; a schema file", compact=True)
+                yield Label("Stop")
+                yield Input(show_stop(c.sampling.get("stop") or []), id="stop", classes="wide", compact=True,
+                            placeholder='none; a string, or a JSON list ["###", "\\n\\n"]')
+                for name, label, default in NUMBERS:
+                    yield Label(label)
+                    yield Input(f"{c.sampling.get(name, default):g}", id=name, placeholder=f"{default:g}",
+                                compact=True)
             yield Label("", id="error")
             with Horizontal():
-                yield Button("Cancel", id="cancel")
-                yield Button("Save", id="save", variant="primary")
+                yield Button("Cancel", id="cancel", compact=True)
+                yield Button("Save", id="save", variant="primary", compact=True)
 
     def on_mount(self) -> None:
         self.query_one(Vertical).border_title = "pane settings"
@@ -112,5 +126,7 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
         except ValueError:
             raise ValueError("seed must be a whole number, or empty for random") from None
         response_format_of(val["json_output"])  # a schema file that cannot be used is said now
+        sampling = changed({**{name: read_number(name, val[name]) for name, _, _ in NUMBERS},
+                            "stop": read_stop(val["stop"])})
         return PaneSettings(val["title"] or self.conversation.title, self.query_one("#system", TextArea).text,
-                            temperature, max_tokens, seed, val["json_output"])
+                            temperature, max_tokens, seed, val["json_output"], sampling)

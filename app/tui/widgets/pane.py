@@ -8,9 +8,11 @@ which re-parses only the last block), and the tail is always flushed at the fini
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from textual import work
+from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
 from textual.message import Message
@@ -20,10 +22,15 @@ from textual.widgets.markdown import MarkdownStream
 from ...store import Conversation, Message as StoredMessage, conversation_markdown
 from ...clients.base import (ChatBackend, ChatStream, Delta, Finished, Followed, GenParams, HolderChanged, Prefill,
                              Queued, Reconnected, StreamMeter)
+from .. import branches as br
+from ..commands import Command
 from ..json_output import response_format_of
+from ..sampling_fields import DEFAULTS as SAMPLING_DEFAULTS
 from ..perf import UI_COST
 from .prompt_input import PromptInput
-from .transcript import CUT_OFF_MARK, AssistantMessage, ContextNotice, Transcript, UserMessage
+from .transcript import CUT_OFF_MARK, AssistantMessage, BranchLabel, ContextNotice, Transcript, UserMessage
+
+_CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
 FLUSH_HZ = 10
 
@@ -32,7 +39,34 @@ class ChatPane(Vertical):
     """One conversation. Data comes down as constructor arguments and method calls; what
     changes goes up as messages (the screen keeps the store): `MessageAdded`,
     `MessageWithdrawn` (a refused prompt), `ConversationChanged`, `HistoryReplaced`, then
-    `ReplyFinished` when a reply ends. `cut_off()` hands over a reply in flight at quit."""
+    `ReplyFinished` when a reply ends, `HistoryRewritten` after an edit, a delete, a
+    regenerate or a branch flip. `cut_off()` hands over a reply in flight at quit.
+
+    Message actions work on the selected message (ctrl+up/down), else on the last one of
+    the kind they need; an edit or a regenerate keeps the turns it replaces as a branch
+    (app/tui/branches.py), which alt+left/right flips back."""
+
+    BINDINGS = [
+        Command("ctrl+r", "regenerate", "Regen", show=False, title="Regenerate reply",
+                tooltip="Answer the last prompt again; the earlier reply stays as a branch"),
+        Command("ctrl+g", "edit", "Edit", show=False, title="Edit prompt",
+                tooltip="Put the selected (or last) prompt in the input; Enter resends it"),
+        Command("f8", "delete_message", "Del", show=False, title="Delete message",
+                tooltip="Delete the selected (or last) message"),
+        Command("ctrl+l", "copy_reply", "Copy", show=False, title="Copy reply",
+                tooltip="Copy the selected (or last) reply to the clipboard"),
+        Command("ctrl+b", "copy_code", "Code", show=False, title="Copy code block",
+                tooltip="Copy the last code block of the selected (or last) reply"),
+        Command("ctrl+up", "select(-1)", "Select", show=False, title="Select previous message",
+                tooltip="Move the message selection up"),
+        Command("ctrl+down", "select(1)", "Select", show=False, title="Select next message",
+                tooltip="Move the message selection down"),
+        Command("alt+left", "flip(-1)", "Branch", show=False, title="Previous branch",
+                tooltip="Show the previous branch of the selected (or last) branch point"),
+        Command("alt+right", "flip(1)", "Branch", show=False, title="Next branch",
+                tooltip="Show the next branch of the selected (or last) branch point"),
+        Binding("escape", "unselect", "Unselect", show=False),
+    ]
 
     DEFAULT_CSS = """
     ChatPane {
@@ -111,6 +145,14 @@ class ChatPane(Vertical):
             super().__init__()
             self.event = event
 
+    class HistoryRewritten(Message):
+        """The pane's history and branch points changed other than by a new turn: the
+        store takes `pane.history` and `pane.branches` as they are."""
+
+        def __init__(self, pane: "ChatPane"):
+            super().__init__()
+            self.pane = pane
+
     class Activated(Message):
         """Focus moved into this pane."""
 
@@ -119,10 +161,15 @@ class ChatPane(Vertical):
             self.pane = pane
 
     def __init__(self, conversation: Conversation, history: list[StoredMessage], backend: ChatBackend,
-                 *, ready: asyncio.Event | None = None, number: int = 1, ticker: bool = True, **kwargs):
+                 *, ready: asyncio.Event | None = None, number: int = 1, ticker: bool = True,
+                 branches: br.Branches | None = None, **kwargs):
         super().__init__(**kwargs)
         self.conversation = conversation
         self.history = list(history)
+        self.branches: br.Branches = dict(branches or {})
+        self.selected: int | None = None  # the message index the actions work on (None: the last)
+        self._editing: int | None = None  # the prompt being edited: the next send replaces it
+        self._regenerating = False  # the reply in flight answers a prompt already in the history
         self.backend = backend
         self.ready = ready
         self.number = number
@@ -171,11 +218,19 @@ class ChatPane(Vertical):
         transcript = self.query_one(Transcript)
         await transcript.remove_children()
         widgets = []
-        for m in self.history:
+        for i, m in enumerate(self.history):
+            if br.label(self.branches, i):
+                widgets.append(BranchLabel(br.label(self.branches, i) + "  alt+left/right"))
             if m.role == "user":
                 widgets.append(UserMessage(m.content))
             elif m.role == "assistant":
                 widgets.append(AssistantMessage(m.content + (CUT_OFF_MARK if m.meta.get("cut_off") else "")))
+            else:
+                continue
+            widgets[-1].index = i
+            widgets[-1].set_class(i == self.selected, "-selected")
+        if br.label(self.branches, len(self.history)):  # a regenerated reply is about to come
+            widgets.append(BranchLabel(br.label(self.branches, len(self.history)) + "  alt+left/right"))
         if widgets:
             await transcript.mount_all(widgets)
         transcript.scroll_end(animate=False, immediate=True)
@@ -252,7 +307,7 @@ class ChatPane(Vertical):
                 self._sync_remote()  # the server's copy, now ours to store
             elif ev.holder is not None and was is None:
                 self.notify(f"pane {self.number}: terminal {ev.holder} took this conversation over; "
-                            "read-only here now (ctrl+g takes it back)", severity="warning")
+                            "read-only here now (F7 takes it back)", severity="warning")
         else:
             await self._follow_event(ev)
 
@@ -315,8 +370,9 @@ class ChatPane(Vertical):
     def focus_input(self) -> None:
         self.query_one(PromptInput).focus()
 
-    def send(self, text: str) -> bool:
-        """Append a user turn and start the reply; False (and a notice) while one is running."""
+    def send(self, text: str, *, replacing: int | None = None) -> bool:
+        """Append a user turn and start the reply; False (and a notice) while one is running.
+        `replacing`: the index of the prompt this one edits (it and what followed become a branch)."""
         text = text.strip()
         if not text:
             return False
@@ -325,7 +381,7 @@ class ChatPane(Vertical):
             return False
         if self.held_by is not None:
             self.notify(f"pane {self.number} is read-only: terminal {self.held_by} holds this conversation; "
-                        "ctrl+g takes it over", severity="warning")
+                        "F7 takes it over", severity="warning")
             return False
         try:
             self._response_format = response_format_of(self.conversation.json_output)
@@ -336,11 +392,125 @@ class ChatPane(Vertical):
             self.conversation.title = text.splitlines()[0][:40]
             self.post_message(self.ConversationChanged(self))
             self.refresh_title()
+        rerender = replacing is not None and replacing < len(self.history)
+        if rerender:  # the edited prompt and what followed it become a branch
+            self._fork(replacing)
+        self._editing = None
+        self._regenerating = False
         self._add_message(StoredMessage("user", text))
         self._stop_requested = False
         self.stream = _PENDING  # busy from now on, even before the backend answers
-        self._generate()
+        self._generate(rerender=rerender)
         return True
+
+    # -- message actions ------------------------------------------------------------------
+    def _fork(self, pos: int) -> None:
+        self.history, self.branches = br.fork(self.history, self.branches, pos)
+        self._editing = self.selected = None
+        self.post_message(self.HistoryRewritten(self))
+
+    def _target(self, role: str) -> int | None:
+        """The selected message when it has `role`, else the last message with it."""
+        if self.selected is not None and self.selected < len(self.history) \
+                and self.history[self.selected].role == role:
+            return self.selected
+        return next((i for i in range(len(self.history) - 1, -1, -1) if self.history[i].role == role), None)
+
+    def _idle_or_say(self) -> bool:
+        if self.busy:
+            self.notify(f"pane {self.number} is still replying; ctrl+s stops it", severity="warning")
+        return not self.busy
+
+    def action_regenerate(self) -> None:
+        """Answer the last prompt again; the reply it had becomes a branch."""
+        if not self._idle_or_say():
+            return
+        if not self.history or self.history[-1].role not in ("user", "assistant") or (
+                self.history[-1].role == "assistant" and len(self.history) < 2):
+            self.notify(f"pane {self.number}: no reply to regenerate", severity="warning")
+            return
+        if self.history[-1].role == "assistant":
+            self._fork(len(self.history) - 1)
+        self.selected = None
+        self._stop_requested = False
+        self._regenerating = True  # a refusal leaves the prompt where it is
+        self.stream = _PENDING
+        self._generate(rerender=True, prompt_shown=True)
+
+    def action_edit(self) -> None:
+        """Put the selected (else last) prompt in the input; the next send replaces it."""
+        i = self._target("user")
+        if i is None or not self._idle_or_say():
+            return
+        self._editing = i
+        box = self.query_one(PromptInput)
+        box.clear()
+        box.restore(self.history[i].content)
+        box.focus()
+        self.notify(f"pane {self.number}: editing a prompt; Enter resends it (what followed stays as a branch), "
+                    "Escape cancels", timeout=6)
+
+    def action_delete_message(self) -> None:
+        """Delete the selected (else the last) message."""
+        if not self.history or not self._idle_or_say():
+            return
+        i = self.selected if self.selected is not None and self.selected < len(self.history) else len(self.history) - 1
+        del self.history[i]
+        self.branches = br.after_delete(self.branches, i)
+        self.selected = self._editing = None
+        self.post_message(self.HistoryRewritten(self))
+        self.run_worker(self._render_history(), group="render", exclusive=True)
+
+    def action_flip(self, step: int) -> None:
+        """Show another branch at the selected (else the last) branch point."""
+        if not self._idle_or_say():
+            return
+        upto = self.selected if self.selected is not None else len(self.history)
+        points = [p for p in self.branches if p <= upto and br.label(self.branches, p)]
+        if not points:
+            self.notify(f"pane {self.number}: no branches here (ctrl+r or ctrl+g make one)", severity="warning")
+            return
+        self.history, self.branches = br.flip(self.history, self.branches, max(points), step)
+        self.selected = self._editing = None
+        self.post_message(self.HistoryRewritten(self))
+        self.run_worker(self._render_history(), group="render", exclusive=True)
+
+    def action_copy_reply(self) -> None:
+        i = self._target("assistant")
+        if i is not None:
+            self.app.copy_to_clipboard(self.history[i].content)
+            self.notify("copied the reply")
+
+    def action_copy_code(self) -> None:
+        i = self._target("assistant")
+        blocks = _CODE_BLOCK.findall(self.history[i].content) if i is not None else []
+        if not blocks:
+            self.notify(f"pane {self.number}: no code block in the reply", severity="warning")
+            return
+        self.app.copy_to_clipboard(blocks[-1].rstrip("\n"))
+        self.notify("copied the code block")
+
+    def action_select(self, step: int) -> None:
+        """Move the message selection (starting from the last message going up)."""
+        if not self.history:
+            return
+        n = len(self.history)
+        cur = self.selected if self.selected is not None else n
+        self.selected = min(max(cur + step, 0), n - 1)
+        self._mark_selected()
+
+    def action_unselect(self) -> None:
+        if self._editing is not None:
+            self._editing = None
+            self.query_one(PromptInput).clear()
+        self.selected = None
+        self._mark_selected()
+
+    def _mark_selected(self) -> None:
+        for w in self.query_one(Transcript).query_children(".message"):
+            w.set_class(getattr(w, "index", None) == self.selected, "-selected")
+            if w.has_class("-selected"):
+                w.scroll_visible(animate=False)
 
     def stop(self) -> None:
         """Cancel the generation in flight (its Finished still arrives, reason 'cancelled')."""
@@ -349,12 +519,15 @@ class ChatPane(Vertical):
             self.stream.cancel()
 
     def apply_settings(self, title: str, system: str, temperature: float, max_tokens: int, seed: int | None,
-                       json_output: str | None = None) -> None:
-        """Change the conversation's title and settings (the caller stores them)."""
+                       json_output: str | None = None, sampling: dict | None = None) -> None:
+        """Change the conversation's title and settings (the caller stores them); `sampling`
+        holds the other request fields set away from their defaults (app/tui/sampling_fields.py)."""
         c = self.conversation
         c.title, c.system, c.temperature, c.max_tokens, c.seed = title or c.title, system, temperature, max_tokens, seed
         if json_output is not None:
             c.json_output = json_output
+        if sampling is not None:
+            c.sampling = dict(sampling)
         self.refresh_title()
 
     def cut_off(self) -> StoredMessage | None:
@@ -376,7 +549,7 @@ class ChatPane(Vertical):
     # -- events --------------------------------------------------------------------------
     def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
-        if not self.send(event.text):
+        if not self.send(event.text, replacing=self._editing):
             event.prompt_input.restore(event.text)  # keep what they typed
 
     def on_descendant_focus(self) -> None:
@@ -384,17 +557,23 @@ class ChatPane(Vertical):
 
     # -- the generation ------------------------------------------------------------------
     @work(group="generate")
-    async def _generate(self) -> None:
+    async def _generate(self, rerender: bool = False, prompt_shown: bool = False) -> None:
         transcript = self.query_one(Transcript)
+        if rerender:  # an edit or a regenerate cut the history
+            await self._render_history()
         self._reply = reply = AssistantMessage("")
-        await transcript.mount_all([UserMessage(self.history[-1].content), reply])  # one layout pass
+        shown = [] if prompt_shown else [UserMessage(self.history[-1].content)]
+        for w in shown:
+            w.index = len(self.history) - 1
+        await transcript.mount_all([*shown, reply])  # one layout pass
         transcript.anchor()
         if self.ready is not None and not self.ready.is_set():
             self._set_state("waiting for the model")
             await self.ready.wait()
         c = self.conversation
+        extra = {k: c.sampling[k] for k in SAMPLING_DEFAULTS if k in c.sampling}
         params = GenParams(temperature=c.temperature, max_tokens=c.max_tokens, seed=c.seed,
-                           response_format=self._response_format)
+                           response_format=self._response_format, stop=tuple(c.sampling.get("stop") or ()), **extra)
         messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         self.meter = meter = StreamMeter()
         self._received, self._queued = [], False
@@ -471,6 +650,7 @@ class ChatPane(Vertical):
             reply.update(fin.text)
         meta = {"reason": fin.reason, "usage": fin.usage, "timings": fin.timings}
         if text and not self._cut:
+            reply.index = len(self.history)
             self._add_message(StoredMessage("assistant", text, meta))
         if fin.reason == "error":
             if not text and not self._queued:
@@ -495,8 +675,10 @@ class ChatPane(Vertical):
     def _withdraw(self, reply: AssistantMessage) -> None:
         """The prompt was refused before it started: take it out of the history (so later
         prompts do not carry it) and give its text back to the input."""
-        prompt = self.history.pop() if self.history and self.history[-1].role == "user" else None
         reply.remove()
+        if self._regenerating:  # the prompt was there before: it stays, the old reply is a branch
+            return
+        prompt = self.history.pop() if self.history and self.history[-1].role == "user" else None
         users = list(self.query_one(Transcript).query_children(UserMessage))
         if users:
             users[-1].remove()

@@ -35,9 +35,11 @@ class UserMessage(Static):
         background: $boost;
         color: $text;
     }
+    UserMessage.-selected { border-left: thick $warning; background: $boost 200%; }
     """
 
     def __init__(self, text: str, **kwargs):
+        kwargs["classes"] = f"message {kwargs.get('classes', '')}".strip()
         shown = text
         if len(text) > USER_SHOWN_MAX:
             shown = f"{text[:USER_SHOWN_MAX]}\n[… {len(text) - USER_SHOWN_MAX:,} more characters, sent in full]"
@@ -54,6 +56,19 @@ class ContextNotice(Static):
         padding: 0 1;
         color: $warning;
         text-style: italic;
+    }
+    """
+
+
+class BranchLabel(Static):
+    """`< 1/2 >` above a message that has other branches (app/tui/branches.py)."""
+
+    DEFAULT_CSS = """
+    BranchLabel {
+        margin: 1 0 0 0;
+        padding: 0 1;
+        color: $text-muted;
+        text-align: right;
     }
     """
 
@@ -113,8 +128,13 @@ class AssistantMessage(Markdown):
         background: transparent;
     }
     AssistantMessage.-error { border-left: thick $error; }
+    AssistantMessage.-selected { border-left: thick $warning; background: $boost; }
     AssistantMessage > MarkdownBlock:last-child { margin-bottom: 0; }
     """
+
+    def __init__(self, markdown: str = "", **kwargs):
+        kwargs["classes"] = f"message {kwargs.get('classes', '')}".strip()
+        super().__init__(markdown, **kwargs)
 
 
 class Transcript(VerticalScroll, can_focus=False):
