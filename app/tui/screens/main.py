@@ -59,7 +59,7 @@ class MainScreen(Screen):
                 tooltip="Search, preview, open or delete stored conversations"),
         Command("f5", "pick_model", "Model", title="Choose model",
                 tooltip="Open a new pane on a model (or put the empty active pane on it)"),
-        Command("f7", "take_over", "Take", title="Take over conversation", show=False,
+        Command("f7", "take_over", "Take", priority=True, title="Take over conversation", show=False,
                 tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)"),
         Command("f6", "toggle_dashboard", "Dash", priority=True, show=False, title="Dashboard: panel or line",
                 tooltip="Show the dashboard as a panel beside the panes, or as one line under them"),
