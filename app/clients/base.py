@@ -129,6 +129,7 @@ class ModelChoice:
     loaded: bool = False
     loadable: bool = True
     reason: str = ""
+    base: bool = False  # a base model (no chat template): a pane on it completes text
 
 
 class ChatStream(ABC):
@@ -220,6 +221,21 @@ class ChatBackend(ABC):
         """Start generating the reply to `messages` (the full history, user turn last, no
         system message; `system` is separate) on `model` ('' = the backend's default).
         Errors arrive as Finished(reason='error')."""
+
+    def respond(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+                model: str = "") -> ChatStream:
+        """What a pane sends: `stream` on a chat model; on a base model (see `completes_text`)
+        the completion of the conversation's text instead, where the backend can do that."""
+        return self.stream(conversation, messages, params, system, model)
+
+    def completes_text(self, model: str = "") -> bool:
+        """True when `model` ('' = the default) is known to be a base model that `respond`
+        completes text on (no chat template); False for chat models and when unknown."""
+        return False
+
+    def model_loaded(self, model: str = "") -> bool:
+        """False while `model` ('' = the default) would first have to be loaded."""
+        return True
 
     async def model_choices(self) -> list[ModelChoice]:
         """The models a pane may be put on (the model picker's list); this backend's one

@@ -13,6 +13,7 @@ from panechat.engine.serving.events import FinishEvent, PrefillEvent, TokenEvent
 from panechat.engine.serving.grammar import response_format_grammar
 from panechat.engine.serving.sampling import SamplingParams
 from panechat.engine.serving.stats import EngineStats
+from ..completion_text import completion_text
 from ..context_fit import ContextFit, fit_context, reply_room
 from ..engine_errors import QUEUE_FULL, classify
 from ..startup_clock import since_start
@@ -22,12 +23,14 @@ from .base import BackendInfo, ChatBackend, ChatStream, Delta, Finished, GenPara
 class LocalStream(ChatStream):
     """Engine events translated to StreamEvents. The prompt is rendered and tokenized in a
     worker thread once iteration starts (never on the UI's event loop), then submitted;
-    submit errors become Finished('error')."""
+    submit errors become Finished('error'). `complete_base`: on a base model (no chat
+    template) the conversation's text is completed raw (`run --raw`) instead."""
 
     def __init__(self, engine: Engine | Callable[[], Engine] | None, messages: list[dict] | None = None,
                  params: SamplingParams | None = None, conversation: str = "", *, error: str | None = None,
-                 stop: tuple[str, ...] = ()):
+                 stop: tuple[str, ...] = (), complete_base: bool = False):
         super().__init__()
+        self.complete_base = complete_base
         # a callable finds (or loads) the pane's model in the worker thread first
         self.engine, self.messages, self.params, self.conversation = engine, messages or [], params, conversation
         self.error = error
@@ -43,9 +46,11 @@ class LocalStream(ChatStream):
                 self.engine = await asyncio.to_thread(self.engine)
             engine = self.engine
             room = reply_room(self.params.max_tokens if self.params else 1, engine.ctx)
-            fit = await asyncio.to_thread(fit_context, self.messages, engine.prompt_ids, engine.ctx, room)
+            raw = self.complete_base and engine.lm.template.is_fallback
+            tokenize = (lambda ms: engine.completion_ids(completion_text(ms))) if raw else engine.prompt_ids
+            fit = await asyncio.to_thread(fit_context, self.messages, tokenize, engine.ctx, room)
             gen = engine.submit(prompt_ids=fit.ids, params=self.params, conversation=self.conversation,
-                                stop=(*engine.chat_stops, *self.stop))
+                                stop=(*self.stop,) if raw else (*engine.chat_stops, *self.stop))
             self.fit = fit
         except Exception as e:  # refusals (app/engine_errors.py), incl. the engine stopping meanwhile
             refusal = classify(e)
@@ -96,6 +101,7 @@ class LocalBackend(ChatBackend):
         self._own = own_engine or engine is None
         self.info = BackendInfo(kind="local")
         self.terminals: Callable[[], int | None] = lambda: None  # set by --share: the server's count
+        self._listed_base: set[str] = set()  # base models among those model_choices listed unloaded
 
     def _hold(self, engine: Engine | ModelSet) -> None:
         self.models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
@@ -122,7 +128,7 @@ class LocalBackend(ChatBackend):
             await asyncio.to_thread(self.models.stop)
 
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
-               model: str = "") -> ChatStream:
+               model: str = "", *, complete_base: bool = False) -> ChatStream:
         if self.models is None:
             return LocalStream(None, error="the model is still loading")
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
@@ -133,7 +139,23 @@ class LocalBackend(ChatBackend):
                             grammar=response_format_grammar(params.response_format))
         models = self.models
         # found (or loaded on first use, or reloaded after an unload) in the worker thread
-        return LocalStream(lambda: models.get(model or None), msgs, sp, conversation, stop=params.stop)
+        return LocalStream(lambda: models.get(model or None), msgs, sp, conversation, stop=params.stop,
+                           complete_base=complete_base)
+
+    def respond(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+                model: str = "") -> ChatStream:
+        """A chat reply, or on a base model the raw completion of the conversation's text
+        (decided once the model is loaded: its file has no chat template)."""
+        return self.stream(conversation, messages, params, system, model, complete_base=True)
+
+    def completes_text(self, model: str = "") -> bool:
+        engine = self.models.find(model or None) if self.models is not None else None
+        if engine is not None:
+            return engine.lm.template.is_fallback
+        return model in self._listed_base
+
+    def model_loaded(self, model: str = "") -> bool:
+        return self.models is None or not self.models.lazy or self.models.find(model or None) is not None
 
     def stats(self) -> EngineStats | None:
         if self.engine is None:
@@ -144,13 +166,16 @@ class LocalBackend(ChatBackend):
         """The loaded models, then what `panechat models` finds (read in a worker thread)."""
         from panechat.engine.catalog.model_catalog import find_models  # deferred: reads every model header
 
-        loaded = self.models.names() if self.models is not None else []
+        loaded = [ModelChoice(n, "loaded", loaded=True, base=self.completes_text(n))
+                  for n in (self.models.names() if self.models is not None else [])]
         if self.models is not None and not self.models.lazy:  # an Engine given as is: nothing else loads
-            return [ModelChoice(n, "loaded", loaded=True) for n in loaded]
+            return loaded
         found = await asyncio.to_thread(find_models)
-        return [ModelChoice(n, "loaded", loaded=True) for n in loaded] + [
-            ModelChoice(m.name, _describe(m), loadable=m.loadable, reason=m.reason)
-            for m in found if (self.models is None or self.models.find(m.name) is None) and m.name not in loaded]
+        names = {c.name for c in loaded}
+        listed = [ModelChoice(m.name, _describe(m), loadable=m.loadable, reason=m.reason, base=m.base_model)
+                  for m in found if (self.models is None or self.models.find(m.name) is None) and m.name not in names]
+        self._listed_base |= {c.name for c in listed if c.base}
+        return loaded + listed
 
     def model_stats(self) -> dict[str, EngineStats]:
         if self.models is None or len(self.models.names()) < 2:

@@ -7,6 +7,7 @@ from typing import Awaitable, Callable, Iterable
 
 from textual import events, work
 from textual.app import App, SystemCommand
+from textual.binding import Binding
 from textual.screen import Screen
 from textual.theme import Theme
 
@@ -14,9 +15,15 @@ from panechat.backends.errors import one_line
 from panechat.themes import DEFAULT_THEME, THEMES
 from ..clients.base import BackendError, ChatBackend
 from ..store import Store
-from .screens.main import MainScreen
+from .commands import Command
+from .screens.help import HelpScreen, key_groups
+from .screens.main import APP, MainScreen
 from .widgets.dashboard import Dashboard
 from .widgets.prompt_input import PromptInput
+
+# Textual's own palette entries that ours replace: its Keys panel (F1's help instead) and
+# its Maximize (ctrl+o maximizes the pane)
+REPLACED_COMMANDS = {"Keys", "Maximize", "Minimize"}
 
 ShareHook = Callable[["PanechatApp"], Awaitable[str]]
 
@@ -28,6 +35,12 @@ class PanechatApp(App):
     `--share`) and returns a line to show; `close_share` is awaited at exit."""
 
     TITLE = "panechat"
+    BINDINGS = [
+        Command("f1", "help", "Help", show=False, title="Keys", tooltip="This list of the app's keys",
+                group_name=APP),
+        # shown in the footer (Textual's own ctrl+q is hidden)
+        Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="Quit (conversations and layout are saved)"),
+    ]
     CSS = """
     Screen { layout: vertical; }
     MainScreen > Horizontal { height: 1fr; }
@@ -112,7 +125,19 @@ class PanechatApp(App):
 
     # -- command palette ---------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        yield from (c for c in super().get_system_commands(screen) if c.title not in REPLACED_COMMANDS)
+        yield SystemCommand("Keys", "The app's keys, by group (f1)", self.action_help)
         if not isinstance(screen, MainScreen):
             return
         yield from screen.palette_commands()
+
+    def help_groups(self) -> dict[str, list[tuple[str, str]]]:
+        """The F1 help's key groups, from the bindings that define the keys."""
+        palette = Binding(self.COMMAND_PALETTE_BINDING, "command_palette", "Command palette",
+                          tooltip="Every command, searchable")
+        return key_groups([(APP, MainScreen.BINDINGS), (APP, [palette, *self.BINDINGS]),
+                           ("Prompt", [Binding("enter", "", "Send the prompt"), *PromptInput.BINDINGS])])
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.help_groups()))

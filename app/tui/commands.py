@@ -15,9 +15,10 @@ from textual.dom import DOMNode
 @dataclass(frozen=True)
 class Command(Binding):
     """A key binding the command palette lists too: as `title`, with `tooltip` and the key
-    as its help line."""
+    as its help line; the F1 help lists it under `group_name`."""
 
     title: str = ""
+    group_name: str = ""
 
 
 def binding_commands(node: DOMNode) -> Iterator[SystemCommand]:

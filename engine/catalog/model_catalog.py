@@ -50,6 +50,7 @@ class ModelEntry:
     context_length: int | None = None
     loadable: bool = False
     reason: str = ""
+    base_model: bool = False  # no tokenizer.chat_template: a base model, it completes text
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,8 @@ def _describe(cand: _Candidate) -> ModelEntry:
     except Exception as e:  # a listing never fails on one file
         return ModelEntry(**base, size=size, reason=f"unreadable ({type(e).__name__})")
     arch = header.architecture
-    facts = dict(architecture=arch, quant=header.quant, size=size, context_length=header.context_length)
+    facts = dict(architecture=arch, quant=header.quant, size=size, context_length=header.context_length,
+                 base_model=_is_base(header))
     return ModelEntry(**base, **facts, **_verdict(header))
 
 
@@ -297,8 +299,14 @@ def _describe_chunks(cand: _Candidate) -> ModelEntry:
     except Exception as e:  # a listing never fails on one file
         return ModelEntry(**base, size=size, reason=f"unreadable ({type(e).__name__})")
     facts = dict(architecture=header.architecture, quant=header.quant, size=size,
-                 context_length=header.context_length)
+                 context_length=header.context_length, base_model=_is_base(header))
     return ModelEntry(**base, **facts, **_verdict(header))
+
+
+def _is_base(header: GGUFHeader) -> bool:
+    """No chat template in the file: the ChatML fallback would be used (chat_template.py)."""
+    source = header.metadata.get("tokenizer.chat_template")
+    return not isinstance(source, str) or not source.strip()
 
 
 def _verdict(header: GGUFHeader) -> dict:

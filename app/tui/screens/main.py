@@ -10,7 +10,6 @@ from typing import Iterator
 
 from textual import work
 from textual.app import SystemCommand
-from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Footer
@@ -32,6 +31,7 @@ NARROW_COLUMNS = 120  # under this width the dashboard is one line under the pan
 WIDE_COLUMNS = 150  # from this width the dashboard panel is wider (longer names)
 UI_CPU_TARGET = 0.15  # share of one core the UI thread may use while replies stream
 MAX_FLUSH_S = 1.0  # the slowest the panes refresh under load
+PANES, REPLIES, DIALOGS, APP = "Panes", "Replies", "Dialogs", "App"  # the F1 help's groups
 
 
 class MainScreen(Screen):
@@ -40,30 +40,35 @@ class MainScreen(Screen):
 
     BINDINGS = [  # the Commands are the command palette's entries too (app.get_system_commands)
         Command("ctrl+n", "new_pane", "New", priority=True, title="New pane",
-                tooltip="Open a new conversation pane"),
-        Command("ctrl+w", "close_pane", "Close", priority=True, title="Close pane", tooltip="Close the active pane"),
-        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane", show=False),
+                tooltip="Open a new conversation pane", group_name=PANES),
+        Command("ctrl+w", "close_pane", "Close", priority=True, title="Close pane", tooltip="Close the active pane",
+                group_name=PANES),
+        Command("tab", "next_pane", "Next", title="Next pane", tooltip="Focus the next pane", show=False,
+                group_name=PANES),
         Command("shift+tab", "previous_pane", "Prev", title="Previous pane", tooltip="Focus the previous pane",
-                show=False),
+                show=False, group_name=PANES),
         Command("ctrl+o", "toggle_maximize", "Max", priority=True, title="Maximize / restore pane",
-                tooltip="Show the active pane alone, or the grid again"),
+                tooltip="Show the active pane alone, or the grid again", group_name=PANES),
         Command("ctrl+s", "stop", "Stop", priority=True, title="Stop generation",
-                tooltip="Stop the active pane's reply"),
-        Command("ctrl+t", "broadcast", "All", priority=True, title="Broadcast prompt",
-                tooltip="Send the same prompt to every pane"),
+                tooltip="Stop the active pane's reply", group_name=REPLIES),
+        # not in the footer: there F2-F5 and ctrl+q fit 80 columns (F1 and the palette list it)
+        Command("ctrl+t", "broadcast", "All", priority=True, title="Broadcast prompt", show=False,
+                tooltip="Send the same prompt to every pane", group_name=REPLIES),
         Command("f2", "settings", "Settings", title="Pane settings",
-                tooltip="System prompt, temperature, max tokens, seed, top p/k, min p, stop, penalties"),
+                tooltip="System prompt, temperature, max tokens, seed, top p/k, min p, stop, penalties",
+                group_name=DIALOGS),
         Command("f3", "export", "Export", title="Export conversation to Markdown",
-                tooltip="Write the active pane's conversation to a .md file"),
+                tooltip="Write the active pane's conversation to a .md file", group_name=DIALOGS),
         Command("f4", "open_conversation", "Open", title="Open conversation",
-                tooltip="Search, preview, open or delete stored conversations"),
+                tooltip="Search, preview, open or delete stored conversations", group_name=DIALOGS),
         Command("f5", "pick_model", "Model", title="Choose model",
-                tooltip="Open a new pane on a model (or put the empty active pane on it)"),
+                tooltip="Open a new pane on a model (or put the empty active pane on it)", group_name=DIALOGS),
         Command("f7", "take_over", "Take", priority=True, title="Take over conversation", show=False,
-                tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)"),
+                tooltip="Hold the active read-only pane's conversation here (the other terminal follows it)",
+                group_name=REPLIES),
         Command("f6", "toggle_dashboard", "Dash", priority=True, show=False, title="Dashboard: panel or line",
-                tooltip="Show the dashboard as a panel beside the panes, or as one line under them"),
-        Binding("ctrl+q", "app.quit", "Quit", tooltip="Quit (conversations and layout are saved)"),
+                tooltip="Show the dashboard as a panel beside the panes, or as one line under them",
+                group_name=APP),
     ]
 
     def __init__(self, backend: ChatBackend, store: Store, **kwargs):

@@ -10,6 +10,7 @@ from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
 from ...clients.base import ModelChoice
+from ..widgets.pane import BASE_NOTE
 
 
 class ModelPickerScreen(ModalScreen[str | None]):
@@ -49,4 +50,5 @@ class ModelPickerScreen(ModalScreen[str | None]):
 def _line(c: ModelChoice) -> str:
     if not c.loadable:
         return f"{c.name}  ·  cannot load: {c.reason}"
-    return f"{c.name}  ·  {c.detail}" if c.detail else c.name
+    parts = [c.name, BASE_NOTE if c.base else "", c.detail]
+    return "  ·  ".join(p for p in parts if p)

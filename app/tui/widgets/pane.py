@@ -33,6 +33,7 @@ from .transcript import CUT_OFF_MARK, AssistantMessage, BranchLabel, ContextNoti
 _CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
 FLUSH_HZ = 10
+BASE_NOTE = "base model: completes text"  # the status of a pane on a model without a chat template
 
 
 class ChatPane(Vertical):
@@ -361,6 +362,7 @@ class ChatPane(Vertical):
         model = self.model
         self.border_title = (f"{self.number} · {self.conversation.title}" + (f" · {model}" if model else "")
                              + (" · read-only" if self.held_by else ""))
+        self._update_status()  # a base model's note follows the model
 
     def set_model(self, model: str) -> None:
         """Talk to `model` from the next reply on (the caller stores the conversation)."""
@@ -577,12 +579,13 @@ class ChatPane(Vertical):
         messages = [{"role": m.role, "content": m.content} for m in self.history if m.role in ("user", "assistant")]
         self.meter = meter = StreamMeter()
         self._received, self._queued = [], False
-        self.stream = stream = self.backend.stream(c.id, messages, params, c.system, c.model)
+        loaded = self.backend.model_loaded(c.model)
+        self.stream = stream = self.backend.respond(c.id, messages, params, c.system, c.model)
         if self._stop_requested:
             stream.cancel()
         self._md_stream = Markdown.get_stream(reply)
         await asyncio.sleep(0)  # let its task start: stopping one that never ran raises CancelledError here
-        self._set_state("queued")
+        self._set_state("queued" if loaded else f"loading {self.model}...")
         timer = self.set_interval(1 / FLUSH_HZ, self.flush) if self.ticker else None
         fin = Finished("error", "", error="the stream ended without a finish")
         perf = time.perf_counter
@@ -707,7 +710,10 @@ class ChatPane(Vertical):
         ctx = self.backend.info.ctx
         if used is not None and ctx:  # before TTFT, the first figure a narrow pane drops
             metrics = (*metrics[:2], f"{used:,} / {ctx:,} tok", *metrics[2:])
-        status = _fit([self.state, *metrics], self.size.width - 6)
+        if self.state.startswith("loading"):
+            metrics = ()  # no figures until the model serves
+        note = (BASE_NOTE,) if self.backend.completes_text(self.conversation.model) else ()
+        status = _fit([self.state, *note, *metrics], self.size.width - 6)
         if status != self._status:
             self._status = status
             # colour through the title's own style: a CSS class change would restyle the whole
