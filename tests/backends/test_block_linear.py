@@ -61,7 +61,9 @@ def test_linear_many_rows_invariant(rng):
         assert all(np.array_equal(got[j], alone[j][pick]) for j in range(2)), B
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", pytest.param("Q4_0", marks=pytest.mark.slow), "Q8_0", "Q5_0",
+                                   pytest.param("Q5_1", marks=pytest.mark.slow), "Q4_K",
+                                   pytest.param("Q5_K", marks=pytest.mark.slow), "Q6_K"])
 def test_one_thread_serial_kernels_equal_the_parallel_ones(rng, qtype):
     """On one numba thread the products run the serial twins of the parallel kernels
     (quant_kernels._pick); every product, fused or not, has the same bits as on two

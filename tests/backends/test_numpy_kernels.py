@@ -149,7 +149,13 @@ def _block_weight(rng, qtype, N, K):
     return (lambda x: be.linear(x, kept)), w.reshape(N, K)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+#: the types no shipped model uses: their kernels cost about a minute of cold compiling each,
+#: so they are checked in `make test-slow` (test_registry_types.SHIPPED_TYPES has the others)
+NOT_SHIPPED = ("Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K")
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, marks=pytest.mark.slow) if t in NOT_SHIPPED else t
+                                   for t in BLOCK_TYPES])
 @pytest.mark.parametrize("M,N,K", [(1, 64, 256), (7, 70, 512), (33, 13, 768)])
 def test_block_kernel_equals_linear_on_gguf_dequantized(rng, qtype, M, N, K):
     run, w = _block_weight(rng, qtype, N, K)
