@@ -2,6 +2,8 @@
 
 import pytest
 
+from panechat.backends.cuda.cupy_backend import CupyBackend
+from panechat.engine.model.loader import load_model
 from panechat.engine.serving.engine import Engine, EngineConfig
 
 
@@ -19,3 +21,14 @@ def make_engine(loaded_model):
     yield make
     for e in engines:
         e.stop()
+
+
+@pytest.fixture(scope="module", params=["numpy", "cupy-emulated"])
+def tiny_lm(request, tiny):
+    """The tiny llama on the host-sampling numpy backend and the device-sampling CuPy one
+    (its numpy emulation), for the tests of the per-row steps before the sampler."""
+    path, _ = tiny("llama", "Q8_0")
+    be = "numpy" if request.param == "numpy" else CupyBackend.emulated_on_cpu()
+    lm = load_model(path, be, max_positions=64)
+    assert lm.model.samples_on_device == (request.param != "numpy")
+    return lm

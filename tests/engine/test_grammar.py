@@ -10,8 +10,6 @@ from dataclasses import replace
 import llguidance
 import pytest
 
-from panechat.backends.cuda.cupy_backend import CupyBackend
-from panechat.engine.model.loader import load_model
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.grammar import json_schema_grammar, text_grammar
 from panechat.engine.serving.invalid_request import InvalidRequest
@@ -22,15 +20,6 @@ PROMPTS = [[1, 90, 198, 26], [50, 23, 63], [28, 198, 66, 11, 216], [40, 41, 42]]
 N = 12
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["ab", "cd"]}},
           "required": ["n", "tag"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module", params=["numpy", "cupy-emulated"])
-def tiny_lm(request, tiny):
-    path, _ = tiny("llama", "Q8_0")
-    be = "numpy" if request.param == "numpy" else CupyBackend.emulated_on_cpu()
-    lm = load_model(path, be, max_positions=64)
-    assert lm.model.samples_on_device == (request.param != "numpy")
-    return lm
 
 
 def _run(lm, jobs):

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 import panechat.engine.serving.engine as engine_mod
-from panechat.backends.cuda.cupy_backend import CupyBackend
-from panechat.engine.model.loader import load_model
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.serving.logits_processors import LogitBias, make_processors, step_processors
@@ -21,16 +19,6 @@ from panechat.engine.serving.sampling import SamplingParams
 
 PROMPTS = [[1, 90, 198, 26], [50, 23, 63], [28, 198, 66, 11, 216]]
 N = 8
-
-
-@pytest.fixture(scope="module", params=["numpy", "cupy-emulated"])
-def tiny_lm(request, tiny):
-    """The tiny llama on the host-sampling numpy backend and the device-sampling CuPy one."""
-    path, _ = tiny("llama", "Q8_0")
-    be = "numpy" if request.param == "numpy" else CupyBackend.emulated_on_cpu()
-    lm = load_model(path, be, max_positions=64)
-    assert lm.model.samples_on_device == (request.param != "numpy")
-    return lm
 
 
 def _run(lm, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:

@@ -10,8 +10,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from panechat.backends.cuda.cupy_backend import CupyBackend
-from panechat.engine.model.loader import load_model
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.serving.logits_processors import CountPenalty, RepeatPenalty, make_processors
@@ -20,13 +18,6 @@ from panechat.engine.serving.sampling import SamplingParams
 
 PROMPTS = [[1, 90, 198, 26], [50, 23, 63], [28, 198, 66, 11, 216], [7, 7, 8, 9, 10, 11, 12]]
 N = 10
-
-
-@pytest.fixture(scope="module", params=["numpy", "cupy-emulated"])
-def tiny_lm(request, tiny):
-    path, _ = tiny("llama", "Q8_0")
-    be = "numpy" if request.param == "numpy" else CupyBackend.emulated_on_cpu()
-    return load_model(path, be, max_positions=64)
 
 
 def _run(lm, jobs, n=1):
