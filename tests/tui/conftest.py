@@ -105,3 +105,16 @@ async def type_and_send(pilot, pane, text: str) -> None:
 
 
 __all__ = ["MAX_TOKENS", "make_app", "wait_for", "wait_engine_idle", "type_and_send", "type_into", "asyncio"]
+
+
+@pytest.fixture
+def tmux(request):
+    """A tmux server of this test's own (tests/tui/tmux_server.py), killed after it."""
+    from .tmux_server import TmuxServer
+
+    label = "".join(c for c in request.node.originalname if c.isalnum())[:24]
+    server = TmuxServer(label)
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,8 +18,6 @@ import httpx
 import pytest
 
 from panechat.app.store import Store
-
-from .test_tmux_smoke import SOCKET, capture, poll, tmux
 
 PANECHAT = Path(sys.executable).with_name("panechat")
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None or not PANECHAT.exists(),
@@ -53,51 +50,47 @@ def _messages(data: Path) -> list:
         st.close()
 
 
-def _session(tmp_path: Path, name: str, port: int) -> str:
+def _session(tmux, tmp_path: Path, name: str, port: int) -> str:
     env = " ".join(f"{k}={tmp_path / v}" for k, v in (("PANECHAT_DATA_DIR", "data"), ("PANECHAT_EXPORT_DIR", "x"),
                                                        ("XDG_CACHE_HOME", "cache"), ("XDG_STATE_HOME", "state")))
     cmd = f"env {env} {PANECHAT} --ctx-size 1024 --share --port {port}; echo PANECHAT-EXIT $?; sleep 60"
-    tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "45", cmd)
-    poll(name, lambda s: "Message" in s and "sharing" in s, 180, "the TUI to start")
+    tmux.new_session(name, (160, 45), cmd)
+    tmux.poll(name, lambda s: "Message" in s and "sharing" in s, 180, "the TUI to start")
     return name
 
 
-def _ask(session: str, data: Path, text: str, n_messages: int) -> None:
-    tmux("send-keys", "-t", session, "-l", text)
-    tmux("send-keys", "-t", session, "Enter")
+def _ask(tmux, session: str, data: Path, text: str, n_messages: int) -> None:
+    tmux.send(session, text)
     t0 = time.monotonic()
-    while len(_messages(data)) < n_messages or "tok/s" not in capture(session):
-        assert time.monotonic() - t0 < 300, capture(session)
+    while len(_messages(data)) < n_messages or "tok/s" not in tmux.capture(session):
+        assert time.monotonic() - t0 < 300, tmux.capture(session)
         time.sleep(0.5)
 
 
-def _quit(session: str) -> None:
+def _quit(tmux, session: str) -> None:
     tmux("send-keys", "-t", session, "C-q")
-    poll(session, lambda s: "PANECHAT-EXIT 0" in s, 90, "a clean exit")
+    tmux.poll(session, lambda s: "PANECHAT-EXIT 0" in s, 90, "a clean exit")
     tmux("kill-session", "-t", session)
 
 
-def test_the_tui_reopened_continues_a_long_conversation_from_its_snapshot(tmp_path):
+def test_the_tui_reopened_continues_a_long_conversation_from_its_snapshot(tmp_path, tmux):
     data = tmp_path / "data"
     st = Store.open(data)
     st.set_setting("default_max_tokens", "16")
     st.close()
     port = _free_port()
-    try:
-        first = _session(tmp_path, f"panechat-kv1-{os.getpid()}", port)
-        _ask(first, data, LONG, 2)
-        _quit(first)  # the engine's stop writes the conversation's KV
-        snaps = list((tmp_path / "cache" / "panechat" / "kv").glob("*/*.kvsnap"))
-        assert len(snaps) == 1, snaps
+    first = _session(tmux, tmp_path, f"panechat-kv1-{os.getpid()}", port)
+    _ask(tmux, first, data, LONG, 2)
+    _quit(tmux, first)  # the engine's stop writes the conversation's KV
+    snaps = list((tmp_path / "cache" / "panechat" / "kv").glob("*/*.kvsnap"))
+    assert len(snaps) == 1, snaps
 
-        second = _session(tmp_path, f"panechat-kv2-{os.getpid()}", port)
-        assert "Note 39" in capture(second) or "pearls" in capture(second)  # the pane holds it
-        before = _metrics(port)
-        _ask(second, data, "Which box holds the most pearls?", 4)
-        after = _metrics(port)
-        _quit(second)
-    finally:
-        subprocess.run(["tmux", "-L", SOCKET, "kill-server"], capture_output=True)
+    second = _session(tmux, tmp_path, f"panechat-kv2-{os.getpid()}", port)
+    assert "Note 39" in tmux.capture(second) or "pearls" in tmux.capture(second)  # the pane holds it
+    before = _metrics(port)
+    _ask(tmux, second, data, "Which box holds the most pearls?", 4)
+    after = _metrics(port)
+    _quit(tmux, second)
     prompt = after["panechat_prompt_tokens_total"] - before["panechat_prompt_tokens_total"]
     reused = after["panechat_reused_prefix_tokens_total"] - before["panechat_reused_prefix_tokens_total"]
     assert after["panechat_kv_snapshots_restored_total"] == 1
