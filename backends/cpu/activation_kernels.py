@@ -29,12 +29,12 @@ from panechat.backends.cpu.numpy_kernels import _JIT, _expf
 _F = np.float32
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def silu_mul_one(g, u):
     return (g / (_F(1.0) + _expf(min(-g, _F(88.0))))) * u
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def gelu_mul_one(g, u):
     inner = _F(0.7978845608028654) * (g + _F(0.044715) * g * g * g)  # sqrt(2/pi)
     t = _F(1.0) - _F(2.0) / (_expf(min(_F(2.0) * inner, _F(88.0))) + _F(1.0))

@@ -101,7 +101,7 @@ def store_kv(typingctx, arr, i, x):
     return None
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _write_row(blocks, o, x, xo, D):
     """blocks.flat[o : o + D] = x.flat[xo : xo + D], rounded to the store's dtype."""
     dv = D - D % LANES
@@ -112,7 +112,7 @@ def _write_row(blocks, o, x, xo, D):
         store_kv(blocks, o + d, xf[xo + d])
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _rope_row(x, xo, p, cos, sin, neox, dst, do, D):
     """dst.flat[do : do + D] = x.flat[xo : xo + D] turned by RoPE at position p: the bits of
     `numpy_kernels.rope` (a*cos - b*sin and b*cos + a*sin, each product and sum rounded)."""
@@ -128,7 +128,7 @@ def _rope_row(x, xo, p, cos, sin, neox, dst, do, D):
         df[do + j] = xf[xo + j]
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _convert(blocks, o, n, buf):
     """buf[i, :] = blocks.flat[o + i*D : o + (i+1)*D] as float32 (exact), for i < n."""
     D = buf.shape[1]
@@ -140,7 +140,7 @@ def _convert(blocks, o, n, buf):
             buf[i, d] = load_kv(blocks, o + i * D + d)
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _prefetch_jump(blocks, table, b, last_b, g0, g1):
     """Prefetch block table[b]'s kv heads g0..g1-1 into L2 when the sequence's blocks jump
     there (table[b] != table[b-1] + 1). Along adjacent blocks the heads' chunks are one
@@ -151,7 +151,7 @@ def _prefetch_jump(blocks, table, b, last_b, g0, g1):
             prefetch_l2(blocks, i)
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _segment_scores(q, qo, kb, n, scale, ef, eo):
     """ef[eo + i] = q . kb[i] * scale for i < n: `numpy_kernels._scores`'s bits per key."""
     D = q.shape[2]
@@ -174,7 +174,7 @@ def _segment_scores(q, qo, kb, n, scale, ef, eo):
         ef[eo + t] = _dot(q, qo, kb, t * D, D) * scale
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _v3x4(e, j, t0, vb, n, acc, c):
     """acc[j..j+2, c : c + 64] += e[j..j+2, t0 + i] * vb[i, c : c + 64] for i < n in order:
     three query heads share each loaded value vector (GQA), twelve independent chains."""
@@ -206,7 +206,7 @@ def _v3x4(e, j, t0, vb, n, acc, c):
     vstore(acc, (j + 2) * D + c + 3 * LANES, c3)
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _segment_v(e, t0, vb, n, acc):
     """acc[j, :] += e[j, t0 + i] * vb[i, :] for i = 0..n-1 in order (`_weighted_v`'s bits:
     each element of acc gets its products added one key after the other)."""
@@ -239,20 +239,20 @@ _AHEAD = 2  # blocks between a prefetch and the block's use
 _TASK_COST = 16  # a (row, kv head) task's fixed cost, in attended positions
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def first_position(last, window):
     """The first position a row at `last` attends (window 0: all)."""
     return max(0, last - window + 1) if window > 0 else 0
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _task_cost(last, window):
     """The cost of a (row, kv head) task of a row at position `last`: its attended
     positions plus `_TASK_COST`."""
     return last + 1 - first_position(last, window) + _TASK_COST
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def share_tasks(pos, window, G, tid, n):
     """Thread tid of n's (row, kv head) tasks as [k, 3] rows (r, g0, g1): kv heads g0..g1-1
     of row r. The tasks in row-major order are split into n runs of about equal cost
@@ -278,7 +278,7 @@ def share_tasks(pos, window, G, tid, n):
     return out[:k]
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, out):
     """Query heads of kv heads g0..g1-1 for row r over positions first..last of the
     sequence whose block table is `table`: each block's keys (then values) of those heads,
@@ -335,7 +335,7 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, 
             out[r, h0 + j, d] = acc[j, d] * inv
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def check_rows(tables, seqs, pos, n_blocks, B, max_pos):
     """0 if a decode call can run: every row its own sequence, positions below max_pos and
     within the table, table entries valid; else -1 (row out of range), -2 (table entry out

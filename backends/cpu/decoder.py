@@ -26,7 +26,7 @@ one that is set (`IMPLEMENTS`); models it cannot hold (a feature it lacks, F16/B
 matrices) keep the op-by-op path, as do steps where a sequence has several rows (prefill
 chunks).
 
-`decode_step` inlines code from decode_attention, norm_kernels, activation_kernels,
+`decode_step` calls code from decode_attention, norm_kernels, activation_kernels,
 step_threads and block_tasks; numba's cache folder is keyed on a hash of all of
 backends/cpu and backends/quant (backends/cpu/__init__.py), so an edit to any of them
 starts a fresh cache.
@@ -188,19 +188,19 @@ def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
     return decode_check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos)
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _add(x, b, o):
     """x += b[o : o + len(x)] (a bias on one head's slice)."""
     for e in range(x.shape[0]):
         x[e] = x[e] + b[o + e]
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _vector(vectors, j):
     return numba.carray(f32_at(vectors[j, 0]), vectors[j, 1])
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _product(fns, mats, j, x, out, tid, n):
     """This thread's columns of x @ W.T for matrix j of the plan; returns them (c0, c1)."""
     m = mats[j]
@@ -211,7 +211,7 @@ def _product(fns, mats, j, x, out, tid, n):
     return c0, c1
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
     """x += p (columns c0..c1 of this thread), or x += rms_norm(p, vec) by rows after a barrier."""
     if has_post:

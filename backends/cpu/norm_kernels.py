@@ -28,7 +28,7 @@ from numba import njit
 _JIT = dict(cache=True, nogil=True)  # never fastmath: it would allow reordering
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _leaf(a, o, n):
     """numpy's pairwise sum of a[o : o + n] for n <= 128 (no split)."""
     if n < 8:
@@ -49,7 +49,7 @@ def _leaf(a, o, n):
     return res
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _pairwise(a, n, task_o, task_n, vals):
     """numpy's pairwise sum of the float32 values a[0 : n]: runs over 128 split in two at
     n2 = n // 2 rounded down to a multiple of 8, left + right. Written with an explicit

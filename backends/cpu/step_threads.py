@@ -102,7 +102,7 @@ def sched_yield(typingctx):
 SPINS = 2000  # pauses (tens of microseconds) before a waiting thread starts yielding its core
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def barrier(sync, n):
     """Wait until all `n` threads of the crew have arrived (sync: int64 [2], zeroed once).
     A waiting thread spins, then yields its core between looks, so that a crew sharing
