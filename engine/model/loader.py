@@ -40,13 +40,19 @@ class LoadedModel:
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
 
+#: Up to this many tokens the Hugging Face build takes a few ms: no child process is worth it.
+SMALL_VOCAB = 8192
+
+
 def load_tokenizer(gf: GGUFFile, in_process: bool = True) -> Tokenizer:
     """The file's tokenizer; raises ModelFileError (one line) when unsupported.
-    `in_process=False`: its Hugging Face part is built and run in a child process
-    (`TokenizerProcess`), which works while this one goes on; `Tokenizer.wait_ready` says
-    whether it could be built."""
+    `in_process=False`: unless the vocabulary is small, its Hugging Face part is built and
+    run in a child process (`TokenizerProcess`), which works while this one goes on;
+    `Tokenizer.wait_ready` says whether it could be built."""
+    tokens = gf.metadata.get("tokenizer.ggml.tokens")
+    separate = not in_process and isinstance(tokens, (list, tuple)) and len(tokens) > SMALL_VOCAB
     try:
-        return Tokenizer.from_metadata(gf.metadata, encoder=None if in_process else TokenizerProcess(gf.path))
+        return Tokenizer.from_metadata(gf.metadata, encoder=TokenizerProcess(gf.path) if separate else None)
     except ValueError as e:
         raise ModelFileError(f"{gf.path}: {e}") from None
 

@@ -5,8 +5,8 @@ costs a minute or more of it, and in-process every other model's stream would st
 long. The child loads the model and starts an engine on it, whose start-up self-check calls
 every kernel prefill and decode use; numba writes each to its on-disk cache (NUMBA_CACHE_DIR,
 set by `panechat.backends.cpu`), from where the serving process then loads it. A marker per
-model file in that cache folder says it was done, so later loads skip the child; the folder
-itself changes whenever kernel source does.
+model (its size and header) in that cache folder says it was done, so later loads skip the
+child; the folder itself changes whenever kernel source does.
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ __all__ = ["warm_kernels"]
 
 #: The child's limit: a cold compile of a new model's types takes minutes on 2 busy cores.
 WARMUP_TIMEOUT_S = 1800.0
+_HEAD_BYTES = 8 << 20  # a 262k-token vocabulary's header is ~6 MB
 
 
 def _marker(path: Path, kv_dtype: str) -> Path | None:
+    """The marker of `path`'s kernels: named by its size and first bytes (its header: the
+    architecture and tensor types the kernels depend on) and the KV type."""
     folder = os.environ.get("NUMBA_CACHE_DIR")
     if not folder:
         return None
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{kv_dtype}".encode()).hexdigest()
-    return Path(folder) / "warmed" / key[:32]
+    h = hashlib.sha256(f"{path.stat().st_size}\0{kv_dtype}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_HEAD_BYTES))
+    return Path(folder) / "warmed" / h.hexdigest()[:32]
 
 
 def warm_kernels(path: str | Path, kv_dtype: str = "f16") -> bool:

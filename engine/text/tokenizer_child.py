@@ -6,7 +6,6 @@ Run as `python -m panechat.engine.text.tokenizer_child PATH`; it speaks the prot
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -21,10 +20,6 @@ def serve(path: str) -> None:
     that worked, then answer requests until stdin closes."""
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed must not reach the protocol stream
-    try:
-        os.nice(5)  # its build shares the CPUs with the engines that are serving
-    except OSError:
-        pass
     try:
         tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
     except (ValueError, ModelFileError) as e:
