@@ -33,11 +33,16 @@ OK, ERROR = 0, 1
 class TokenizerProcess:
     """The HF part of one model's tokenizer, in a child process started at construction
     (it builds while the caller loads the weights). `encode` is thread-safe; `wait_ready`
-    raises `ValueError` (one line) when the child could not build the tokenizer."""
+    raises `ValueError` (one line) when the child could not build the tokenizer. A child
+    that dies later is started again once per request that finds it gone."""
 
     def __init__(self, path: str | Path):
         self.path = str(path)
         self._lock = threading.Lock()
+        self._closed = False
+        self._spawn()
+
+    def _spawn(self) -> None:
         self._ready: str | None | bool = False  # False: not yet known; None: ready; str: the error
         self._p = subprocess.Popen(
             [sys.executable, "-m", "panechat.engine.text.tokenizer_child", self.path],
@@ -48,29 +53,47 @@ class TokenizerProcess:
     def wait_ready(self) -> None:
         """Block until the child has built the tokenizer; raise ValueError if it could not."""
         with self._lock:
-            if self._ready is False:
+            self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        if self._ready is False:
+            try:
                 status, payload = self._read()
                 self._ready = None if status == OK else payload.decode("utf-8", "replace")
+            except ValueError:
+                self._ready = f"the tokenizer process ended before it was built (exit status {self._p.wait()})"
         if self._ready is not None:
             raise ValueError(self._ready)
 
     def encode(self, text: str, parse_special: bool) -> list[int]:
         """The ids the model's HF tokenizer gives `text` (no BOS/EOS added)."""
-        self.wait_ready()
         data = bytes([1 if parse_special else 0]) + text.encode("utf-8", "surrogatepass")
         with self._lock:
+            self._wait_ready()
             try:
-                self._p.stdin.write(_LEN.pack(len(data)) + data)
-                status, payload = self._read()
-            except (OSError, ValueError) as e:
-                raise RuntimeError(f"the tokenizer process of {self.path} stopped: {e}") from None
+                status, payload = self._ask(data)
+            except (OSError, ValueError):
+                if self._closed:
+                    raise RuntimeError(f"the tokenizer of {self.path} is closed") from None
+                self._finalizer()
+                self._spawn()  # it died (killed, out of memory): once more with a new one
+                self._wait_ready()
+                try:
+                    status, payload = self._ask(data)
+                except (OSError, ValueError) as e:
+                    raise RuntimeError(f"the tokenizer process of {self.path} stopped: {e}") from None
         if status != OK:
             raise RuntimeError(payload.decode("utf-8", "replace"))
         return np.frombuffer(payload, np.int32).tolist()
 
     def close(self) -> None:
-        """End the child (idempotent)."""
+        """End the child (idempotent); encoding fails after."""
+        self._closed = True
         self._finalizer()
+
+    def _ask(self, data: bytes) -> tuple[int, bytes]:
+        self._p.stdin.write(_LEN.pack(len(data)) + data)
+        return self._read()
 
     def _read(self) -> tuple[int, bytes]:
         head = _read_exact(self._p.stdout, _LEN.size)

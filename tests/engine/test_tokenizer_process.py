@@ -1,7 +1,7 @@
 """A tokenizer whose Hugging Face part runs in a child process (engine/text/tokenizer_process.py,
 what a model loaded beside serving ones gets) encodes exactly as the in-process one: llama.cpp's
 golden ids for the default model and for gemma-3-270m (the vocabulary whose in-process build
-held the GIL for seconds), with and without special-token parsing. Building it holds the GIL
+held the GIL for seconds), with and without special-token parsing, also after its child died. Building it holds the GIL
 for no long stretch, and a file it cannot build fails in one line."""
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ def test_the_default_model_encodes_as_llamacpp_through_the_process(model_path, g
             assert remote.encode(case["text"]) == case["ids"], case["text"]
             assert remote.encode(case["text"], parse_special=False) == tokenizer.encode(case["text"], parse_special=False)
         assert remote.stop_ids == tokenizer.stop_ids and remote.token_bytes(100) == tokenizer.token_bytes(100)
+        remote._encoder._p.kill()  # a child that dies (out of memory, killed) is started again
+        remote._encoder._p.wait(10)
+        assert remote.encode(golden["tokenize"][0]["text"]) == golden["tokenize"][0]["ids"]
     finally:
         remote.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        remote.encode("hi")
 
 
 def test_gemma_encodes_as_llamacpp_through_the_process(remote_gemma, gemma_golden):
