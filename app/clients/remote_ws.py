@@ -48,6 +48,7 @@ class RemoteBackend(ChatBackend):
         self._watchers: dict[str, object] = {}  # conversation -> listener of its Followed/HolderChanged
         self._model_stats: dict[str, EngineStats] = {}
         self.models: list[str] = []  # the models the server holds (its welcome)
+        self.base_models: set[str] = set()  # those of them with no chat template (its welcome)
         # request id -> the stream's arguments, until the server has queued it: a send to a
         # conversation the server dropped (for memory, see --history-memory) reopens it with
         # the history and sends again, once
@@ -99,6 +100,9 @@ class RemoteBackend(ChatBackend):
             batching=frame.get("batching"), url=self.profile, chat_template=str(frame.get("chat_template", "")))
         self.terminal = frame.get("terminal")
         self.models = [str(m) for m in frame.get("models") or [] if isinstance(m, str)]
+        self.base_models = {str(m) for m in frame.get("base_models") or [] if isinstance(m, str)}
+        if self.info.chat_template == "chatml-fallback":  # an older server names only the default's
+            self.base_models.add(self.info.model)
         if self.model:
             self.info.model = self.model
         self._ws = ws
@@ -315,14 +319,25 @@ class RemoteBackend(ChatBackend):
             await self._send_quiet({"type": "close", "conversation": conversation})
 
     def stream(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
-               model: str = "") -> ChatStream:
+               model: str = "", *, complete: bool = False) -> ChatStream:
+        """A chat reply; `complete`: on a base model the server completes the conversation's
+        text instead (the send's `complete`, docs/protocol.md)."""
         s = QueueStream(on_cancel=self._cancel)
         s.id = f"r-{next(self._ids)}"
-        self._spawn(self._start_stream(s, conversation, messages, params, system, model))
+        self._spawn(self._start_stream(s, conversation, messages, params, system, model, complete))
         return s
 
+    def respond(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
+                model: str = "") -> ChatStream:
+        """A chat reply, or on a base model the raw completion of the conversation's text
+        (`run --raw`), as the server decides from the model's file."""
+        return self.stream(conversation, messages, params, system, model, complete=True)
+
+    def completes_text(self, model: str = "") -> bool:
+        return (model or self.model or self.info.model) in self.base_models
+
     async def _start_stream(self, s: QueueStream, conversation: str, messages: list[dict], params: GenParams,
-                            system: str, model: str = "", retry: bool = True) -> None:
+                            system: str, model: str = "", complete: bool = False, retry: bool = True) -> None:
         try:
             if conversation not in self._opened or self._ws is None:
                 await self.attach(conversation, system, messages[:-1], model)
@@ -330,7 +345,7 @@ class RemoteBackend(ChatBackend):
                 return
             self._streams[s.id] = s
             if retry:
-                self._unqueued[s.id] = (conversation, messages, params, system, model)
+                self._unqueued[s.id] = (conversation, messages, params, system, model, complete)
             frame = {"type": "send", "conversation": conversation, "request": s.id, "content": messages[-1]["content"],
                      "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                                 "min_p": params.min_p, "max_tokens": params.max_tokens, "seed": params.seed,
@@ -338,6 +353,8 @@ class RemoteBackend(ChatBackend):
                      "system": system}
             if model or self.model:
                 frame["model"] = model or self.model
+            if complete:
+                frame["complete"] = True
             frame.update(self._rewrite(conversation, messages[:-1]))
             self._sent[s.id] = (conversation, [(m["role"], m["content"]) for m in messages])
             await self._send(frame)
@@ -375,7 +392,8 @@ class RemoteBackend(ChatBackend):
 
     async def model_choices(self) -> list[ModelChoice]:
         """The models the server holds (its welcome)."""
-        return [ModelChoice(m, "on the server", loaded=True) for m in self.models] or await super().model_choices()
+        return [ModelChoice(m, "on the server", loaded=True, base=m in self.base_models)
+                for m in self.models] or await super().model_choices()
 
     def model_stats(self) -> dict[str, EngineStats]:
         return self._model_stats if self._ws is not None else {}

@@ -21,6 +21,7 @@ from starlette.requests import Request
 
 from panechat.engine.serving.engine import PromptTooLong
 
+from ..completion_text import completion_text
 from ..context_fit import ContextFit, fit_context, reply_room
 from ..engine_errors import CLIENT_QUEUE_FULL, QUEUE_FULL, ShuttingDown, classify
 from . import errors
@@ -228,19 +229,24 @@ class ServerState:
 
     async def submit_conversation(self, messages: list[dict], params: "SamplingParams",
                                   stop: list[str] | tuple = (), conversation: str | None = None,
-                                  engine: "Engine | None" = None, client: str = "") -> tuple["Generation", ContextFit]:
+                                  engine: "Engine | None" = None, client: str = "",
+                                  complete_text: bool = False) -> tuple["Generation", ContextFit]:
         """`submit` for a stored conversation (the websocket's): a prompt over the context
         loses its oldest turns first (app/context_fit.py, as the TUI's local engine does);
-        returns the generation and what was sent."""
+        returns the generation and what was sent. `complete_text` on a base model (no chat
+        template): the conversation's text is completed raw, as `run --raw` and a local
+        base-model pane do (app/completion_text.py)."""
         engine = engine or self.require_engine()
         fitted: list[ContextFit] = []
+        raw = complete_text and engine.lm.template.is_fallback
+        tokenize = (lambda ms: engine.completion_ids(completion_text(ms))) if raw else engine.prompt_ids
 
         def prompt_ids() -> list[int]:
-            fitted.append(fit_context(messages, engine.prompt_ids, engine.ctx,
-                                      reply_room(params.max_tokens, engine.ctx)))
+            fitted.append(fit_context(messages, tokenize, engine.ctx, reply_room(params.max_tokens, engine.ctx)))
             return fitted[0].ids
 
-        gen, = await self._submit(engine, prompt_ids, params, [*stop, *engine.chat_stops], conversation, client)
+        stops = [*stop] if raw else [*stop, *engine.chat_stops]
+        gen, = await self._submit(engine, prompt_ids, params, stops, conversation, client)
         return gen, fitted[0]
 
     async def submit_text(self, text: str, params: "SamplingParams", stop: list[str] | tuple = (),

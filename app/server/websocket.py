@@ -339,6 +339,7 @@ class Connection:
             "backend": engine.lm.model.backend.describe(), "ctx": engine.ctx,
             "max_concurrent": engine.cfg.max_concurrent, "batching": engine.batching,
             "chat_template": engine.lm.template.kind, "terminal": self.terminal, "models": self.st.models.names(),
+            "base_models": [n for n, e in self.st.models.engines().items() if e.lm.template.is_fallback],
         })
 
     async def engine_for(self, model: str | None, rid: str | None = None):
@@ -427,6 +428,9 @@ class Connection:
         if content is not None and not isinstance(content, str):
             raise FrameError("bad_frame", "'content' must be a string", rid)
         system = _opt_str(frame, "system", rid)
+        complete = frame.get("complete", False)
+        if not isinstance(complete, bool):
+            raise FrameError("bad_frame", "'complete' must be true or false", rid)
         engine = await self.engine_for(frame.get("model") or self.models.get(cid), rid)
         params, stop = parse_params(frame.get("params"), engine.ctx, rid)
         if rid in self.gens:
@@ -471,7 +475,7 @@ class Connection:
         conv.busy = rid  # reserved while the prompt is tokenized off the loop
         try:
             gen, fit = await self.st.submit_conversation(messages, params, stop, conversation=cid, engine=engine,
-                                                         client=self.client)
+                                                         client=self.client, complete_text=complete)
         except Exception as e:
             conv.busy = None
             refusal = classify(e)  # app/engine_errors.py

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,6 +31,7 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 _MAX_COUNT = 1 << 40  # a count this large is a damaged header, not a model
+_SLICE = 65536  # array elements made into Python numbers per GIL-holding pass
 
 # numpy dtype of the stored values, for the types stored element by element (as gguf.GGUFReader)
 _ELEMENT_DTYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
@@ -281,7 +283,15 @@ class _Cursor:
         self._need(n * dtype.itemsize)
         values = np.frombuffer(self.buf, dtype, n, self.pos)
         self.pos += n * dtype.itemsize
-        return values.tolist()
+        if n <= _SLICE:
+            return values.tolist()
+        # a vocabulary's scores or types: in slices, the GIL let go between them, so a model
+        # loading beside serving ones does not stop their streams
+        out: list = []
+        for a in range(0, n, _SLICE):
+            out += values[a:a + _SLICE].tolist()
+            time.sleep(0)
+        return out
 
     def skip_array(self) -> None:
         etype, n = self.scalar("I"), self.count()

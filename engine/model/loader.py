@@ -12,6 +12,7 @@ from panechat.engine.gguf.file import GGUFFile, ModelFileError
 from panechat.engine.model.forward import Model
 from panechat.engine.model.args import ModelArgs
 from panechat.engine.text.tokenizer import Tokenizer
+from panechat.engine.text.tokenizer_process import TokenizerProcess
 
 
 @dataclass
@@ -39,16 +40,28 @@ class LoadedModel:
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
 
-def load_tokenizer(gf: GGUFFile) -> Tokenizer:
-    """The file's tokenizer; raises ModelFileError (one line) when unsupported."""
+#: Up to this many tokens the Hugging Face build takes a few ms: no child process is worth it.
+SMALL_VOCAB = 8192
+
+
+def load_tokenizer(gf: GGUFFile, in_process: bool = True) -> Tokenizer:
+    """The file's tokenizer; raises ModelFileError (one line) when unsupported.
+    `in_process=False`: unless the vocabulary is small, its Hugging Face part is built and
+    run in a child process (`TokenizerProcess`), which works while this one goes on;
+    `Tokenizer.wait_ready` says whether it could be built."""
+    tokens = gf.metadata.get("tokenizer.ggml.tokens")
+    separate = not in_process and isinstance(tokens, (list, tuple)) and len(tokens) > SMALL_VOCAB
     try:
-        return Tokenizer.from_metadata(gf.metadata)
+        return Tokenizer.from_metadata(gf.metadata, encoder=TokenizerProcess(gf.path) if separate else None)
     except ValueError as e:
         raise ModelFileError(f"{gf.path}: {e}") from None
 
 
-def load_model(path: str | Path, backend: str | Backend = "auto", max_positions: int | None = None) -> LoadedModel:
-    """Open, validate and load `path` onto `backend`; raises ModelFileError (one line)."""
+def load_model(path: str | Path, backend: str | Backend = "auto", max_positions: int | None = None,
+               *, tokenizer_in_process: bool = True) -> LoadedModel:
+    """Open, validate and load `path` onto `backend`; raises ModelFileError (one line).
+    `tokenizer_in_process=False` (a model loaded while others serve): the tokenizer's
+    seconds of GIL-holding build happen in a child process, beside the weights' load."""
     gf = GGUFFile.open(path)
     args = ModelArgs.from_metadata(gf.metadata)  # unsupported architectures fail before anything else
     gf.check_types()  # then tensor types panechat does not read
@@ -56,10 +69,15 @@ def load_model(path: str | Path, backend: str | Backend = "auto", max_positions:
     why = be.unsupported(args)  # and what the backend lacks, before the tokenizer's seconds
     if why:
         raise ModelFileError(f"{gf.path}: {why}")
-    tokenizer = load_tokenizer(gf)
+    tokenizer = load_tokenizer(gf, tokenizer_in_process)
     try:
         template = ChatTemplate.from_metadata(gf.metadata, tokenizer)
+        model = Model.load(gf, be, max_positions=max_positions)
+        tokenizer.wait_ready()
     except ValueError as e:
+        tokenizer.close()
         raise ModelFileError(f"{gf.path}: {e}") from None
-    model = Model.load(gf, be, max_positions=max_positions)
+    except BaseException:
+        tokenizer.close()
+        raise
     return LoadedModel(gf.path, model, tokenizer, template)

@@ -25,6 +25,8 @@ from panechat.backends.paged_kv import bytes_per_block
 from panechat.engine.serving.config import EngineConfig
 from panechat.engine.default_model import resolve_model_path
 from panechat.engine.serving.engine import Engine
+from panechat.engine.serving.gil_friendly import gil_friendly
+from panechat.engine.serving.kernel_warmup import warm_kernels
 from panechat.engine.gguf.header import read_gguf_header
 from panechat.engine.kv.blocks import blocks_for
 from panechat.engine.model.loader import load_model
@@ -78,6 +80,12 @@ def estimate_bytes(path: Path, cfg: EngineConfig) -> int:
     ctx = min(cfg.ctx_size, a.context_length)
     contexts = cfg.kv_sessions or 2 * cfg.max_concurrent  # (the default budget is known only at start)
     return weights + contexts * blocks_for(ctx) * bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, cfg.kv_dtype)
+
+
+def _on_cpu(engine: Engine) -> bool:
+    """Whether `engine` runs on the numba CPU backend (whose kernels compile holding the GIL)."""
+    backend = getattr(getattr(getattr(engine, "lm", None), "model", None), "backend", None)
+    return getattr(backend, "name", None) == "numpy"
 
 
 def _mib(n: int) -> str:
@@ -232,8 +240,18 @@ class ModelSet:
         return engine
 
     def _start_engine(self, path: Path) -> Engine:
-        lm = load_model(path, self.backend, max_positions=self.config.ctx_size)
-        return Engine(lm, self.config).start()
+        with self._lock:
+            serving = [h.engine for h in self._held.values()]
+        if not serving:
+            return Engine(load_model(path, self.backend, max_positions=self.config.ctx_size), self.config).start()
+        # Beside serving models, what holds the GIL for long happens in child processes, so
+        # their streams keep flowing: numba's compiling of kernels not yet cached, and the
+        # tokenizer's seconds of one Rust call (and its encoding after).
+        if any(_on_cpu(e) for e in serving):
+            warm_kernels(path, self.config.kv_dtype)
+        with gil_friendly():
+            lm = load_model(path, self.backend, max_positions=self.config.ctx_size, tokenizer_in_process=False)
+            return Engine(lm, self.config).start()
 
     def _busy(self, held: _Held, now: float) -> bool:
         s = held.engine.stats()
@@ -273,6 +291,9 @@ class ModelSet:
             if held is None:
                 return
         held.engine.stop()
+        tokenizer = getattr(getattr(held.engine, "lm", None), "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "close"):
+            tokenizer.close()  # its process, if it has one
         if why is not None and self.on_unload is not None:
             self.on_unload(name, why)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import codecs
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
 from panechat.engine.text.derived_cache import content_key, load_rows, save_rows
+from panechat.engine.text.tokenizer_process import TokenizerProcess
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+
+# Tokens per C-level pass over a vocabulary (a few ms each): between passes the GIL is let go,
+# so a model loading beside serving ones never stops their streams for a whole vocabulary.
+_SLICE = 16384
 
 # Tokens llama.cpp treats as end-of-generation by their text (llama-vocab.cpp,
 # special_eog_ids), plus DeepSeek's, which it finds as the EOT token.  llama.cpp also
@@ -237,7 +243,7 @@ class Tokenizer:
         tokens: list[str],
         token_types: list[int],
         piece_bytes: list[bytes],
-        hf: _HFTokenizer,
+        hf: _HFTokenizer | None,
         model: str,
         pre: str,
         bos_id: int | None,
@@ -245,8 +251,10 @@ class Tokenizer:
         stop_ids: frozenset[int],
         add_bos: bool,
         add_eos: bool,
+        encoder: TokenizerProcess | None = None,
     ) -> None:
         """Internal: use :meth:`from_metadata`."""
+        self._encoder = encoder
         self._tokens = tokens
         self._types = token_types
         self._bytes = piece_bytes
@@ -264,8 +272,12 @@ class Tokenizer:
     # ----------------------------------------------------------------------- build
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+    def from_metadata(cls, meta: Mapping[str, Any], encoder: TokenizerProcess | None = None) -> Tokenizer:
         """Build the tokenizer from GGUF metadata (``{key: field.contents()}``).
+
+        ``encoder``: a `TokenizerProcess` of the same file, which then builds and runs the
+        Hugging Face part (seconds of one GIL-holding call for a large vocabulary) in its
+        own process; the ids are the same.
 
         Supports ``tokenizer.ggml.model`` ``"gpt2"`` (byte-level BPE, any
         ``tokenizer.ggml.pre`` llama.cpp implements with regexes; an unknown or missing
@@ -295,12 +307,14 @@ class Tokenizer:
             raise ValueError(
                 f"tokenizer.ggml.token_type has {len(raw_types)} entries for {n} tokens")
         else:
-            types = list(map(int, raw_types))
-        # text -> id; on duplicates the last id wins, like llama.cpp's token_to_id.
-        vocab = dict(zip(tokens, range(n)))
+            types = _in_slices(lambda part: list(map(int, part)), raw_types)
+        # text -> id, which only the in-process HF build needs (a 262k-entry dict is tens of
+        # ms of GIL even in slices); the end-of-generation ids are found without it
+        vocab = None if encoder else _vocab_of(tokens)
 
         # End-of-generation tokens found by text are forced to CONTROL, as in llama.cpp.
-        eog_by_text = {vocab[t] for t in _EOG_TEXTS if t in vocab}
+        eog_by_text = {vocab[t] for t in _EOG_TEXTS if t in vocab} if vocab is not None \
+            else _last_ids(tokens, _EOG_TEXTS)
         for i in eog_by_text:
             types[i] = CONTROL
 
@@ -314,17 +328,18 @@ class Tokenizer:
             if pre is None:
                 log.warning("unknown pre-tokenizer %r, using llama.cpp's 'default'", pre_name)
                 pre = _DEFAULT
-            hf = _build_byte_level(meta, vocab, pre)
+            hf = None if encoder else _build_byte_level(meta, vocab, pre)
             piece_bytes = _all_piece_bytes(tokens, types, _piece_bytes_bpe, _byte_level_all)
             add_bos_default, bos_default, eos_default = pre.add_bos, None, None
         else:
             pre_name = "spm"
             add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-            hf = _build_spm(meta, tokens, types, vocab, add_space_prefix)
+            hf = None if encoder else _build_spm(meta, tokens, types, vocab, add_space_prefix)
             piece_bytes = _all_piece_bytes(tokens, types, _piece_bytes_spm, _spm_all)
             add_bos_default, bos_default, eos_default = True, 1, 2
 
-        _add_special_tokens(hf, tokens, types)
+        if hf is not None:
+            _add_special_tokens(hf, tokens, types)
 
         bos_id = _get_id(meta, "tokenizer.ggml.bos_token_id", n, bos_default)
         eos_id = _get_id(meta, "tokenizer.ggml.eos_token_id", n, eos_default)
@@ -337,8 +352,20 @@ class Tokenizer:
         return cls(
             tokens=tokens, token_types=types, piece_bytes=piece_bytes, hf=hf, model=model,
             pre=pre_name, bos_id=bos_id, eos_id=eos_id, stop_ids=frozenset(stop),
-            add_bos=add_bos, add_eos=add_eos,
+            add_bos=add_bos, add_eos=add_eos, encoder=encoder,
         )
+
+    def wait_ready(self) -> None:
+        """Return once encoding works; raises ValueError (one line) when the tokenizer's
+        process could not build it (an in-process tokenizer is ready when built)."""
+        if self._encoder is not None:
+            self._encoder.wait_ready()
+
+    def close(self) -> None:
+        """End the tokenizer's process, if it has one (encoding then fails); for a model
+        being unloaded."""
+        if self._encoder is not None:
+            self._encoder.close()
 
     # ----------------------------------------------------------------- properties
 
@@ -408,10 +435,15 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
-        hf = self._hf if parse_special else self._plain_hf()
-        # encode_batch releases the GIL (encode holds it: seconds for a 1 MB prompt, during
-        # which a server's event loop could answer nothing); one input, the same ids
-        ids = hf.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+        if not text:
+            ids = []
+        elif self._encoder is not None:
+            ids = self._encoder.encode(text, parse_special)
+        else:
+            hf = self._hf if parse_special else self._plain_hf()
+            # encode_batch releases the GIL (encode holds it: seconds for a 1 MB prompt, during
+            # which a server's event loop could answer nothing); one input, the same ids
+            ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
         if self._add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
                 raise ValueError("cannot add BOS: this model has no BOS token")
@@ -580,9 +612,54 @@ def _add_special_tokens(hf: _HFTokenizer, tokens: list[str], types: list[int]) -
         hf.add_tokens(user)
 
 
+def _in_slices(fn, items: list) -> list:
+    """`fn(items)` for a function that maps a list element-wise, done `_SLICE` items at a
+    time with the GIL let go between slices; the same list."""
+    if len(items) <= _SLICE:
+        return fn(items)
+    out: list = []
+    for a in range(0, len(items), _SLICE):
+        out += fn(items[a:a + _SLICE])
+        time.sleep(0)  # lets a waiting thread take the GIL
+    return out
+
+
+def _vocab_of(tokens: list[str]) -> dict[str, int]:
+    """text -> id; on duplicates the last id wins, like llama.cpp's token_to_id (built in
+    slices, in order, so the last one still wins)."""
+    vocab: dict[str, int] = {}
+    for a in range(0, len(tokens), _SLICE):
+        vocab.update(zip(tokens[a:a + _SLICE], range(a, a + _SLICE)))
+        time.sleep(0)
+    return vocab
+
+
+def _last_ids(tokens: list[str], texts: Iterable[str]) -> set[int]:
+    """The id each of `texts` has in the vocabulary (the last one on duplicates, as
+    `_vocab_of` gives), for those present."""
+    backwards = tokens[::-1]
+    found = set()
+    for t in texts:
+        try:
+            found.add(len(tokens) - 1 - backwards.index(t))
+        except ValueError:
+            pass
+        time.sleep(0)
+    return found
+
+
 def _all_piece_bytes(tokens: list[str], types: list[int], one, normal_all) -> list[bytes]:
-    """Every token's bytes: `normal_all` renders the whole vocabulary as NORMAL tokens in
-    a few C-level string passes (None when it cannot), then the other types one by one."""
+    """Every token's bytes (`_piece_bytes_of`), `_SLICE` tokens at a time."""
+    out: list[bytes] = []
+    for a in range(0, len(tokens), _SLICE):
+        out += _piece_bytes_of(tokens[a:a + _SLICE], types[a:a + _SLICE], one, normal_all)
+        time.sleep(0)
+    return out
+
+
+def _piece_bytes_of(tokens: list[str], types: list[int], one, normal_all) -> list[bytes]:
+    """The bytes of these tokens: `normal_all` renders them all as NORMAL tokens in a few
+    C-level string passes (None when it cannot), then the other types one by one."""
     others = np.flatnonzero(np.asarray(types) != NORMAL).tolist()
     texts = list(tokens)
     for i in others:
