@@ -208,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder where websocket conversations persist across restarts (default: the "
                             "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")
 
+    web = sub.add_parser("web", help="the TUI in a browser (textual-serve): each browser session is a terminal "
+                                     "of this engine's server (or of the one --connect names)",
+                         parents=[model, context, batching, listen, connect, _parent(_server_limit_args)])
+    web.add_argument("--max-sessions", type=int, default=8, metavar="N",
+                     help="browser sessions at once (each runs a TUI process; default 8)")
+    web.add_argument("--state-dir", metavar="DIR", help="as for serve: where conversations persist")
+
     add_models_parser(sub, parents=[json_out])
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -275,6 +282,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .server.serve import serve
 
         return serve(args)
+    if args.command == "web":
+        from .web.serve_web import web
+
+        return web(args)
     if args.command == "models":
         return models(args)
     if args.command == "bench":

@@ -1,0 +1,72 @@
+"""textual-serve's Server behind panechat's token and a cap on browser sessions.
+
+Each browser tab that opens the websocket gets its own `panechat --connect` process (a
+terminal of the engine's server); the page and the websocket answer only with the token."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from urllib.parse import quote
+
+from aiohttp import web
+from textual_serve.server import Server
+
+COOKIE = "panechat_token"
+log = logging.getLogger("panechat.web")
+
+
+class BrowserServer(Server):
+    """Serves `command` (a shell line running the TUI) to browsers on host:port.
+
+    With a `token`, the page needs `?token=T` once (it is then kept in a same-site cookie,
+    which the page's websocket sends) or `Authorization: Bearer T`; without it, the page
+    answers 401. At most `max_sessions` browser sessions run at once (a process each);
+    one more gets 503."""
+
+    def __init__(self, command: str, host: str, port: int, *, token: str | None, max_sessions: int,
+                 public_url: str | None = None):
+        super().__init__(command, host=host, port=port, title="panechat", public_url=public_url)
+        self.token = token
+        self.max_sessions = max_sessions
+        self.sessions = 0
+        self.on_ready = None  # called with the page's URL once listening
+
+    def page_url(self) -> str:
+        """The address a browser opens (with the token when one is set)."""
+        return f"{self.public_url}/" + (f"?token={quote(self.token)}" if self.token else "")
+
+    def _allowed(self, request: web.Request) -> bool:
+        if self.token is None:
+            return True
+        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        given = request.query.get("token") or request.cookies.get(COOKIE) or bearer
+        return bool(given) and hmac.compare_digest(given.encode(), self.token.encode())
+
+    async def handle_index(self, request: web.Request) -> web.StreamResponse:
+        if not self._allowed(request):
+            return web.Response(status=401, text="panechat web: a token is required: open the address "
+                                                 "`panechat web` printed (it ends with ?token=...)\n")
+        response = await super().handle_index(request)
+        if self.token is not None:
+            response.set_cookie(COOKIE, self.token, httponly=True, samesite="Strict")
+        return response
+
+    async def handle_websocket(self, request: web.Request) -> web.StreamResponse:
+        if not self._allowed(request):
+            return web.Response(status=401, text="panechat web: a token is required\n")
+        if self.sessions >= self.max_sessions:
+            return web.Response(status=503, text=f"panechat web: {self.max_sessions} browser sessions are open "
+                                                 "(--max-sessions); close one and reload\n")
+        self.sessions += 1
+        try:
+            return await super().handle_websocket(request)
+        finally:
+            self.sessions -= 1
+
+    async def on_startup(self, app: web.Application) -> None:
+        if self.on_ready is not None:
+            self.on_ready(self.page_url())
+
+    def initialize_logging(self) -> None:
+        pass  # textual-serve's rich log handler would take over the root logger
