@@ -5,12 +5,14 @@ terminal of the engine's server); the page and the websocket answer only with th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from urllib.parse import quote
 
-from aiohttp import web
-from textual_serve.server import Server
+from aiohttp import WSCloseCode, web
+from textual_serve.app_service import AppService
+from textual_serve.server import Server, to_int
 
 COOKIE = "panechat_token"
 log = logging.getLogger("panechat.web")
@@ -29,7 +31,8 @@ class BrowserServer(Server):
         super().__init__(command, host=host, port=port, title="panechat", public_url=public_url)
         self.token = token
         self.max_sessions = max_sessions
-        self.sessions = 0
+        self.sessions = 0  # sessions open or opening
+        self.sockets: set[web.WebSocketResponse] = set()
         self.on_ready = None  # called with the page's URL once listening
 
     def page_url(self) -> str:
@@ -53,16 +56,38 @@ class BrowserServer(Server):
         return response
 
     async def handle_websocket(self, request: web.Request) -> web.StreamResponse:
+        # textual-serve's handler, plus the token, the cap, and the socket kept to close at shutdown
         if not self._allowed(request):
             return web.Response(status=401, text="panechat web: a token is required\n")
         if self.sessions >= self.max_sessions:
             return web.Response(status=503, text=f"panechat web: {self.max_sessions} browser sessions are open "
                                                  "(--max-sessions); close one and reload\n")
         self.sessions += 1
+        socket = web.WebSocketResponse(heartbeat=15)
+        service = None
         try:
-            return await super().handle_websocket(request)
+            await socket.prepare(request)
+            self.sockets.add(socket)
+            service = AppService(self.command, write_bytes=socket.send_bytes, write_str=socket.send_str,
+                                 close=socket.close, download_manager=self.download_manager, debug=self.debug)
+            await service.start(to_int(request.query.get("width", "80"), 80),
+                                to_int(request.query.get("height", "24"), 24))
+            await self._process_messages(socket, service)
+        except asyncio.CancelledError:
+            await socket.close()
+        except Exception:  # noqa: BLE001 - one session's failure must not end the server
+            log.exception("browser session failed")
         finally:
             self.sessions -= 1
+            self.sockets.discard(socket)
+            if service is not None:
+                await service.stop()  # the session's TUI quits
+        return socket
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        # aiohttp waits for open handlers at shutdown: end each session instead of waiting
+        for socket in list(self.sockets):
+            await socket.close(code=WSCloseCode.GOING_AWAY, message=b"panechat web is shutting down")
 
     async def on_startup(self, app: web.Application) -> None:
         if self.on_ready is not None:
