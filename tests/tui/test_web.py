@@ -116,13 +116,35 @@ def _wait_sessions_gone(web: WebProcess, timeout: float = 20) -> None:
         time.sleep(0.1)
 
 
-def _messages(data: Path) -> list[tuple[str, str, float]]:
-    """(role, content, created) of every stored message, read-only (the TUI writes the file)."""
+def _rows(data: Path) -> list[tuple[str, str, str, float]]:
+    """(conversation, role, content, created) of every stored message, read-only (the TUIs write it)."""
     db = sqlite3.connect(f"file:{data / 'panechat.db'}?mode=ro", uri=True, timeout=5)
     try:
-        return db.execute("SELECT role, content, created FROM messages ORDER BY id").fetchall()
+        return db.execute("SELECT conversation_id, role, content, created FROM messages ORDER BY id").fetchall()
     finally:
         db.close()
+
+
+def _messages(data: Path) -> list[tuple[str, str, float]]:
+    return [(role, content, created) for _, role, content, created in _rows(data)]
+
+
+def _turn(data: Path, prompt: str) -> tuple[float, str, float] | None:
+    """The last turn sent with `prompt`: (prompt stored at, its reply, reply stored at), the
+    reply ('', 0.0) while none is stored; None before the prompt is."""
+    rows, turn = _rows(data), None
+    for i, (conv, role, content, created) in enumerate(rows):
+        if role == "user" and content == prompt:
+            reply = next(((c, t) for cv, r, c, t in rows[i + 1:] if cv == conv and r == "assistant"), ("", 0.0))
+            turn = (created, *reply)
+    return turn
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 class TerminalClient:
@@ -248,23 +270,17 @@ class DevTools:
 @pytest.mark.skipif(_browser() is None, reason="needs Debian's chromium-headless-shell (or chromium)")
 def test_two_panes_streaming_in_headless_chromium(web, tmp_path):
     _wait_sessions_gone(web)  # --max-sessions 1: the other test's session has ended
-    before = len(_messages(web.data))
+    prompts = ("Write a poem about the sea", "Write a poem about the mountains")
     browser = DevTools(tmp_path / "profile", f"{web.url}/?token={TOKEN}")
     try:
-        t0 = time.monotonic()
-        while web.sessions_running() == 0:  # the page opened its socket: a TUI runs for it
-            assert time.monotonic() - t0 < 30, "the page did not start a session"
-            time.sleep(0.1)
+        _wait(lambda: web.sessions_running() > 0, 30, "the page to start a session (a TUI runs for it)")
         time.sleep(4)  # the session's TUI starts and connects to the engine
         browser.click(400, 400)  # the page gets the keyboard, as a user's first click gives it
-        browser.type("Write a poem about the sea")
+        browser.type(prompts[0])
         browser.key("n", "KeyN", 78, modifiers=2)  # ctrl+n: a second pane
         time.sleep(0.5)
-        browser.type("Write a poem about the mountains")
-        t0 = time.monotonic()
-        while len(_messages(web.data)) < before + 2:  # both prompts reached the store
-            assert time.monotonic() - t0 < 30, _messages(web.data)[before:]
-            time.sleep(0.1)
+        browser.type(prompts[1])
+        _wait(lambda: all(_turn(web.data, p) for p in prompts), 30, "both prompts to reach the store")
         time.sleep(1.5)  # some of both replies on screen
         shot_at = time.time()
         png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
@@ -272,15 +288,10 @@ def test_two_panes_streaming_in_headless_chromium(web, tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "panechat-web-two-panes.png").write_bytes(png)
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a picture, not a blank page
-        t0 = time.monotonic()
-        while sum(r == "assistant" for r, _, _ in _messages(web.data)[before:]) < 2:
-            assert time.monotonic() - t0 < 120, _messages(web.data)[before:]
-            time.sleep(0.2)
-        new = _messages(web.data)[before:]
-        prompts = [c for r, c, _ in new if r == "user"]
-        assert sorted(prompts) == ["Write a poem about the mountains", "Write a poem about the sea"], new
+        _wait(lambda: all(_turn(web.data, p)[1] for p in prompts), 120, "both replies")
         # both prompts stored before the screenshot, both replies only after it: both streaming then
-        assert all(t < shot_at for r, _, t in new if r == "user")
-        assert all(t > shot_at and c.strip() for r, c, t in new if r == "assistant"), new
+        for p in prompts:
+            sent_at, reply, replied_at = _turn(web.data, p)
+            assert sent_at < shot_at < replied_at and reply.strip(), (p, sent_at, shot_at, replied_at)
     finally:
         browser.close()
