@@ -1,14 +1,16 @@
 """textual-serve's Server behind panechat's token and a cap on browser sessions.
 
 Each browser tab that opens the websocket gets its own `panechat --connect` process (a
-terminal of the engine's server); the page and the websocket answer only with the token."""
+terminal of the engine's server); the page and the websocket answer only with the token,
+and the websocket only to the page's own origin."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-from urllib.parse import quote
+import socket
+from urllib.parse import quote, urlsplit
 
 from aiohttp import WSCloseCode, web
 from textual_serve.app_service import AppService
@@ -29,6 +31,7 @@ class BrowserServer(Server):
     def __init__(self, command: str, host: str, port: int, *, token: str | None, max_sessions: int,
                  public_url: str | None = None):
         super().__init__(command, host=host, port=port, title="panechat", public_url=public_url)
+        self.fixed_url = public_url  # None: the page's links use the address the browser asked for
         self.token = token
         self.max_sessions = max_sessions
         self.sessions = 0  # sessions open or opening
@@ -37,7 +40,9 @@ class BrowserServer(Server):
 
     def page_url(self) -> str:
         """The address a browser opens (with the token when one is set)."""
-        return f"{self.public_url}/" + (f"?token={quote(self.token)}" if self.token else "")
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host  # all interfaces: a name
+        base = self.fixed_url or f"http://{host}:{self.port}"
+        return f"{base}/" + (f"?token={quote(self.token)}" if self.token else "")
 
     def _allowed(self, request: web.Request) -> bool:
         if self.token is None:
@@ -46,10 +51,20 @@ class BrowserServer(Server):
         given = request.query.get("token") or request.cookies.get(COOKIE) or bearer
         return bool(given) and hmac.compare_digest(given.encode(), self.token.encode())
 
+    def _same_origin(self, request: web.Request) -> bool:
+        """A browser's websocket from another site's page is refused (it would carry the cookie)."""
+        origin = request.headers.get("Origin")
+        if origin is None:  # not a browser
+            return True
+        return urlsplit(origin).netloc == request.host or (
+            self.fixed_url is not None and urlsplit(origin).netloc == urlsplit(self.fixed_url).netloc)
+
     async def handle_index(self, request: web.Request) -> web.StreamResponse:
         if not self._allowed(request):
             return web.Response(status=401, text="panechat web: a token is required: open the address "
                                                  "`panechat web` printed (it ends with ?token=...)\n")
+        if self.fixed_url is None:  # (read by the handler below before it yields: no other request interleaves)
+            self.public_url = f"{request.scheme}://{request.host}"
         response = await super().handle_index(request)
         if self.token is not None:
             response.set_cookie(COOKIE, self.token, httponly=True, samesite="Strict")
@@ -59,6 +74,8 @@ class BrowserServer(Server):
         # textual-serve's handler, plus the token, the cap, and the socket kept to close at shutdown
         if not self._allowed(request):
             return web.Response(status=401, text="panechat web: a token is required\n")
+        if not self._same_origin(request):
+            return web.Response(status=403, text="panechat web: a page from another site may not open a session\n")
         if self.sessions >= self.max_sessions:
             return web.Response(status=503, text=f"panechat web: {self.max_sessions} browser sessions are open "
                                                  "(--max-sessions); close one and reload\n")

@@ -190,6 +190,10 @@ def test_the_page_and_the_socket_need_the_token(web):
     with pytest.raises(InvalidStatus) as ws_refused:
         connect(f"ws://127.0.0.1:{web.port}/ws?width=80&height=24", open_timeout=10)
     assert ws_refused.value.response.status_code == 401
+    with pytest.raises(InvalidStatus) as cross_site:  # another site's page, with the cookie its browser holds
+        connect(f"ws://127.0.0.1:{web.port}/ws", origin="http://attacker.example",
+                additional_headers={"Cookie": f"panechat_token={TOKEN}"}, open_timeout=10)
+    assert cross_site.value.response.status_code == 403
 
 
 def test_a_browser_session_is_a_terminal_of_the_engine(web):
@@ -271,10 +275,12 @@ class DevTools:
 def test_two_panes_streaming_in_headless_chromium(web, tmp_path):
     _wait_sessions_gone(web)  # --max-sessions 1: the other test's session has ended
     prompts = ("Write a poem about the sea", "Write a poem about the mountains")
+    connected = sum(" connected (panechat-tui" in line for line in web.lines)
     browser = DevTools(tmp_path / "profile", f"{web.url}/?token={TOKEN}")
     try:
-        _wait(lambda: web.sessions_running() > 0, 30, "the page to start a session (a TUI runs for it)")
-        time.sleep(4)  # the session's TUI starts and connects to the engine
+        _wait(lambda: sum(" connected (panechat-tui" in line for line in web.lines) > connected, 60,
+              "the page's session to connect to the engine's server (the server logs it)")
+        time.sleep(1.5)  # its panes mount and the prompt box takes the focus
         browser.click(400, 400)  # the page gets the keyboard, as a user's first click gives it
         browser.type(prompts[0])
         browser.key("n", "KeyN", 78, modifiers=2)  # ctrl+n: a second pane
