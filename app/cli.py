@@ -143,6 +143,12 @@ def byte_size(text: str) -> int:
     return int(n * _SIZE_UNITS[unit])
 
 
+def _state_dir_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="folder where websocket conversations persist across restarts (default: the "
+                        "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")
+
+
 def _server_limit_args(p: argparse.ArgumentParser) -> None:
     """Timeouts, caps and the public address of the server (`serve`, `--share`); see
     docs/protocol.md, "Limits and timeouts". Defaults live in server.limits.Limits."""
@@ -199,14 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("text")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
-                           parents=[model, context, batching, listen, _parent(_server_limit_args)])
+                           parents=[model, context, batching, listen, _parent(_server_limit_args, _state_dir_option)])
     serve.add_argument("--tokens", metavar="FILE",
                        help="named access tokens instead of --token: one 'name token' per line (# comments); "
                             "requests and terminals are attributed to the name, the file is re-read when it "
                             "changes and a removed name's sockets are closed")
-    serve.add_argument("--state-dir", metavar="DIR",
-                       help="folder where websocket conversations persist across restarts (default: the "
-                            "panechat data folder, $PANECHAT_DATA_DIR; 'none': keep them in memory only)")
+
+    web = sub.add_parser("web", help="the TUI in a browser (textual-serve): each browser session is a terminal "
+                                     "of this engine's server (or of the one --connect names)",
+                         parents=[model, context, batching, listen, connect,
+                                  _parent(_server_limit_args, _state_dir_option)])
+    web.add_argument("--max-sessions", type=int, default=8, metavar="N",
+                     help="browser sessions at once (each runs a TUI process; default 8)")
 
     add_models_parser(sub, parents=[json_out])
 
@@ -275,6 +285,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .server.serve import serve
 
         return serve(args)
+    if args.command == "web":
+        from .web.serve_web import web
+
+        return web(args)
     if args.command == "models":
         return models(args)
     if args.command == "bench":

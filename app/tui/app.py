@@ -64,9 +64,11 @@ class PanechatApp(App):
     async def on_event(self, event: events.Event) -> None:
         # a printable key for a prompt box goes straight to it: a paste without bracketed
         # paste is one key event per character, and the binding lookup per key is the cost
-        if (isinstance(event, events.Key) and not event.is_forwarded and isinstance(self.focused, PromptInput)
-                and self.focused.take_typed(event)):
-            return
+        if isinstance(event, events.Key) and not event.is_forwarded:
+            if not self.app_focus:  # a blurred app (a browser tab) has no focus until a key gives it back:
+                self.app_focus = True  # before the check, or this key would land after the rest of its burst
+            if isinstance(self.focused, PromptInput) and self.focused.take_typed(event):
+                return
         await super().on_event(event)
 
     def _saved_theme(self) -> str:

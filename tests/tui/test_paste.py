@@ -61,3 +61,20 @@ async def test_a_short_paste_is_text_and_typing_around_it_keeps_order(store):
         box.clear()
         await paste_figures(pilot, box, "q" * (PASTE_INLINE_MAX + 1), as_keys=False)
         assert box.text == f"[pasted text #1: {PASTE_INLINE_MAX + 1:,} chars]x"
+
+
+async def test_the_first_keys_of_a_blurred_app_keep_their_order(store):
+    """A browser tab (`panechat web`) starts the app blurred, with no widget focused; the
+    first key of a burst gives the focus back. It used to take the slow path and land after
+    the rest of its burst ("ameN" for "Name")."""
+    from textual import events
+
+    app = make_app(EchoBackend(), store)
+    async with app.run_test(size=(80, 24)) as pilot:
+        pane, box = await _ready(pilot)
+        app.post_message(events.AppBlur())
+        await wait_for(pilot, lambda: app.focused is None, timeout=5, what="the app to blur")
+        for ch in "Name":  # one burst: queued before any is handled, as a terminal's read gives them
+            app.post_message(events.Key(ch, ch))
+        await wait_for(pilot, lambda: len(box.value) == 4, timeout=5, what="the keys")
+        assert box.value == "Name"

@@ -169,6 +169,7 @@ class ChatPane(Vertical):
         self.history = list(history)
         self.branches: br.Branches = dict(branches or {})
         self.selected: int | None = None  # the message index the actions work on (None: the last)
+        self._auto_title: str | None = None  # the title the first prompt gave (a refused one gives it back)
         self._editing: int | None = None  # the prompt being edited: the next send replaces it
         self._regenerating = False  # the reply in flight answers a prompt already in the history
         self.backend = backend
@@ -391,7 +392,7 @@ class ChatPane(Vertical):
             self.notify(f"pane {self.number}: {e}", severity="error")
             return False
         if self.conversation.title == "New chat":
-            self.conversation.title = text.splitlines()[0][:40]
+            self.conversation.title = self._auto_title = text.splitlines()[0][:40]
             self.post_message(self.ConversationChanged(self))
             self.refresh_title()
         rerender = replacing is not None and replacing < len(self.history)
@@ -690,6 +691,10 @@ class ChatPane(Vertical):
             if not box.value.strip():
                 box.restore(prompt.content)
             self.post_message(self.MessageWithdrawn(self, prompt))
+            if not self.history and self.conversation.title == self._auto_title:  # named by the refused prompt
+                self.conversation.title, self._auto_title = "New chat", None
+                self.post_message(self.ConversationChanged(self))
+                self.refresh_title()
 
     def _add_message(self, message: StoredMessage) -> None:
         self.history.append(message)

@@ -1,0 +1,1 @@
+"""`panechat web`: the TUI in a browser, through textual-serve."""
