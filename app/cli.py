@@ -15,6 +15,7 @@ from panechat.engine.serving.config import EngineConfig
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.catalog.model_names import ModelDoesNotFit, UnknownModel, parse_model_list
 from .models_cmd import add_models_parser, models
+from .warm_cmd import add_warm_parser
 from .usage import UsageError
 
 
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="browser sessions at once (each runs a TUI process; default 8)")
 
     add_models_parser(sub, parents=[json_out])
+    add_warm_parser(sub, parents=[model])
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -256,7 +258,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if len(args.models or ()) > 1 and args.command not in (None, "serve"):
+        if len(args.models or ()) > 1 and args.command not in (None, "serve", "warm"):
             raise UsageError(f"`panechat {args.command}` uses one model; give --model once "
                              "(several models: the TUI and `panechat serve`)")
         return _dispatch(args)
@@ -291,6 +293,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return web(args)
     if args.command == "models":
         return models(args)
+    if args.command == "warm":
+        from .warm_cmd import warm
+
+        return warm(args)
     if args.command == "bench":
         from .bench import dispatch
 

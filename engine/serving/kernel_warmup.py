@@ -27,6 +27,8 @@ _HEAD_BYTES = 8 << 20  # a 262k-token vocabulary's header is ~6 MB
 def _marker(path: Path, kv_dtype: str) -> Path | None:
     """The marker of `path`'s kernels: named by its size and first bytes (its header: the
     architecture and tensor types the kernels depend on) and the KV type."""
+    import panechat.backends.cpu  # noqa: F401  (sets NUMBA_CACHE_DIR: the folder keyed on the kernels' sources)
+
     folder = os.environ.get("NUMBA_CACHE_DIR")
     if not folder:
         return None

@@ -3,6 +3,7 @@ the options every subcommand shares (declared once, given before or after the su
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,14 @@ def test_run_reads_the_prompt_from_stdin(argv):
     assert piped.returncode == 0, piped.stderr
     assert json.loads(piped.stdout)["token_ids"] == json.loads(given.stdout)["token_ids"]
     assert json.loads(piped.stdout)["prompt_tokens"] == json.loads(given.stdout)["prompt_tokens"]
+
+
+def test_warm_caches_the_default_models_kernels_and_names_a_bad_model():
+    """`panechat warm` (what `make setup` runs) compiles in a child process and says so per
+    model; an unknown model is one line and exit 2."""
+    p = cli("warm", timeout=900)
+    assert p.returncode == 0, p.stderr
+    assert re.fullmatch(r"panechat: SmolLM2-135M-Instruct\.Q4_1\.gguf: kernels cached \(\d+\.\d s\)\n", p.stdout)
+    bad = cli("warm", "--model", "no-such-model")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "no-such-model" in bad.stderr
