@@ -74,6 +74,8 @@ class StepPlan:
     n_tokens: list[int]
     block_tables: list[list[int]] = field(default_factory=list)
     kv_copies: list[BlockCopy] = field(default_factory=list)
+    # a decoding request's n_tokens is 1 + len(r.drafts): its draft tokens follow its known
+    # one as rows of their own (speculation.py); set here, read by the engine
 
 
 class Scheduler:
@@ -99,6 +101,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_seqs_per_step = max_seqs_per_step
         self.max_queue_per_client = max_queue_per_client
+        self.speculate = True  # requests with a Speculation get drafts (the engine's self-check may say no)
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -154,9 +157,11 @@ class Scheduler:
             if r.state == RequestState.DECODING:
                 if r.computed >= kv.slots(r.id) and not self._grow(r):
                     continue  # it was the youngest: preempted itself
+                r.drafts = self._drafts(r) if r.spec is not None and self.speculate else []
                 reqs.append(r)
-                counts.append(1)
+                counts.append(1 + len(r.drafts))
             elif budget > 0 and todo > 0:
+                r.drafts = []
                 n = min(todo, budget)
                 budget -= n
                 reqs.append(r)
@@ -210,6 +215,20 @@ class Scheduler:
         self.preempt(victim)
         running[heavy] -= 1
         return True
+
+    def _drafts(self, r: Request) -> list[int]:
+        """Decoding request r's draft tokens for this step: within its max_tokens and the
+        KV slots it holds, plus one more block if one is free (never by preempting)."""
+        room = r.params.max_tokens - len(r.output_ids) - 1
+        if room <= 0:
+            return []
+        drafts = r.spec.propose(room)
+        if drafts:
+            slots = self.kv.slots(r.id)
+            if r.computed + 1 + len(drafts) > slots and self.kv.grow(r.id):
+                slots = self.kv.slots(r.id)
+            drafts = drafts[:slots - r.computed - 1]
+        return drafts
 
     def _grow(self, r: Request) -> bool:
         """One more block for decoding request r; preempts the youngest running requests

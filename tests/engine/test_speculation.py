@@ -1,0 +1,156 @@
+"""Speculative decoding keeps the answer (issue 27): with n-gram drafts on, every reply is
+the token sequence plain decoding gives, greedy and seeded, alone and beside 3 others; and
+the drafts are really used (accepted > 0), so these tests can fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from panechat.engine.model.invariance import check_speculation
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.serving.speculation import K_MAX, K_START, AdaptiveK, NgramDrafter, can_speculate
+
+#: Raw completions that repeat themselves, so n-gram drafts get accepted.
+TEXTS = [
+    "apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple,",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The",
+    "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2",
+]
+N = 20  # tokens per reply: short, the engine is shared by the module
+
+
+def _greedy(spec: bool) -> SamplingParams:
+    return SamplingParams(max_tokens=N, speculate=spec)
+
+
+def _seeded(spec: bool, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=N, temperature=0.8, seed=seed, speculate=spec)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded_model):
+    e = Engine(loaded_model, EngineConfig(max_concurrent=4, ctx_size=512)).start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [engine.completion_ids(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def plain(engine, prompts):
+    """Each prompt alone without speculation, greedy then seeded: the reference replies."""
+    return {kind: [_reply(engine, p, params(False, i)) for i, p in enumerate(prompts)]
+            for kind, params in (("greedy", lambda s, i: _greedy(s)), ("seeded", lambda s, i: _seeded(s, 7 + i)))}
+
+
+def _reply(engine: Engine, ids: list[int], params: SamplingParams):
+    fin = engine.submit(prompt_ids=ids, params=params).result()
+    assert fin.reason in ("stop", "length"), fin.error
+    return fin.token_ids
+
+
+def _accepted(engine: Engine) -> int:
+    return engine.stats().spec_accepted
+
+
+def test_self_check_passes_on_the_default_model(engine):
+    assert engine.spec_problem is None and engine.scheduler.speculate
+    assert any("speculative decoding: n-gram" in line for line in engine.startup_lines())
+    assert check_speculation(engine.lm.model, engine.kv) is None
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_alone_the_same_tokens_with_drafts_accepted(engine, prompts, plain, kind):
+    before = _accepted(engine)
+    for i, p in enumerate(prompts):
+        params = _greedy(True) if kind == "greedy" else _seeded(True, 7 + i)
+        assert _reply(engine, p, params) == plain[kind][i], f"prompt {i}"
+    assert _accepted(engine) > before  # the drafts were used: otherwise nothing was tested
+
+
+def test_batched_beside_three_others_the_same_tokens(engine, prompts, plain):
+    """Four at once, greedy and seeded mixed, two with speculation and two without."""
+    before = _accepted(engine)
+    jobs = [(i, "greedy" if i % 2 == 0 else "seeded", i < 2) for i in range(4)]
+    gens = []
+    for i, kind, spec in jobs:
+        params = _greedy(spec) if kind == "greedy" else _seeded(spec, 7 + i)
+        gens.append(engine.submit(prompt_ids=prompts[i], params=params))
+    for (i, kind, _), g in zip(jobs, gens):
+        assert g.result().token_ids == plain[kind][i], f"prompt {i} ({kind})"
+    assert _accepted(engine) > before
+
+
+def test_logprobs_penalty_and_stop_string_see_the_accepted_tokens(engine, prompts):
+    """Logprobs, a repeat penalty (history-dependent) and a stop string: the same with and
+    without speculation."""
+    outs = []
+    for spec in (False, True):
+        params = SamplingParams(max_tokens=N, repeat_penalty=1.05, logprobs=2, speculate=spec)
+        fin = engine.submit(prompt_ids=prompts[0], params=params, stop=["cherry, apple"]).result()
+        outs.append((fin.token_ids, fin.text, fin.reason, [(lp.token, lp.logprob) for lp in fin.logprobs]))
+    assert outs[0] == outs[1]
+
+
+def test_spec_off_engine_never_drafts(loaded_model, prompts):
+    e = Engine(loaded_model, EngineConfig(max_concurrent=1, ctx_size=256, spec="off")).start()
+    try:
+        _reply(e, prompts[3], SamplingParams(max_tokens=8))
+        s = e.stats()
+        assert s.spec_draft_tokens == 0 and s.spec_accepted == 0
+        assert "speculative decoding: off (--spec off)" in e.startup_lines()
+    finally:
+        e.stop()
+
+
+def test_config_refuses_draft_mode_in_one_line():
+    with pytest.raises(ValueError, match="--spec draft .* not built yet"):
+        EngineConfig(spec="draft")
+    with pytest.raises(ValueError, match="--spec must be one of"):
+        EngineConfig(spec="eagle")
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_match():
+    d = NgramDrafter([5, 6, 7, 8, 9, 5, 6])
+    assert d.propose(3) == [7, 8, 9]  # "5 6" was followed by 7 8 9
+    d.extend([1])
+    assert d.propose(3) == []  # "6 1" and "5 6 1" never occurred before
+    d.extend([5, 6, 7])
+    assert d.propose(2) == [8, 9]  # "5 6 7": the latest earlier occurrence
+    d.extend([2, 5, 6])
+    assert d.propose(4) == [7, 2, 5, 6]  # the latest "5 6" wins over the first
+
+
+def test_adaptive_k_grows_on_hits_and_pauses_on_misses():
+    k = AdaptiveK()
+    assert k.next_k() == K_START
+    for _ in range(10):
+        k.observe(k.next_k(), k.k)
+    assert k.k == K_MAX
+    k.observe(K_MAX, 2)
+    assert k.next_k() == 3  # one more than the accepted ones
+    k.observe(3, 0)
+    assert k.next_k() == 1  # halved
+    k.observe(1, 0)
+    assert [k.next_k() for _ in range(2)] == [0, 1]  # paused a step, then one draft again
+    k.observe(1, 0)
+    assert [k.next_k() for _ in range(3)] == [0, 0, 1]  # a longer pause after another miss
+    k.observe(1, 1)
+    assert k.next_k() == 2
+    k.observe(2, 0)
+    k.observe(1, 0)
+    assert [k.next_k() for _ in range(2)] == [0, 1]  # the hit reset the pause
+
+
+def test_only_history_free_processors_allow_drafts(engine):
+    from panechat.engine.serving.logits_processors import make_processors
+
+    vocab = engine.lm.model.args.vocab_size
+    assert can_speculate(make_processors(SamplingParams(repeat_penalty=1.1, logit_bias={1: 1.0}), vocab), True)
+    assert not can_speculate(make_processors(SamplingParams(frequency_penalty=0.5), vocab), True)
+    assert not can_speculate((), False)
