@@ -515,7 +515,9 @@ class Engine:
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows + extra, np.int64), tables)
         rows = [(r, j) for r in sampled for j in range(len(r.drafts) + 1)]
+        t0 = time.perf_counter()
         logits, picks, procs, lp, extra_logits = self._forward(batch, rows, len(extra))
+        self.scheduler.step_cost.record(batch.tokens.size, time.perf_counter() - t0)
         if prompt_rows:
             _keep_prompt_logprobs(prompt_rows, extra_logits)
         now = time.perf_counter()

@@ -40,6 +40,7 @@ from panechat.engine.kv.blocks import BlockKey
 from panechat.engine.kv.manager import BlockCopy, KVManager
 from panechat.engine.serving.fair_queue import FairQueue
 from panechat.engine.serving.request import Request, RequestState
+from panechat.engine.serving.speculation import StepCost
 
 __all__ = ["BlockCopy", "ClientQueueFull", "QueueFull", "Scheduler", "StepPlan"]
 
@@ -102,6 +103,8 @@ class Scheduler:
         self.max_seqs_per_step = max_seqs_per_step
         self.max_queue_per_client = max_queue_per_client
         self.speculate = True  # requests with a Speculation get drafts (the engine's self-check may say no)
+        self.step_cost = StepCost()  # the engine records each step's time; drafts are weighed by it
+        self._plan = [0, 0.0]  # while planning: rows so far and the tokens they are expected to give
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -148,6 +151,8 @@ class Scheduler:
         reqs, counts = [], []
         budget = self.prefill_chunk
         limit = self.max_seqs_per_step or len(self.running)
+        n_decoding = sum(r.state == RequestState.DECODING for r in self.running[:limit])
+        self._plan = [n_decoding, float(n_decoding)]
         for r in list(self.running):
             if len(reqs) >= limit:
                 break
@@ -218,16 +223,25 @@ class Scheduler:
 
     def _drafts(self, r: Request) -> list[int]:
         """Decoding request r's draft tokens for this step: within its max_tokens and the
-        KV slots it holds, plus one more block if one is free (never by preempting)."""
+        KV slots it holds, plus one more block if one is free (never by preempting), and
+        only as many as speed the whole step up by the measured cost of its rows
+        (`StepCost`) and r's chance of acceptance."""
         room = r.params.max_tokens - len(r.output_ids) - 1
         if room <= 0:
             return []
-        drafts = r.spec.propose(room)
+        rows, tokens = self._plan
+        cost = self.step_cost
+
+        def worth(expected: float, k: int) -> float:  # the step's tokens per second, relative
+            return (tokens + expected - 1) / tokens / cost.ratio(rows, k)
+
+        drafts = r.spec.propose(room, worth if tokens > 0 else None)
         if drafts:
             slots = self.kv.slots(r.id)
             if r.computed + 1 + len(drafts) > slots and self.kv.grow(r.id):
                 slots = self.kv.slots(r.id)
             drafts = drafts[:slots - r.computed - 1]
+            self._plan = [rows + len(drafts), tokens + r.spec.expected - 1]
         return drafts
 
     def _grow(self, r: Request) -> bool:

@@ -19,7 +19,7 @@ each time, while drafts keep failing, so prose without repeats costs nearly noth
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from panechat.engine.serving.logits_processors import LogitBias, RepeatPenalty
 
@@ -109,11 +109,46 @@ class AdaptiveK:
             self._wait, self._pause, self.k = self._pause, min(2 * self._pause, PAUSE_MAX), 1
 
 
-class Speculation:
-    """One request's speculation: its drafter, its k, and its counts (drafted, accepted).
-    Drafts never reach past `max_len` positions (the context)."""
+class StepCost:
+    """This engine's seconds per forward step by its number of rows, as measured (a moving
+    average each), so drafts are tried only where their rows cost less than the tokens
+    they are expected to bring: on a GPU extra rows are nearly free, on a small CPU a
+    second row may cost as much as the first. A row count never measured is assumed
+    cheap (a tenth of a step per row), so it gets tried, and measured."""
 
-    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps")
+    MAX_ROWS = 64
+
+    def __init__(self):
+        self._t = [0.0] * (self.MAX_ROWS + 1)
+
+    def record(self, rows: int, seconds: float) -> None:
+        """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored)."""
+        if 0 < rows <= self.MAX_ROWS:
+            t = self._t[rows]
+            self._t[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
+
+    def ratio(self, rows: int, extra: int) -> float:
+        """How much longer a step of rows + extra rows takes than one of `rows`."""
+        base, more = self._t[min(rows, self.MAX_ROWS)], self._t[min(rows + extra, self.MAX_ROWS)]
+        if base <= 0.0 or more <= 0.0:
+            return 1.0 + 0.1 * extra
+        return more / base
+
+
+class Speculation:
+    """One request's speculation: its drafter, its k, its acceptance estimate, and its
+    counts (drafted, accepted). Drafts never reach past `max_len` positions (the context).
+
+    The estimate is the chance that a draft stands given the ones before it did (hits over
+    hits and misses, the older ones decayed), starting from an optimistic PRIOR and drawn
+    back to it while the request does not draft, so a reply that turns repetitive later
+    is tried again."""
+
+    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps", "expected", "_hits", "_misses")
+
+    PRIOR = (4.0, 1.0)  # (hits, misses): 0.8
+    DECAY = 0.8  # of the old counts at each verify
+    DRIFT = 0.03  # towards the prior at each step without drafts
 
     def __init__(self, prompt: Sequence[int], max_len: int):
         self.drafter = NgramDrafter(prompt)
@@ -122,11 +157,32 @@ class Speculation:
         self.drafted = 0
         self.accepted = 0
         self.steps = 0  # verify steps (those that tried at least one draft)
+        self.expected = 1.0  # tokens the last proposal is expected to give (1: no drafts)
+        self._hits, self._misses = self.PRIOR
 
-    def propose(self, room: int) -> list[int]:
-        """This step's drafts: at most `room` (the caller's bound: tokens left, KV slots)."""
+    @property
+    def chance(self) -> float:
+        """The estimated chance that a draft stands, given the ones before it did."""
+        return self._hits / (self._hits + self._misses)
+
+    def propose(self, room: int, worth: Callable[[float, int], float] | None = None) -> list[int]:
+        """This step's drafts: at most `room` (the caller's bound: tokens left, KV slots).
+        `worth(expected_tokens, k)`: how much k more rows that are expected to give that
+        many tokens speed the step up (> 1: worth it); the k with the best worth is taken,
+        none when no k is worth it. None: every candidate draft is taken."""
+        self.expected = 1.0
         k = min(self.policy.next_k(), room, self.max_len - len(self.drafter.tokens) - 1)
-        return self.drafter.propose(k) if k > 0 else []
+        drafts = self.drafter.propose(k) if k > 0 else []
+        if not drafts or worth is None:
+            return drafts
+        a, best, best_worth, e, p = self.chance, 0, 1.0, 1.0, 1.0
+        for k in range(1, len(drafts) + 1):
+            p *= a
+            e += p  # expected tokens from k drafts: 1 + a + ... + a^k
+            w = worth(e, k)
+            if w > best_worth:
+                best, best_worth, self.expected = k, w, e
+        return drafts[:best]
 
     def accept(self, tokens: Sequence[int], drafted: int, accepted: int) -> None:
         """A step's outcome: `tokens` appended to the sequence; it tried `drafted` drafts,
@@ -136,6 +192,12 @@ class Speculation:
             self.accepted += accepted
             self.steps += 1
             self.policy.observe(drafted, accepted)
+            self._hits = self.DECAY * self._hits + accepted
+            self._misses = self.DECAY * self._misses + (accepted < drafted)
+        else:
+            ph, pm = self.PRIOR
+            self._hits += self.DRIFT * (ph - self._hits)
+            self._misses += self.DRIFT * (pm - self._misses)
         self.drafter.extend(tokens)
 
     @property

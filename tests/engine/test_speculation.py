@@ -9,7 +9,8 @@ import pytest
 from panechat.engine.model.invariance import check_speculation
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.sampling import SamplingParams
-from panechat.engine.serving.speculation import K_MAX, K_START, AdaptiveK, NgramDrafter, can_speculate
+from panechat.engine.serving.speculation import (K_MAX, K_START, AdaptiveK, NgramDrafter, Speculation, StepCost,
+                                                 can_speculate)
 
 #: Raw completions that repeat themselves, so n-gram drafts get accepted.
 TEXTS = [
@@ -29,9 +30,18 @@ def _seeded(spec: bool, seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=N, temperature=0.8, seed=seed, speculate=spec)
 
 
+class FreeRows(StepCost):
+    """Extra rows cost nothing: every draft the n-grams offer is tried, whatever this
+    machine's load (the cost model is tested on its own below; here, the identity)."""
+
+    def ratio(self, rows: int, extra: int) -> float:
+        return 1.0
+
+
 @pytest.fixture(scope="module")
 def engine(loaded_model):
     e = Engine(loaded_model, EngineConfig(max_concurrent=4, ctx_size=512)).start()
+    e.scheduler.step_cost = FreeRows()
     yield e
     e.stop()
 
@@ -154,3 +164,22 @@ def test_only_history_free_processors_allow_drafts(engine):
     assert can_speculate(make_processors(SamplingParams(repeat_penalty=1.1, logit_bias={1: 1.0}), vocab), True)
     assert not can_speculate(make_processors(SamplingParams(frequency_penalty=0.5), vocab), True)
     assert not can_speculate((), False)
+
+
+def test_step_cost_weighs_drafts_against_their_rows():
+    cost = StepCost()
+    assert cost.ratio(1, 4) == pytest.approx(1.4)  # never measured: assumed cheap, so it is tried
+    for rows, seconds in ((1, 0.010), (2, 0.025), (3, 0.027), (4, 0.028), (5, 0.030)):
+        cost.record(rows, seconds)
+    assert cost.ratio(1, 1) == pytest.approx(2.5) and cost.ratio(1, 4) == pytest.approx(3.0)
+
+    def worth(e, k):  # one sequence alone: its expected tokens against the step's cost
+        return e / cost.ratio(1, k)
+
+    sure = Speculation([7, 8, 9, 10, 11, 7, 8, 9], 1000)
+    sure._hits, sure._misses = 50.0, 1.0  # nearly every draft stands
+    assert sure.propose(8, worth) == [10, 11, 7]  # K_START rows for ~4 tokens: worth 2.8x the cost
+    unsure = Speculation([7, 8, 9, 10, 11, 7, 8, 9], 1000)
+    unsure._hits, unsure._misses = 1.0, 1.0
+    assert unsure.propose(8, worth) == []  # one token expected from two and a half steps' cost
+    assert unsure.propose(8) == [10, 11, 7]  # without a cost model: what the n-grams offer
