@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}),
                                     _parent(_clients_option, defaults={"clients": "1,4"}), json_out])
     spec.add_argument("--workloads", default="rewrite,quote,chat", help="comma list of rewrite, quote, chat")
+    spec.add_argument("--rounds", type=int, default=2, help="off and on runs of each cell, in turn (median)")
     return parser
 
 
