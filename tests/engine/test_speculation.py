@@ -4,6 +4,8 @@ the drafts are really used (accepted > 0), so these tests can fail."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from panechat.engine.model.invariance import check_speculation
@@ -105,6 +107,29 @@ def test_logprobs_penalty_and_stop_string_see_the_accepted_tokens(engine, prompt
         fin = engine.submit(prompt_ids=prompts[0], params=params, stop=["cherry, apple"]).result()
         outs.append((fin.token_ids, fin.text, fin.reason, [(lp.token, lp.logprob) for lp in fin.logprobs]))
     assert outs[0] == outs[1]
+
+
+def test_tiny_model_on_numpy_and_emulated_cupy_the_same_tokens(tiny_lm):
+    """The device-sampling path (CuPy's numpy emulation: picks keyed on (seed, step)) and the
+    host one: spec on vs off, alone and four at once."""
+    e = Engine(tiny_lm, EngineConfig(max_concurrent=4, ctx_size=64, verify_invariance=False)).start()
+    e.scheduler.step_cost = FreeRows()
+    try:
+        prompts = [[1, 90, 198, 26, 90, 198], [50, 23, 63, 50, 23], [28, 198, 66, 11], [7, 7, 7]]
+        params = [SamplingParams(max_tokens=10, temperature=t, seed=s) for t, s in ((0.0, None), (0.8, 3))] * 2
+
+        def run(spec: bool, together: bool) -> list[list[int]]:
+            jobs = [(p, replace(q, speculate=spec)) for p, q in zip(prompts, params)]
+            if together:
+                gens = [e.submit(prompt_ids=p, params=q) for p, q in jobs]
+                return [g.result().token_ids for g in gens]
+            return [_reply(e, p, q) for p, q in jobs]
+
+        plain = run(False, False)
+        assert run(True, False) == plain and run(True, True) == plain
+        assert e.stats().spec_accepted > 0
+    finally:
+        e.stop()
 
 
 def test_spec_off_engine_never_drafts(loaded_model, prompts):
