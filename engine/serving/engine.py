@@ -557,7 +557,7 @@ class Engine:
         (request, j), j its draft rows before it (0: its decode row). Rows that ask for
         nothing cost nothing."""
         model, logits, picks = self.lm.model, None, None
-        procs = step_processors([(r.processors, _history(r, j)) for r, j in rows])
+        procs = step_processors([(r.processors, _history(r, j) if r.processors else ()) for r, j in rows])
         want = [i for i, (r, _) in enumerate(rows) if r.params.logprobs is not None]
         n = len(rows)
         if rows and model.samples_on_device:  # only token ids (and asked-for rows) cross to the host

@@ -13,8 +13,12 @@ reply is the same token sequence as without speculation, greedy or seeded.
 `NgramDrafter` proposes drafts like llama.cpp's `lookup` and vLLM's `ngram`: the tokens
 that followed the latest earlier occurrence of the sequence's last n tokens (n = 3, then 2).
 Its index (n-gram -> where its continuation starts) grows by a few dict writes per token.
-`AdaptiveK` picks k from the sequence's recent acceptance and pauses drafting, for longer
-each time, while drafts keep failing, so prose without repeats costs nearly nothing.
+`AdaptiveK` bounds k from the sequence's recent acceptance and pauses drafting, for longer
+each time, while drafts keep failing; `StepCost` (the engine's measured step time by row
+count) and the request's acceptance estimate then take the k that speeds the step up most,
+or none, so prose without repeats, or a machine where extra rows are dear, costs nearly
+nothing. A grammar's mask and count penalties keep state of their own token by token, so
+a request with one decodes without drafts (`can_speculate`).
 """
 
 from __future__ import annotations
