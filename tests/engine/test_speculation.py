@@ -208,3 +208,41 @@ def test_step_cost_weighs_drafts_against_their_rows():
     unsure._hits, unsure._misses = 1.0, 1.0
     assert unsure.propose(8, worth) == []  # one token expected from two and a half steps' cost
     assert unsure.propose(8) == [10, 11, 7]  # without a cost model: what the n-grams offer
+
+
+def test_a_multi_row_difference_turns_speculation_off(loaded_model, monkeypatch):
+    """The self-check can fail: attention that drifts by one ulp when a sequence has several
+    rows in the step (single decode steps untouched) is caught, and the engine decodes
+    without drafts, saying so."""
+    import numpy as np
+
+    be = loaded_model.model.backend
+    real = be.rope_attend
+
+    def drifting(kv, layer, q, *rest):
+        out = real(kv, layer, q, *rest)
+        seqs = np.asarray(rest[2])
+        _, at, counts = np.unique(seqs, return_inverse=True, return_counts=True)
+        several = (counts[at] > 1) & (counts[at] <= 5)  # the check's k+1 rows, not a long prefill chunk
+        if several.any():
+            out = out.copy()
+            out[several] = np.nextafter(out[several], np.float32(np.inf))
+        return out
+
+    monkeypatch.setattr(be, "rope_attend", drifting)
+    e = Engine(loaded_model, EngineConfig(max_concurrent=2, ctx_size=128)).start()
+    try:
+        assert e.spec_problem and "differ from" in e.spec_problem and not e.scheduler.speculate
+        assert any(line.startswith("speculative decoding: off, the self-check failed") for line in e.startup_lines())
+    finally:
+        e.stop()
+
+
+def test_engine_stats_show_each_streams_acceptance(engine, prompts):
+    gen = engine.submit(prompt_ids=prompts[0], params=SamplingParams(max_tokens=40))
+    seen = set()
+    for ev in gen.events():
+        for s in engine.stats().streams:
+            if s.id == gen.id:
+                seen.add(s.spec_acceptance)
+    assert any(a is not None and 0 < a <= 1 for a in seen), seen
