@@ -517,7 +517,7 @@ class Engine:
         rows = [(r, j) for r in sampled for j in range(len(r.drafts) + 1)]
         t0 = time.perf_counter()
         logits, picks, procs, lp, extra_logits = self._forward(batch, rows, len(extra))
-        self.scheduler.step_cost.record(batch.tokens.size, time.perf_counter() - t0)
+        self.scheduler.step_cost.record(batch.tokens.size, time.perf_counter() - t0, max(plan.n_tokens) > 1)
         if prompt_rows:
             _keep_prompt_logprobs(prompt_rows, extra_logits)
         now = time.perf_counter()

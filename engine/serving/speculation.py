@@ -117,23 +117,29 @@ class StepCost:
     """This engine's seconds per forward step by its number of rows, as measured (a moving
     average each), so drafts are tried only where their rows cost less than the tokens
     they are expected to bring: on a GPU extra rows are nearly free, on a small CPU a
-    second row may cost as much as the first. A row count never measured is assumed
-    cheap (a tenth of a step per row), so it gets tried, and measured."""
+    second row may cost as much as the first. Steps where some sequence has several rows
+    (drafts, prefill chunks) are kept apart from those of one row per sequence: they may
+    take another path (the CPU's one-call step takes only the latter). A row count never
+    measured is assumed cheap (a tenth of a step per row), so it gets tried, and measured."""
 
     MAX_ROWS = 64
 
     def __init__(self):
-        self._t = [0.0] * (self.MAX_ROWS + 1)
+        self._plain = [0.0] * (self.MAX_ROWS + 1)  # one row per sequence
+        self._several = [0.0] * (self.MAX_ROWS + 1)  # some sequence with several rows
 
-    def record(self, rows: int, seconds: float) -> None:
-        """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored)."""
+    def record(self, rows: int, seconds: float, several: bool = False) -> None:
+        """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored);
+        `several`: some sequence had several rows in it."""
         if 0 < rows <= self.MAX_ROWS:
-            t = self._t[rows]
-            self._t[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
+            table = self._several if several else self._plain
+            t = table[rows]
+            table[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
 
     def ratio(self, rows: int, extra: int) -> float:
-        """How much longer a step of rows + extra rows takes than one of `rows`."""
-        base, more = self._t[min(rows, self.MAX_ROWS)], self._t[min(rows + extra, self.MAX_ROWS)]
+        """How much longer a step of rows + extra rows (drafts among them) takes than a
+        plain one of `rows`."""
+        base, more = self._plain[min(rows, self.MAX_ROWS)], self._several[min(rows + extra, self.MAX_ROWS)]
         if base <= 0.0 or more <= 0.0:
             return 1.0 + 0.1 * extra
         return more / base

@@ -194,9 +194,12 @@ def test_only_history_free_processors_allow_drafts(engine):
 def test_step_cost_weighs_drafts_against_their_rows():
     cost = StepCost()
     assert cost.ratio(1, 4) == pytest.approx(1.4)  # never measured: assumed cheap, so it is tried
-    for rows, seconds in ((1, 0.010), (2, 0.025), (3, 0.027), (4, 0.028), (5, 0.030)):
-        cost.record(rows, seconds)
+    cost.record(1, 0.010)
+    cost.record(2, 0.012)  # two sequences' decode rows: the one-call step
+    for rows, seconds in ((2, 0.025), (3, 0.027), (4, 0.028), (5, 0.030)):
+        cost.record(rows, seconds, several=True)  # one sequence's rows: op by op
     assert cost.ratio(1, 1) == pytest.approx(2.5) and cost.ratio(1, 4) == pytest.approx(3.0)
+    assert cost.ratio(2, 2) == pytest.approx(0.028 / 0.012)
 
     def worth(e, k):  # one sequence alone: its expected tokens against the step's cost
         return e / cost.ratio(1, k)
