@@ -29,7 +29,7 @@ SHARED_DEFAULTS = {
     "connect": None, "api_key": None,
     **{name: getattr(_ENGINE, name) for name in
        ("ctx_size", "max_concurrent", "kv_sessions", "kv_memory", "kv_dtype", "max_queue", "max_queue_per_client",
-        "prefill_chunk", "straggler_ms", "kv_snapshot_memory")},
+        "prefill_chunk", "straggler_ms", "kv_snapshot_memory", "spec")},
     "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
@@ -69,6 +69,9 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
                    help="waiting requests of one client (a --tokens name, a terminal, an address) before "
                         "refusing it alone with 429 client_queue_full (default: up to --max-queue)")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
+    p.add_argument("--spec", choices=("ngram", "draft", "off"),
+                   help="speculative decoding: n-gram drafts from the conversation's own tokens, checked "
+                        f"exactly so every reply is the one without it (default {_D['spec']})")
     p.add_argument("--models-memory", type=byte_size, metavar="SIZE",
                    help="memory for the models held at once (weights + KV), e.g. 2G; a model that does not "
                         "fit unloads the least recently used idle one (never the first), or is refused "
@@ -243,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
                              parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 32}),
                                       _parent(_clients_option, defaults={"clients": "16"}), json_out])
     prefix.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
+    spec = bsub.add_parser("spec", help="speculative decoding (n-gram drafts) on and off: repetitive work "
+                           "(rewrite a code file, quote a passage) and an ordinary chat, tok/s and acceptance",
+                           parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}),
+                                    _parent(_clients_option, defaults={"clients": "1,4"}), json_out])
+    spec.add_argument("--workloads", default="rewrite,quote,chat", help="comma list of rewrite, quote, chat")
+    spec.add_argument("--rounds", type=int, default=2, help="off and on runs of each cell, in turn (median)")
     return parser
 
 

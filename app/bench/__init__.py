@@ -18,6 +18,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from .prefix import run_prefix
 
         return run_prefix(args)
+    if args.bench_command == "spec":
+        from .spec import run_spec
+
+        return run_spec(args)
     from .chat import run_chat
 
     return run_chat(args)

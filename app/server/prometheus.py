@@ -102,6 +102,10 @@ def engine_families(stats: "dict[str, EngineStats]"):
                   lambda s: s.prefix_cache_hits)
     yield counter("panechat_kv_preemptions", "Generations sent back to the queue when KV blocks ran out",
                   lambda s: s.preemptions)
+    yield counter("panechat_spec_draft_tokens", "Draft tokens checked by speculative decoding",
+                  lambda s: s.spec_draft_tokens)
+    yield counter("panechat_spec_accepted", "Draft tokens accepted (each a token without a step of its own)",
+                  lambda s: s.spec_accepted)
     yield gauge("panechat_batch_size", "Sequences in the latest forward step", lambda s: s.batch_now or 0)
     yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", lambda s: s.tok_s)
     yield gauge("panechat_context_tokens", "Context per conversation (tokens)", lambda s: s.ctx or 0)

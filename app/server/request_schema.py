@@ -151,6 +151,8 @@ FIELDS: tuple[Field, ...] = (
     Field("min_p", _on(*PROTOCOLS, default=0.0), read=number, bound=BOUNDS["min_p"]),
     Field("stop", _on(*PROTOCOLS, default=()), read=stop_strings,
           note=", at most 16 of at most 256 characters; the reply ends before the first match"),
+    Field("spec", _on(*PROTOCOLS, default=True), read=boolean,
+          note="; false: no speculative decoding for this reply (the tokens are the same either way)"),
     Field("user", _on(*HTTP), IGNORED),
     Field("metadata", _on(CHAT), IGNORED),
     Field("store", _on(CHAT), IGNORED),
@@ -215,7 +217,7 @@ def sampling_params(fields: dict[str, Any], ctx: int) -> SamplingParams:
                           logit_bias=fields["logit_bias"] or None, presence_penalty=fields["presence_penalty"],
                           frequency_penalty=fields["frequency_penalty"], repeat_penalty=fields["repeat_penalty"],
                           repeat_last_n=fields["repeat_last_n"], logprobs=logprobs,
-                          prompt_logprobs=logprobs if fields.get("echo") else None)
+                          prompt_logprobs=logprobs if fields.get("echo") else None, speculate=fields["spec"])
 
 
 def _logprobs(fields: dict[str, Any]) -> int | None:

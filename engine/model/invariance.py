@@ -5,12 +5,17 @@ prefill and decode rows around it, at another row position), and compares the lo
 bit for bit; a decode row also beside another sequence's prefill chunk, which takes the
 op-by-op path where a decode-only step may run in one call. The engine turns batching off when this fails.
 
+`check_speculation` proves what exact speculative decoding relies on: k+1 rows of one
+sequence (a decode row and its drafts, positions L..L+k) give the logits of k+1 single
+decode steps bit for bit, alone and beside another sequence's decode row.
+
 `check_one_call_step` compares the one-call decode step with op by op directly: a
 difference condemns that step, not batching, and the engine turns the step off.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +76,31 @@ def check_one_call_step(model: Model, kv: Any) -> str | None:
     if np.array_equal(one_call.view(np.uint32), ops.view(np.uint32)):
         return None
     return f"the one-call decode step's logits differ from op by op's (max |diff| {np.abs(one_call - ops).max():.3g})"
+
+
+def check_speculation(model: Model, kv: Any, k: int = 4) -> str | None:
+    """None when k+1 rows of one sequence in one pass give each row the logits its single
+    decode step gives; else a one-line description. Uses KV blocks 0..2 of `kv` as
+    `check_model_invariance` does."""
+    if kv.n_blocks < 3:
+        return None
+    rng = np.random.default_rng(2)
+    vocab = model.args.vocab_size
+    prompt, other = rng.integers(0, vocab, 5).astype(np.int32), rng.integers(0, vocab, 7).astype(np.int32)
+    run = rng.integers(0, vocab, k + 1).astype(np.int32)  # the decode token, then k drafts
+    model.forward(kv, _rows([(0, prompt, 0), (1, other, 0)]))
+    single = np.stack([model.forward(kv, _rows([(0, run[j:j + 1], len(prompt) + j)]))[0] for j in range(k + 1)])
+    every = np.arange(k + 1, dtype=np.int64)
+    alone = model.forward(kv, replace(_rows([(0, run, len(prompt))]), logit_rows=every))
+    if not np.array_equal(single.view(np.uint32), alone.view(np.uint32)):
+        return (f"{k + 1} rows of one sequence differ from {k + 1} single decode steps "
+                f"(max |diff| {np.abs(single - alone).max():.3g})")
+    beside = _rows([(1, other[:1], len(other)), (0, run, len(prompt))])
+    beside = model.forward(kv, replace(beside, logit_rows=np.arange(k + 2, dtype=np.int64)))[1:]
+    if not np.array_equal(single.view(np.uint32), beside.view(np.uint32)):
+        return (f"{k + 1} rows of one sequence beside another's decode row differ from single steps "
+                f"(max |diff| {np.abs(single - beside).max():.3g})")
+    return None
 
 
 _TABLES = np.array([[2], [0], [1]], np.int32)  # sequence i's one block: not block i

@@ -29,6 +29,7 @@ class EngineConfig:
 
     KV_MEMORY_SHARE: ClassVar[float] = 0.25  # of free RAM / device memory, the default KV budget
     KV_DTYPES: ClassVar[tuple[str, ...]] = ("f16", "f32")
+    SPEC_MODES: ClassVar[tuple[str, ...]] = ("ngram", "off")  # --spec (engine/serving/speculation.py)
 
     max_concurrent: int = 4
     kv_sessions: int | None = None  # a KV budget of this many whole contexts (when kv_memory is None)
@@ -41,6 +42,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     straggler_ms: float = 2.0
     verify_invariance: bool = True
+    spec: str = "ngram"  # speculative decoding: n-gram drafts checked exactly, or off
     # KV snapshots (engine/kv/persistence.py): a folder turns them on (the CLI passes
     # $XDG_CACHE_HOME/panechat/kv unless --kv-snapshots off); None: off
     kv_snapshot_dir: str | None = None
@@ -58,6 +60,10 @@ class EngineConfig:
             raise ValueError("--kv-sessions must be at least --max-concurrent")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ValueError("--kv-memory must be a positive size, like 2GiB")
+        if self.spec == "draft":
+            raise ValueError("--spec draft (a draft model) is not built yet; use --spec ngram or --spec off")
+        if self.spec not in self.SPEC_MODES:
+            raise ValueError(f"--spec must be one of {', '.join(self.SPEC_MODES)}")
         if self.kv_dtype not in self.KV_DTYPES:
             raise ValueError(f"--kv-dtype must be one of {', '.join(self.KV_DTYPES)}")
         if not 0 <= self.max_queue <= self.MAX_QUEUE:

@@ -32,7 +32,7 @@ from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
 from panechat.engine.serving.events import Event, FinishEvent
 from panechat.engine.serving.invalid_request import InvalidRequest
-from panechat.engine.model.invariance import check_model_invariance, check_one_call_step
+from panechat.engine.model.invariance import check_model_invariance, check_one_call_step, check_speculation
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.kv.blocks import BlockKey, BlockPool, blocks_for
 from panechat.engine.kv.manager import KVManager
@@ -48,6 +48,7 @@ from panechat.engine.serving.output import End, OutputProcessor
 from panechat.engine.model.forward import Batch
 from panechat.engine.serving.request import Request, RequestState
 from panechat.engine.serving.sampling import SamplingError, SamplingParams, device_sampling_rows, make_sampler
+from panechat.engine.serving.speculation import Speculation, can_speculate
 from panechat.engine.serving.scheduler import ClientQueueFull, QueueFull, Scheduler, StepPlan
 from panechat.engine.serving.stats import EngineStats, IdleConversation, StreamState, StreamStats
 from panechat.engine.text.chat_template import ChatTemplateError
@@ -175,6 +176,7 @@ class Engine:
                                    max_queue_per_client=cfg.max_queue_per_client)
         # Set by the compute thread's start-up self-check (see start()).
         self.invariance_problem: str | None = None
+        self.spec_problem: str | None = None  # why speculation is off after the self-check
         self.batching = True
         self._checked = threading.Event()
         self._lock = threading.Lock()
@@ -219,6 +221,12 @@ class Engine:
         ]
         if m.decoder_off:
             lines.append(f"decode step: op by op, the one-call step turned off by the self-check: {m.decoder_off}")
+        if self.cfg.spec == "off":
+            lines.append("speculative decoding: off (--spec off)")
+        elif self.spec_problem or not self.batching:
+            lines.append(f"speculative decoding: off, the self-check failed: {self.spec_problem or 'no batching'}")
+        else:
+            lines.append("speculative decoding: n-gram drafts, checked exactly (replies identical to plain decoding)")
         k = self.cfg.max_concurrent
         if self.batching:
             lines.append(f"concurrency: {k} generations at once, decode batched, answers identical to solo")
@@ -349,14 +357,16 @@ class Engine:
                      stop, client: str) -> tuple[Generation, Request]:
         rid = f"req-{next(self._ids)}"
         gen = Generation(self, rid, client)
+        processors = make_processors(params, self.lm.model.args.vocab_size) + self._grammar_mask(params)
         req = Request(
             id=rid, conversation=conversation or rid, prompt_ids=list(prompt_ids), params=params,
             sampler=make_sampler(params), emit=gen._emit,
             stop_ids=self.lm.tokenizer.stop_ids, stop_strings=tuple(s for s in stop if s),
-            processors=make_processors(params, self.lm.model.args.vocab_size) + self._grammar_mask(params),
-            client=client,
+            processors=processors, client=client,
             prompt_lps=None if params.prompt_logprobs is None else [None] * (len(prompt_ids) - 1),
         )
+        if self.cfg.spec == "ngram" and can_speculate(processors, params.speculate):
+            req.spec = Speculation(req.prompt_ids, self.ctx)
         return gen, req
 
     def _grammar_mask(self, params: SamplingParams) -> tuple[GrammarMask, ...]:
@@ -399,9 +409,23 @@ class Engine:
             except Exception as e:  # a broken check must not pass for a proof
                 self.invariance_problem = f"self-check failed to run: {type(e).__name__}: {e}"
             self.batching = self.invariance_problem is None
+            self._check_speculation()
         # rows are only proven independent of each other when the check passed
         self.scheduler.max_seqs_per_step = None if self.batching else 1
+        self.scheduler.speculate = self.batching and self.spec_problem is None
         self._checked.set()
+
+    def _check_speculation(self) -> None:
+        """Drafts are checked only where k+1 rows of one sequence are proven to give the
+        bits of k+1 single steps; otherwise speculation is off (one log line)."""
+        if self.cfg.spec == "off" or not self.batching:
+            return
+        try:
+            self.spec_problem = check_speculation(self.lm.model, self.kv)
+        except Exception as e:  # a broken check must not pass for a proof
+            self.spec_problem = f"self-check failed to run: {type(e).__name__}: {e}"
+        if self.spec_problem:
+            log.warning("speculative decoding turned off: %s", self.spec_problem)
 
     def _check_one_call_step(self) -> None:
         """A one-call decode step unlike op by op is turned off (one log line): the model
@@ -465,7 +489,8 @@ class Engine:
             return None
 
     def _step(self, plan: StepPlan) -> None:
-        tokens, seqs, positions, logit_rows, sampled = [], [], [], [], []
+        tokens, seqs, positions, logit_rows = [], [], [], []
+        sampled: list[Request] = []  # requests whose rows give tokens this step, in row order
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first position, rows) wanting prompt logprobs
         now = time.perf_counter()
         width = max(map(len, plan.block_tables))
@@ -476,71 +501,111 @@ class Engine:
                 self.metrics.record_admit(len(r.prompt_ids), r.reused)
             if r.prompt_lps is not None and r.computed < len(r.prompt_ids) - 1:
                 prompt_rows.append((r, r.computed, min(n, len(r.prompt_ids) - 1 - r.computed)))
-            tokens.extend(r.known_slice(r.computed, n))
+            k = len(r.drafts)  # draft rows after its known one (speculation.py); 0 but when decoding
+            tokens.extend(r.known_slice(r.computed, n - k))
+            tokens.extend(r.drafts)
             positions.extend(range(r.computed, r.computed + n))
             seqs.extend([i] * n)
             tables[i, :len(table)] = table
-            r.computed += n
-            if r.computed == r.n_known:  # caught up: this row's logits give the next token
-                logit_rows.append(len(tokens) - 1)
+            r.computed += n - k  # the drafts' positions count once they are accepted (_pick)
+            if r.computed == r.n_known:  # caught up: this row's logits (and its drafts') give tokens
+                logit_rows.extend(range(len(tokens) - k - 1, len(tokens)))
                 sampled.append(r)
         extra = _prompt_logit_rows(prompt_rows, plan.n_tokens, plan.requests) if prompt_rows else []
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows + extra, np.int64), tables)
-        logits, picks, procs, lp, extra_logits = self._forward(batch, sampled, len(extra))
+        rows = [(r, j) for r in sampled for j in range(len(r.drafts) + 1)]
+        t0 = time.perf_counter()
+        logits, picks, procs, lp, extra_logits = self._forward(batch, rows, len(extra))
+        self.scheduler.step_cost.record(batch.tokens.size, time.perf_counter() - t0, max(plan.n_tokens) > 1)
         if prompt_rows:
             _keep_prompt_logprobs(prompt_rows, extra_logits)
         now = time.perf_counter()
         with self._lock:
             prefilling = [r for r in plan.requests if r.state == RequestState.PREFILLING and r not in sampled]
             picked = self._pick(sampled, logits, picks, procs, lp)
+            before = {r.id: len(r.output_ids) for r in sampled}
             for r, end in self.output.process(prefilling, picked, now):
+                r.computed = min(r.computed, r.n_known)  # it ended before its last accepted token
                 self._end(r, end)
+            self._spec_outcomes(sampled, before)
         if procs is not None:  # the next step's masks, computed while its forward pass runs
             procs.prefetch()
-        self.metrics.record_step(len(plan.requests), batch.tokens.size, len(sampled), now)
+        self.metrics.record_step(len(plan.requests), batch.tokens.size, len(picked), now)
 
-    def _forward(self, batch: Batch, sampled: list[Request], n_extra: int):
+    def _spec_outcomes(self, sampled: list[Request], before: dict[str, int]) -> None:
+        """Give each speculating request's drafter the tokens it accepted this step, and
+        count its drafts and the accepted ones."""
+        drafted = accepted = 0
+        for r in sampled:
+            if r.spec is None or r.state == RequestState.FINISHED:
+                continue
+            k = len(r.drafts)
+            got = r.output_ids[before[r.id]:]
+            n_ok = min(k, max(0, len(got) - 1))
+            r.spec.accept(got, k, n_ok)
+            drafted, accepted = drafted + k, accepted + n_ok
+            r.drafts = []
+        if drafted:
+            self.metrics.record_spec(drafted, accepted)
+
+    def _forward(self, batch: Batch, rows: list[tuple[Request, int]], n_extra: int):
         """The forward pass with each sampled row's processors applied: (host logits or None,
         device picks or None, the StepProcessors, the logit rows seen by the rows wanting
         logprobs as (rows, row of each sampled index) or None, the `n_extra` prompt logprob
-        rows after the sampled ones on the host). Rows that ask for nothing cost nothing."""
+        rows after the sampled ones on the host). `rows`: each sampled logit row's
+        (request, j), j its draft rows before it (0: its decode row). Rows that ask for
+        nothing cost nothing."""
         model, logits, picks = self.lm.model, None, None
-        procs = step_processors([(r.processors, r.output_ids) for r in sampled])
-        want = [i for i, r in enumerate(sampled) if r.params.logprobs is not None]
-        if sampled and model.samples_on_device:  # only token ids (and asked-for rows) cross to the host
-            seen = HostRows(want + list(range(len(sampled), len(sampled) + n_extra))) if want or n_extra else None
+        procs = step_processors([(r.processors, _history(r, j) if r.processors else ()) for r, j in rows])
+        want = [i for i, (r, _) in enumerate(rows) if r.params.logprobs is not None]
+        n = len(rows)
+        if rows and model.samples_on_device:  # only token ids (and asked-for rows) cross to the host
+            seen = HostRows(want + list(range(n, n + n_extra))) if want or n_extra else None
             picks = model.forward_tokens(self.kv, batch, *_padded(device_sampling_rows(
-                [r.sampler for r in sampled], [len(r.output_ids) for r in sampled]), n_extra),
+                [r.sampler for r, _ in rows], [len(r.output_ids) + j for r, j in rows]), n_extra),
                 before_pick=_then(procs, seen))
-            rows = seen.host if seen is not None else None
-            lp = (rows, {i: j for j, i in enumerate(want)}) if want else None
-            return None, picks, procs, lp, rows[len(want):] if seen is not None else None
+            host = seen.host if seen is not None else None
+            lp = (host, {i: j for j, i in enumerate(want)}) if want else None
+            return None, picks, procs, lp, host[len(want):] if seen is not None else None
         logits = model.forward(self.kv, batch)
         if procs is not None:
             procs(logits, np)
-        return logits, None, procs, (logits, {i: i for i in want}) if want else None, logits[len(sampled):]
+        return logits, None, procs, (logits, {i: i for i in want}) if want else None, logits[n:]
 
     def _pick(self, sampled: list[Request], logits: np.ndarray | None, picks: np.ndarray | None,
-              procs: StepProcessors | None, lp: tuple | None = None) -> list[tuple[Request, int]]:
-        """Each sampled row's token, from its host logits or its device pick; a row whose
-        logits processor or sampler raised fails alone. `lp`: (rows, row of each sampled
-        index) of the logits seen by the rows wanting logprobs."""
-        picked = []
-        for i, r in enumerate(sampled):
+              procs: StepProcessors | None, lp: tuple | None = None) -> list[tuple[Request, int, object]]:
+        """Each sampled request's tokens, from its host logits or its device picks, with
+        their logprobs; a request whose logits processor or sampler raised fails alone.
+        A request with drafts takes its rows in order, one sampler call per token as plain
+        decoding makes, up to the first pick unlike its row's draft (or a stop token); the
+        accepted drafts' KV stands (`computed`). `lp`: (rows, row of each sampled logit
+        row) of the logits seen by the rows wanting logprobs."""
+        picked, at = [], 0
+        for r in sampled:
+            base, n = at, len(r.drafts) + 1
+            at += n
             try:  # whatever goes wrong with this row is this row's alone
-                if procs is not None:
-                    procs.check(i)
-                tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
-                if lp is not None and r.params.logprobs is not None:
-                    r.next_logprob = token_logprob(log_softmax(lp[0][lp[1][i]]), tok, r.params.logprobs)
+                got = []
+                for j in range(n):
+                    i = base + j
+                    if procs is not None:
+                        procs.check(i)
+                    tok = r.sampler(logits[i]) if picks is None else r.sampler.device_pick(picks[i])
+                    tlp = None
+                    if lp is not None and r.params.logprobs is not None:
+                        tlp = token_logprob(log_softmax(lp[0][lp[1][i]]), tok, r.params.logprobs)
+                    got.append((r, tok, tlp))
+                    if j == n - 1 or tok != r.drafts[j] or tok in r.stop_ids:
+                        break
             except Exception as e:
                 self._fail_row(r, e)
                 continue
+            r.computed += len(got) - 1  # the drafts whose picks matched: their positions hold true KV
             if r.state == RequestState.PREFILLING:
                 r.state = RequestState.DECODING
                 self._release_forks(r)
-            picked.append((r, tok))
+            picked.extend(got)
         return picked
 
     def _release_forks(self, r: Request) -> None:
@@ -614,6 +679,7 @@ class Engine:
                 tok_s=(n - 1) / dt if n > 1 and dt > 0 else 0.0,
                 ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
                 prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
+                spec_acceptance=r.spec.acceptance if r.spec is not None else None,
             ))
         running = {r.conversation for r in self.scheduler.running}
         idle = tuple(IdleConversation(conv, block, n) for conv, block, n in self._idle_conversations()
@@ -646,6 +712,12 @@ class Engine:
             else:
                 out.append((conv, held[0][0], n * BLOCK_TOKENS))
         return out
+
+
+def _history(r: Request, j: int) -> list[int]:
+    """The tokens generated before logit row j of `r` (its drafts before that row count as
+    accepted: the row's pick stands only if they were)."""
+    return r.output_ids if j == 0 else r.output_ids + r.drafts[:j]
 
 
 def _prompt_logit_rows(prompt_rows: list[tuple[Request, int, int]], n_tokens: list[int],

@@ -63,6 +63,8 @@ class EngineMetrics:
         self.evictions = 0
         self.kv_snapshots_written = 0  # KV snapshot files written (kv_persistence.py)
         self.kv_snapshots_restored = 0  # admitted requests whose prefix came from a snapshot
+        self.spec_draft_tokens = 0  # draft tokens checked by speculative decoding (speculation.py)
+        self.spec_accepted = 0  # ... and accepted (each saved a step)
 
     def record_snapshots(self, written: int = 0, restored: int = 0) -> None:
         """Called by the snapshot writer thread (written) and the engine thread (restored)."""
@@ -79,6 +81,12 @@ class EngineMetrics:
             self._recent.append((now, n_seqs, n_sampled))
             while self._recent and now - self._recent[0][0] > self.window_s:
                 self._recent.popleft()
+
+    def record_spec(self, drafted: int, accepted: int) -> None:
+        """One step's draft tokens checked and accepted, over all its requests."""
+        with self._lock:
+            self.spec_draft_tokens += drafted
+            self.spec_accepted += accepted
 
     def set_state(self, streams: tuple[StreamStats, ...], idle: tuple[IdleConversation, ...], queue_depth: int,
                   kv_in_use: int,
@@ -151,4 +159,6 @@ class EngineMetrics:
                 ctx=ctx,
                 kv_snapshots_written=self.kv_snapshots_written,
                 kv_snapshots_restored=self.kv_snapshots_restored,
+                spec_draft_tokens=self.spec_draft_tokens,
+                spec_accepted=self.spec_accepted,
             )

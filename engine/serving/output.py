@@ -85,28 +85,33 @@ class OutputProcessor:
         """Start `r`'s reply text (its own decoder and stop strings)."""
         self._texts[r.id] = ReplyText(StreamDecoder(self.tokenizer), r.stop_strings)
 
-    def process(self, prefilling: list[Request], sampled: list[tuple[Request, int]],
+    def process(self, prefilling: list[Request], sampled: list[tuple],
                 now: float) -> list[tuple[Request, End]]:
         """One step's output: a PrefillEvent for each request in `prefilling` (still
-        reading its prompt), then each (request, token) of `sampled` taken in turn.
-        Returns the requests that end now, each with its End; one request's exception
-        never reaches another."""
+        reading its prompt), then each (request, token) or (request, token, logprob) of
+        `sampled` taken in turn (a request may have several: accepted drafts; those after
+        it ends are dropped). Returns the requests that end now, each with its End; one
+        request's exception never reaches another."""
         ends: list[tuple[Request, End]] = []
         for r in prefilling:
             try:
                 r.emit(PrefillEvent(r.id, r.computed, len(r.prompt_ids)))
             except Exception as e:
                 ends.append((r, e))
-        for r, tok in sampled:
+        ended: set[str] = set()
+        for r, tok, *lp in sampled:
+            if r.id in ended:
+                continue
             try:
-                reason = self._accept(r, tok, now)
+                reason = self._accept(r, tok, now, lp[0] if lp else r.next_logprob)
             except Exception as e:
                 reason = e
             if reason is not None:
                 ends.append((r, reason))
+                ended.add(r.id)
         return ends
 
-    def _accept(self, r: Request, tok: int, now: float) -> str | None:
+    def _accept(self, r: Request, tok: int, now: float, logprob: object = None) -> str | None:
         if not r.t_first:  # its first token (not again after a preemption's recompute)
             r.t_first = now
             r.emit(PrefillEvent(r.id, len(r.prompt_ids), len(r.prompt_ids)))
@@ -117,7 +122,7 @@ class OutputProcessor:
         r.output_ids.append(tok)
         lp = None
         if r.params.logprobs is not None:
-            lp = r.next_logprob
+            lp = logprob
             r.token_logprobs.append(lp)
         r.emit(TokenEvent(r.id, tok, text.push(tok), lp))
         if text.stopped:

@@ -52,6 +52,8 @@ class Request:
     # with params.prompt_logprobs: prompt token p's TokenLogprob at p - 1 (None until computed)
     prompt_lps: list | None = None
     forks: list = field(default_factory=list)  # samples of the same prompt, queued once its prefill is done
+    spec: object = None  # its Speculation (speculation.py) when it decodes with drafts, else None
+    drafts: list = field(default_factory=list)  # this step's draft tokens (rows after its decode row)
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0

@@ -125,6 +125,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = field(default=None, hash=False)  # llguidance grammar (grammar.py); its mask applies
+    speculate: bool = True  # may decode with draft tokens (speculation.py; the tokens are the same either way)
 
     def validate(self) -> None:
         """Raise InvalidRequest (one line, naming the field) for a parameter outside its

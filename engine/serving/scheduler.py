@@ -40,6 +40,7 @@ from panechat.engine.kv.blocks import BlockKey
 from panechat.engine.kv.manager import BlockCopy, KVManager
 from panechat.engine.serving.fair_queue import FairQueue
 from panechat.engine.serving.request import Request, RequestState
+from panechat.engine.serving.speculation import StepCost
 
 __all__ = ["BlockCopy", "ClientQueueFull", "QueueFull", "Scheduler", "StepPlan"]
 
@@ -74,6 +75,8 @@ class StepPlan:
     n_tokens: list[int]
     block_tables: list[list[int]] = field(default_factory=list)
     kv_copies: list[BlockCopy] = field(default_factory=list)
+    # a decoding request's n_tokens is 1 + len(r.drafts): its draft tokens follow its known
+    # one as rows of their own (speculation.py); set here, read by the engine
 
 
 class Scheduler:
@@ -99,6 +102,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_seqs_per_step = max_seqs_per_step
         self.max_queue_per_client = max_queue_per_client
+        self.speculate = True  # requests with a Speculation get drafts (the engine's self-check may say no)
+        self.step_cost = StepCost()  # the engine records each step's time; drafts are weighed by it
+        self._plan = [0, 0.0]  # while planning: rows so far and the tokens they are expected to give
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -145,6 +151,8 @@ class Scheduler:
         reqs, counts = [], []
         budget = self.prefill_chunk
         limit = self.max_seqs_per_step or len(self.running)
+        n_decoding = sum(r.state == RequestState.DECODING for r in self.running[:limit])
+        self._plan = [n_decoding, float(n_decoding)]
         for r in list(self.running):
             if len(reqs) >= limit:
                 break
@@ -154,9 +162,11 @@ class Scheduler:
             if r.state == RequestState.DECODING:
                 if r.computed >= kv.slots(r.id) and not self._grow(r):
                     continue  # it was the youngest: preempted itself
+                r.drafts = self._drafts(r) if r.spec is not None and self.speculate else []
                 reqs.append(r)
-                counts.append(1)
+                counts.append(1 + len(r.drafts))
             elif budget > 0 and todo > 0:
+                r.drafts = []
                 n = min(todo, budget)
                 budget -= n
                 reqs.append(r)
@@ -210,6 +220,29 @@ class Scheduler:
         self.preempt(victim)
         running[heavy] -= 1
         return True
+
+    def _drafts(self, r: Request) -> list[int]:
+        """Decoding request r's draft tokens for this step: within its max_tokens and the
+        KV slots it holds, plus one more block if one is free (never by preempting), and
+        only as many as speed the whole step up by the measured cost of its rows
+        (`StepCost`) and r's chance of acceptance."""
+        room = r.params.max_tokens - len(r.output_ids) - 1
+        if room <= 0:
+            return []
+        rows, tokens = self._plan
+        cost = self.step_cost
+
+        def worth(expected: float, k: int) -> float:  # the step's tokens per second, relative
+            return (tokens + expected - 1) / tokens / cost.ratio(rows, k)
+
+        drafts = r.spec.propose(room, worth if tokens > 0 else None)
+        if drafts:
+            slots = self.kv.slots(r.id)
+            if r.computed + 1 + len(drafts) > slots and self.kv.grow(r.id):
+                slots = self.kv.slots(r.id)
+            drafts = drafts[:slots - r.computed - 1]
+            self._plan = [rows + len(drafts), tokens + r.spec.expected - 1]
+        return drafts
 
     def _grow(self, r: Request) -> bool:
         """One more block for decoding request r; preempts the youngest running requests

@@ -37,6 +37,7 @@ class StreamStats:
     prefill_done: int = 0  # prompt tokens whose KV is computed (reused ones included)
     prefill_total: int = 0  # prompt tokens
     client: str = ""  # who it is attributed to ("" unknown or the engine's own)
+    spec_acceptance: float | None = None  # accepted / drafted tokens of its speculation (None: no drafts yet)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -50,7 +51,8 @@ class StreamStats:
                    tokens=int(d.get("tokens") or 0), tok_s=float(d.get("tok_s") or 0.0),
                    ttft_ms=None if d.get("ttft_ms") is None else float(d["ttft_ms"]),
                    prefill_done=int(d.get("prefill_done") or 0), prefill_total=int(d.get("prefill_total") or 0),
-                   client=str(d.get("client") or ""))
+                   client=str(d.get("client") or ""),
+                   spec_acceptance=None if d.get("spec_acceptance") is None else float(d["spec_acceptance"]))
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found computed (not prefilled again)
     kv_snapshots_written: int = 0  # conversations' KV written to disk
     kv_snapshots_restored: int = 0  # ... and read back instead of prefilled
+    spec_draft_tokens: int = 0  # draft tokens checked by speculative decoding
+    spec_accepted: int = 0  # of those, accepted (each one a token without a step of its own)
     streams: tuple[StreamStats, ...] = ()  # running, then queued
     idle: tuple[IdleConversation, ...] = ()
     requests_total: int = 0  # admitted to a KV slot

@@ -202,6 +202,7 @@ SHARED = [  # (option, value, namespace key, parsed value, the subcommands that 
     ("--max-queue-per-client", "5", "max_queue_per_client", 5, ["serve"]),
     ("--prefill-chunk", "64", "prefill_chunk", 64, ["serve"]),
     ("--straggler-ms", "0.5", "straggler_ms", 0.5, ["serve"]),
+    ("--spec", "off", "spec", "off", ["serve"]),
     ("--host", "0.0.0.0", "host", "0.0.0.0", ["serve"]),
     ("--port", "9", "port", 9, ["serve"]),
     ("--token", "t", "token", "t", ["serve", "run"]),
@@ -266,6 +267,13 @@ def test_the_model_given_before_or_after_the_subcommand_is_used(tmp_path, argv):
 def test_ctx_size_limit_is_checked_before_loading(argv):
     p = cli(*argv)
     assert p.returncode == 2 and p.stderr.strip() == "panechat: error: --ctx-size must be at least 64", p.stderr
+
+
+def test_spec_draft_is_refused_in_one_line():
+    p = cli("--spec", "draft", "serve")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == ("panechat: error: --spec draft (a draft model) is not built yet; "
+                                "use --spec ngram or --spec off"), p.stderr
 
 
 def test_several_models_repeat_or_comma_list_the_first_the_default():

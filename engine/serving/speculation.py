@@ -1,0 +1,223 @@
+"""Speculative decoding that keeps the answer: n-gram drafts from the conversation's own
+tokens, checked exactly (issue 27).
+
+A decoding sequence with k draft tokens is computed as k+1 rows of one forward pass, row j
+the sequence's decode row at position L+j with input token draft[j-1] (row 0: its last
+known token). Every row is row-invariant (docs/architecture.md, "Why batching cannot
+change the answer"), so row j's logits are the bits a plain decode step at L+j would give
+once the drafts before it are the tokens plain decoding would have picked. The sampler
+then runs on the rows in order, as plain decoding would, one draw per token: the first
+draft it disagrees with ends the run, and its own pick there is the next token. So the
+reply is the same token sequence as without speculation, greedy or seeded.
+
+`NgramDrafter` proposes drafts like llama.cpp's `lookup` and vLLM's `ngram`: the tokens
+that followed the latest earlier occurrence of the sequence's last n tokens (n = 3, then 2).
+Its index (n-gram -> where its continuation starts) grows by a few dict writes per token.
+`AdaptiveK` bounds k from the sequence's recent acceptance and pauses drafting, for longer
+each time, while drafts keep failing; `StepCost` (the engine's measured step time by row
+count) and the request's acceptance estimate then take the k that speeds the step up most,
+or none, so prose without repeats, or a machine where extra rows are dear, costs nearly
+nothing. A grammar's mask and count penalties keep state of their own token by token, so
+a request with one decodes without drafts (`can_speculate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from panechat.engine.serving.logits_processors import LogitBias, RepeatPenalty
+
+NGRAM_MAX, NGRAM_MIN = 3, 2  # n-gram lengths tried, longest first
+K_START, K_MAX = 3, 8  # drafts per step: the first guess and the most
+PAUSE_MAX = 32  # steps without drafting after repeated misses, at most
+
+#: Processors that read only the history they are given (no state of their own), so each
+#: verify row can get its own: a request with any other (a grammar's mask, count
+#: penalties) decodes without speculation.
+HISTORY_FREE = (LogitBias, RepeatPenalty)
+
+
+class NgramDrafter:
+    """One sequence's tokens (prompt, then accepted reply) and the index of its n-grams.
+
+    `propose(k)` returns up to k tokens that followed the latest earlier occurrence of the
+    last NGRAM_MAX..NGRAM_MIN tokens (the longest match wins); `extend` adds accepted
+    tokens. Each token costs NGRAM_MAX - NGRAM_MIN + 1 dict writes, once."""
+
+    __slots__ = ("tokens", "_index")
+
+    def __init__(self, prompt: Sequence[int]):
+        self.tokens: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}
+        self.extend(prompt)
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Append accepted tokens; each n-gram ending just before a token maps to that
+        token's position (its continuation), the latest occurrence winning."""
+        toks, index = self.tokens, self._index
+        for t in new:
+            end = len(toks)
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end >= n:
+                    index[tuple(toks[end - n:end])] = end
+            toks.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` draft tokens continuing the sequence (empty: no n-gram matched)."""
+        toks = self.tokens
+        end = len(toks)
+        if k <= 0:
+            return []
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if end < n:
+                continue
+            at = self._index.get(tuple(toks[end - n:]))
+            if at is not None:  # at < end: the index holds only n-grams with a continuation
+                return toks[at:at + k]
+        return []
+
+
+class AdaptiveK:
+    """How many drafts one sequence tries next, from how its last ones fared: one more
+    after a fully accepted run (up to K_MAX), one more than the accepted ones after a
+    partial one, half after none; at 0 it pauses drafting for 1, 2, 4 .. PAUSE_MAX steps
+    (reset by the next accepted draft), then tries one draft again."""
+
+    __slots__ = ("k", "_pause", "_wait")
+
+    def __init__(self):
+        self.k = K_START
+        self._pause = 1  # the next pause's length
+        self._wait = 0  # steps left in the current pause
+
+    def next_k(self) -> int:
+        """The drafts to try this step (0 while paused); counts one step of a pause."""
+        if self._wait > 0:
+            self._wait -= 1
+            return 0
+        return self.k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """The outcome of a step that tried `drafted` drafts."""
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k + 1, K_MAX)
+        elif accepted:
+            self.k = accepted + 1
+        else:
+            self.k //= 2
+        if accepted:
+            self._pause = 1
+        elif self.k == 0:
+            self._wait, self._pause, self.k = self._pause, min(2 * self._pause, PAUSE_MAX), 1
+
+
+class StepCost:
+    """This engine's seconds per forward step by its number of rows, as measured (a moving
+    average each), so drafts are tried only where their rows cost less than the tokens
+    they are expected to bring: on a GPU extra rows are nearly free, on a small CPU a
+    second row may cost as much as the first. Steps where some sequence has several rows
+    (drafts, prefill chunks) are kept apart from those of one row per sequence: they may
+    take another path (the CPU's one-call step takes only the latter). A row count never
+    measured is assumed cheap (a tenth of a step per row), so it gets tried, and measured."""
+
+    MAX_ROWS = 64
+
+    def __init__(self):
+        self._plain = [0.0] * (self.MAX_ROWS + 1)  # one row per sequence
+        self._several = [0.0] * (self.MAX_ROWS + 1)  # some sequence with several rows
+
+    def record(self, rows: int, seconds: float, several: bool = False) -> None:
+        """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored);
+        `several`: some sequence had several rows in it."""
+        if 0 < rows <= self.MAX_ROWS:
+            table = self._several if several else self._plain
+            t = table[rows]
+            table[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
+
+    def ratio(self, rows: int, extra: int) -> float:
+        """How much longer a step of rows + extra rows (drafts among them) takes than a
+        plain one of `rows`."""
+        base, more = self._plain[min(rows, self.MAX_ROWS)], self._several[min(rows + extra, self.MAX_ROWS)]
+        if base <= 0.0 or more <= 0.0:
+            return 1.0 + 0.1 * extra
+        return more / base
+
+
+class Speculation:
+    """One request's speculation: its drafter, its k, its acceptance estimate, and its
+    counts (drafted, accepted). Drafts never reach past `max_len` positions (the context).
+
+    The estimate is the chance that a draft stands given the ones before it did (hits over
+    hits and misses, the older ones decayed), starting from an optimistic PRIOR and drawn
+    back to it while the request does not draft, so a reply that turns repetitive later
+    is tried again."""
+
+    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps", "expected", "_hits", "_misses")
+
+    PRIOR = (4.0, 1.0)  # (hits, misses): 0.8
+    DECAY = 0.8  # of the old counts at each verify
+    DRIFT = 0.03  # towards the prior at each step without drafts
+
+    def __init__(self, prompt: Sequence[int], max_len: int):
+        self.drafter = NgramDrafter(prompt)
+        self.policy = AdaptiveK()
+        self.max_len = max_len
+        self.drafted = 0
+        self.accepted = 0
+        self.steps = 0  # verify steps (those that tried at least one draft)
+        self.expected = 1.0  # tokens the last proposal is expected to give (1: no drafts)
+        self._hits, self._misses = self.PRIOR
+
+    @property
+    def chance(self) -> float:
+        """The estimated chance that a draft stands, given the ones before it did."""
+        return self._hits / (self._hits + self._misses)
+
+    def propose(self, room: int, worth: Callable[[float, int], float] | None = None) -> list[int]:
+        """This step's drafts: at most `room` (the caller's bound: tokens left, KV slots).
+        `worth(expected_tokens, k)`: how much k more rows that are expected to give that
+        many tokens speed the step up (> 1: worth it); the k with the best worth is taken,
+        none when no k is worth it. None: every candidate draft is taken."""
+        self.expected = 1.0
+        k = min(self.policy.next_k(), room, self.max_len - len(self.drafter.tokens) - 1)
+        drafts = self.drafter.propose(k) if k > 0 else []
+        if not drafts or worth is None:
+            return drafts
+        a, best, best_worth, e, p = self.chance, 0, 1.0, 1.0, 1.0
+        for k in range(1, len(drafts) + 1):
+            p *= a
+            e += p  # expected tokens from k drafts: 1 + a + ... + a^k
+            w = worth(e, k)
+            if w > best_worth:
+                best, best_worth, self.expected = k, w, e
+        return drafts[:best]
+
+    def accept(self, tokens: Sequence[int], drafted: int, accepted: int) -> None:
+        """A step's outcome: `tokens` appended to the sequence; it tried `drafted` drafts,
+        of which the first `accepted` stood."""
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            self.steps += 1
+            self.policy.observe(drafted, accepted)
+            self._hits = self.DECAY * self._hits + accepted
+            self._misses = self.DECAY * self._misses + (accepted < drafted)
+        else:
+            ph, pm = self.PRIOR
+            self._hits += self.DRIFT * (ph - self._hits)
+            self._misses += self.DRIFT * (pm - self._misses)
+        self.drafter.extend(tokens)
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted drafts over drafted ones (None before any draft)."""
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def can_speculate(processors: Sequence[object], wanted: bool) -> bool:
+    """Whether a request may decode with drafts: it did not turn them off and every
+    processor of its logits reads only the history it is given (HISTORY_FREE)."""
+    return wanted and all(isinstance(p, HISTORY_FREE) for p in processors)
+

@@ -1,0 +1,20 @@
+"""`panechat bench spec` as a user runs it: a short cell, the replies identical on and off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PANECHAT = str(Path(sys.executable).parent / "panechat")
+
+
+def test_bench_spec_reports_identical_replies_and_the_drafts():
+    p = subprocess.run([PANECHAT, "bench", "spec", "--json", "--clients", "1",
+                        "--workloads", "quote", "--rounds", "1", "-n", "12"],
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    (row,) = json.loads(p.stdout)["rows"]
+    assert row["workload"] == "quote" and row["B"] == 1 and row["identical"] is True
+    assert row["tok_s_off"] > 0 and row["tok_s_on"] > 0 and 0 <= row["accepted"] <= row["drafted"]
