@@ -252,6 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
                                     _parent(_clients_option, defaults={"clients": "1,4"}), json_out])
     spec.add_argument("--workloads", default="rewrite,quote,chat", help="comma list of rewrite, quote, chat")
     spec.add_argument("--rounds", type=int, default=2, help="off and on runs of each cell, in turn (median)")
+    kern = bsub.add_parser("kernels", help="each weight type's product at Llama-3.2-1B's matrix sizes: GB/s and "
+                           "GFLOP/s next to the read bandwidth measured in the same run", parents=[json_out])
+    kern.add_argument("--types", default="Q4_K,Q6_K,Q5_K,Q8_0,Q4_0", help="weight types, comma-separated")
+    kern.add_argument("--ms", default="1,4,16,64,512", help="row counts M, comma-separated")
+    kern.add_argument("--shapes", default="all",
+                      help="matrices, ';'-separated among 'q,o', 'k,v', 'gate,up', 'down', 'head' (default all)")
+    kern.add_argument("--pool-mb", type=int, default=640,
+                      help="MB of weight copies a cell cycles through, more than the L3 (default 640)")
+    kern.add_argument("--min-time", type=float, default=0.3, help="seconds each cell runs at least")
+    kern.add_argument("--read-mb", type=int, default=1024, help="MiB the read-bandwidth measure streams (default 1024)")
+    kern.add_argument("--cpu-time", action="store_true",
+                      help="time this thread's CPU time, not the wall clock (a shared machine; NUMBA_NUM_THREADS=1)")
     return parser
 
 

@@ -14,6 +14,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from .grammar import run_grammar
 
         return run_grammar(args)
+    if args.bench_command == "kernels":
+        from .kernels import run_kernels
+
+        return run_kernels(args)
     if args.bench_command == "prefix":
         from .prefix import run_prefix
 

@@ -2,7 +2,8 @@
 x @ W.T, for the crew threads of the one-call decode step (`decoder`).
 
 The columns are computed by `block_linear`'s own paths (register tiles up to
-REG_MAX_ROWS rows, dequantized float32 panels above), so every output element has the
+REG_MAX_ROWS rows, dequantized float32 panels above; a type with a `cpu_q8k` product by
+`q8k_dot`, the row quantized by each thread), so every output element has the
 bits `quant_kernels.linear_block32` / `linear_kquant` give it: which thread computes a
 column, and with which neighbours, never changes its arithmetic. Each block type is its
 own C-callable function (`range_function`, made from the type's registry entry by
@@ -25,7 +26,8 @@ from numba import cfunc, njit, types
 from panechat.backends.cpu.addresses import f32_at, u8_at
 from panechat.backends.cpu.block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from panechat.backends.cpu.numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
-from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of
+from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, q8k_columns_of
+from panechat.backends.cpu.q8k_dot import quantized_rows
 from panechat.backends.quant import registry
 
 
@@ -70,6 +72,24 @@ def _range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_
     _range(x, w, d, dmin, out, c0, c1, load2)
 
 
+@njit(inline="always", **_JIT)
+def _q8k_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_out, c0, c1, columns):
+    """`_range_at` for a type with an int8-activation column product: the rows quantized
+    (each thread its own copy: a few microseconds at decode sizes), then `columns`."""
+    if c1 <= c0:
+        return
+    x, out = numba.carray(f32_at(x_at), (M, K)), numba.carray(f32_at(out_at), (M, n_out))
+    w = numba.carray(u8_at(w_at), (N, rb))
+    d, dmin = numba.carray(f32_at(d_at), (d_rows, d_cols)), numba.carray(f32_at(dmin_at), (d_rows, d_cols))
+    xq, xd, xs = quantized_rows(x)
+    columns(w, d, dmin, xq, xd, xs, out, c0, c1)
+
+
+def _q8k_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    """Template of the range function of a type with `cpu_q8k` (`_load2`: its column product)."""
+    _q8k_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
+
+
 def _range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
     """Template of each type's range function (`generated.bind_loader` binds `_load2`)."""
     _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
@@ -94,7 +114,8 @@ def range_function(t: registry.QuantType):
     int64: x address, M, K; the blocks' address, N, bytes a row; d and dmin addresses, their
     rows and columns; out's address and columns; c0, c1."""
     if t not in _COMPILED:
-        f = bind_loader(_range_template, kernel_name("_range", t), loader_of(t))
+        q8k = q8k_columns_of(t)
+        f = bind_loader(_q8k_range_template if q8k else _range_template, kernel_name("_range", t), q8k or loader_of(t))
         _COMPILED[t] = cfunc(RANGE_SIGNATURE, **dict(_JIT, cache=cacheable(t)))(f)
     return _COMPILED[t]
 

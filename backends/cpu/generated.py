@@ -26,6 +26,14 @@ def loader_of(t: QuantType):
     return getattr(importlib.import_module(module), name)
 
 
+def q8k_columns_of(t: QuantType):
+    """The int8-activation column product that `t.cpu_q8k` names, or None (the float32 path)."""
+    if not t.cpu_q8k:
+        return None
+    module, _, name = t.cpu_q8k.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def cacheable(t: QuantType) -> bool:
     """Whether `t`'s generated code may go to numba's on-disk cache: only when its loader is
     panechat's own (a loader elsewhere, a test's, is not in the sources that key the cache)."""

@@ -8,6 +8,10 @@ into exactly the float32 values `gguf.quants.dequantize` gives, then runs the ti
 and fixed-order reduction of `numpy_kernels.linear` (its module docstring is the
 numerical contract). So a product here equals, bit for bit, ``linear(x, dequantize(w))``,
 and a row's bits never depend on the batch.
+Except for a type whose registry entry names a `cpu_q8k` product (Q4_K, Q5_K, Q6_K): its
+kernels round each activation row to 8 bits as llama.cpp does and multiply integers
+(`q8k_dot`, whose docstring is that contract; its numpy reference gives their bits). The
+pair loaders below still describe those types' weights (the tests, the float32 path).
 
 Block layouts (256 weights a super-block, sub-block scales packed in the block):
 
@@ -65,7 +69,8 @@ from numba.extending import intrinsic
 from panechat.backends.cpu.block_linear import block_linear_driver
 from panechat.backends.cpu.block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
                         vsplat_f16_pair)
-from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of
+from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, q8k_columns_of
+from panechat.backends.cpu.q8k_dot import q8k_linear_driver
 from panechat.backends.quant import registry
 from panechat.backends.cpu.numpy_kernels import (
     _JIT,
@@ -674,6 +679,12 @@ def _linear_at_load(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _load2)
 
 
+def _linear_q8k(x, ws, wds, wdms, outs, count):
+    """Template: a product over 1-3 weights of a type with an int8-activation column product
+    (registry `cpu_q8k`, bound as `_load2`): `q8k_dot`'s arithmetic at every row count."""
+    q8k_linear_driver(x, ws, wds, wdms, outs, count, _load2)
+
+
 # Each type gets a parallel kernel and a serial twin, the same driver compiled without
 # `parallel`: prange runs as a plain loop, so each element is computed exactly as in the
 # parallel one (the split over columns never changes an element's arithmetic). When the
@@ -693,8 +704,9 @@ def kernels(qtype: str) -> tuple:
     if built is None or built[0] is not t:
         if t is None or not t.cpu_loader:
             raise ValueError(f"no CPU block kernel reads {qtype}")
-        template = _linear_at_load if t.scales_at_load else _linear_in_block
-        load2, jit = loader_of(t), dict(_JIT, cache=cacheable(t))
+        q8k = q8k_columns_of(t)
+        template = _linear_q8k if q8k else (_linear_at_load if t.scales_at_load else _linear_in_block)
+        load2, jit = q8k or loader_of(t), dict(_JIT, cache=cacheable(t))
         built = _BUILT[qtype] = (t, njit(parallel=True, **jit)(bind_loader(template, kernel_name("_linear", t), load2)),
                                  njit(**jit)(bind_loader(template, kernel_name("_serial", t), load2)))
     return built[1], built[2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _CPU = "panechat.backends.cpu.quant_kernels:"  # where the built-in pair loaders live
+_Q8K = "panechat.backends.cpu.q8k_dot:"  # where the int8-activation column products live
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,10 @@ class QuantType:
     float32 arrays [N, K / block_weights] at load (d, then dmin or d again), instead of
     reading them from the block in the kernel. `cpu_loader`: "module:function" of the CPU
     pair loader (`block_linear`'s load2), "" when the CPU keeps no blocks of it. `cuda_form`:
-    the CuPy kernel family that reads it as stored ("" when none does)."""
+    the CuPy kernel family that reads it as stored ("" when none does). `cpu_q8k`:
+    "module:function" of the CPU column-range product over activations rounded to 8 bits
+    (llama.cpp's Q8_K, `q8k_dot`), which then computes every product of the type instead of
+    the float32 pair-loader kernels; "" for none."""
 
     name: str
     type_id: int
@@ -35,6 +39,7 @@ class QuantType:
     scales_at_load: bool = False
     cpu_loader: str = ""
     cuda_form: str = ""
+    cpu_q8k: str = ""
 
     def fits(self, k: int) -> bool:
         """Whether a row of k values is whole blocks."""
@@ -45,8 +50,9 @@ class QuantType:
         return k // self.block_weights * self.block_bytes
 
 
-def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False) -> QuantType:
-    return QuantType(name, type_id, weights, nbytes, f16_at, at_load, f"{_CPU}_pair_{name.lower()}", cuda_form)
+def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, q8k="") -> QuantType:
+    return QuantType(name, type_id, weights, nbytes, f16_at, at_load, f"{_CPU}_pair_{name.lower()}", cuda_form,
+                     q8k and f"{_Q8K}{q8k}")
 
 
 # In the order messages list them (`read_types_text`); ids from ggml.h enum ggml_type,
@@ -62,9 +68,9 @@ _BUILT_IN = (
     _block("Q8_0", 8, 32, 34, (0,), "q80"),
     _block("Q2_K", 10, 256, 84, (80, 82), at_load=True),
     _block("Q3_K", 11, 256, 110, (108,), at_load=True),
-    _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True),
-    _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True),
-    _block("Q6_K", 14, 256, 210, (208,), "q6k", at_load=True),
+    _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, q8k="q4k_columns"),
+    _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True, q8k="q5k_columns"),
+    _block("Q6_K", 14, 256, 210, (208,), "q6k", at_load=True, q8k="q6k_columns"),
     _block("IQ4_NL", 20, 32, 18, (0,)),
     _block("IQ4_XS", 23, 256, 136, (0,), at_load=True),
 )

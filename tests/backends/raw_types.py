@@ -9,7 +9,9 @@ import numba
 import numpy as np
 
 from panechat.backends.cpu import numpy_kernels as nk
+from panechat.backends.cpu import q8k_dot
 from panechat.backends.cpu import quant_kernels as qk
+from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend
 from panechat.engine.gguf.file import GGUFFile
@@ -69,10 +71,20 @@ def assert_products_at_every_row_count(be, kept, pool, want, rng, label):
         numba.set_num_threads(before)
 
 
+def product_reference(x, w, dense):
+    """What the backend's product x @ W.T must be, bit for bit: for a type whose products
+    round the activations to 8 bits (registry `cpu_q8k`) `q8k_dot.reference` on its blocks,
+    for the others the float32 kernel on gguf's weights `dense`."""
+    if registry.get(w.qtype).cpu_q8k:
+        return q8k_dot.reference(w.qtype, x, w.blocks, w.d, w.dmin)
+    return nk.linear(x, dense, np.empty((x.shape[0], dense.shape[0]), np.float32))
+
+
 def assert_kernels_are_linear_at_every_row_count(qtype, seed):
     """Rows 1..33 picked from a pool in shuffled order, through `linear` and the fused
     `linear_many`, on one numba thread (the serial kernels) and two: every product is the
-    float32 kernel's on gguf's weights, and each row's bits are the row's alone."""
+    float32 kernel's on gguf's weights (a `cpu_q8k` type's: its int8-activation reference),
+    and each row's bits are the row's alone."""
     rng = np.random.default_rng(seed)
     be = NumpyBackend()
     K = 512
@@ -82,9 +94,9 @@ def assert_kernels_are_linear_at_every_row_count(qtype, seed):
                for w, b in zip(kept, blocks))  # kept as stored, no copy
     dense = [gguf_weights(b, qtype, b.shape[0], K) for b in blocks]
     pool = rng.standard_normal((33, K), dtype=np.float32)
-    want = [nk.linear(pool, d, np.empty((33, d.shape[0]), np.float32)) for d in dense]
-    alone = [np.concatenate([nk.linear(pool[i:i + 1], d, np.empty((1, d.shape[0]), np.float32))
-                             for i in range(33)]) for d in dense]
+    want = [product_reference(pool, w, d) for w, d in zip(kept, dense)]
+    alone = [np.concatenate([product_reference(pool[i:i + 1], w, d) for i in range(33)])
+             for w, d in zip(kept, dense)]
     assert all(np.array_equal(a, w) for a, w in zip(alone, want))  # the reference is row-invariant itself
     assert_products_at_every_row_count(be, kept, pool, want, rng, qtype)
     parallel, serial = qk.kernels(qtype)

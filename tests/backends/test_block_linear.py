@@ -12,6 +12,7 @@ from panechat.engine.gguf.file import GGUFFile
 from panechat.engine.model.forward import Batch, Model
 
 from ..tiny_gguf import write_tiny_gguf
+from .raw_types import product_reference
 from .test_numpy_kernels import raw_blocks
 
 
@@ -38,15 +39,16 @@ def _weights(rng, qtype, shapes):
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 33])
 def test_linear_many_equals_each_linear_and_float32(rng, qtype, M):
     """q, k, v shapes (N not a multiple of the 6-column tile) in one call: every product is
-    the single call's and the float32 kernel's on gguf's floats, at the register path
-    (M <= 4) and the panel path."""
+    the single call's and the float32 kernel's on gguf's floats (Q4_K, Q6_K: their int8-activation
+    reference, `raw_types.product_reference`), at the register path (M <= 4) and the panel
+    path."""
     be, kept, dense = _weights(rng, qtype, [(70, 512), (20, 512), (33, 512)])
     x = rng.standard_normal((M, 512), dtype=np.float32)
     fused = be.linear_many(x, tuple(kept))
     assert len(fused) == 3
     for got, w, d in zip(fused, kept, dense):
         assert np.array_equal(got, be.linear(x, w))
-        assert np.array_equal(got, nk.linear(x, d, np.empty((M, d.shape[0]), np.float32)))
+        assert np.array_equal(got, product_reference(x, w, d))
 
 
 def test_linear_many_rows_invariant(rng):

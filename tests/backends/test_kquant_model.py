@@ -1,13 +1,16 @@
 """K-quant weights on a real llama-architecture model: the default model re-quantized into
 Q4_K / Q6_K blocks (tests/backends/kquant_model.py) decodes, through the block kernels, exactly as
-the float32 kernel does on the same weights dequantized by gguf, and stays batch-invariant."""
+the float32 kernel does on the same weights dequantized by gguf (Q4_K, Q6_K: as their int8-activation
+numpy references), and stays batch-invariant."""
 
 import mmap
 
 import numpy as np
 import pytest
 
+from panechat.backends.cpu import q8k_dot
 from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend
+from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFile
 from panechat.engine.model.forward import Model
 
@@ -18,11 +21,33 @@ PROMPTS = [[1, 9690, 198, 2683, 359, 253], [504, 2365, 6354]]
 STEPS = 16
 
 
+class _Q8KReference:
+    """A weight of a type whose products round activations to 8 bits (registry `cpu_q8k`),
+    for the reference backend: its blocks and scales, multiplied by `q8k_dot.reference`."""
+
+    def __init__(self, w):
+        self.w = w
+
+
 class DequantizedBackend(NumpyBackend):
-    """The reference: every weight dequantized to float32 by gguf, through the f32 kernel."""
+    """The reference: every weight dequantized to float32 by gguf, through the f32 kernel;
+    a `cpu_q8k` type's (Q4_K, Q6_K) through its numpy reference instead (one call per product)."""
 
     def linear_weight(self, t):
+        if registry.get(t.qtype).cpu_q8k:
+            return _Q8KReference(super().linear_weight(t))
         return t.dequantize()
+
+    def linear(self, x, w):
+        if isinstance(w, _Q8KReference):
+            return q8k_dot.reference(w.w.qtype, x, w.w.blocks, w.w.d, w.w.dmin)
+        return super().linear(x, w)
+
+    def linear_many(self, x, ws):
+        return tuple(self.linear(x, w) for w in ws)
+
+    def prepare_decoder(self, spec, layers, output_norm, output, rope):
+        return None  # op by op: every product through `linear`
 
 
 @pytest.fixture(scope="module")

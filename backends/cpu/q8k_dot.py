@@ -1,0 +1,523 @@
+"""K-quant products with activations rounded to 8 bits, as llama.cpp computes them.
+
+A float32 product over dequantized Q4_K weights costs more in arithmetic than its bytes
+cost in memory (a weight decoded, scaled and multiplied per lane). llama.cpp instead
+rounds each activation row to int8 in blocks of 256 (its Q8_K: one float scale a block,
+`quantize_row_q8_K_ref`), and multiplies integer codes by integer activations: exact
+integer sums, one float multiply-add per super-block. So does this module, with VNNI
+(`vpdpbusd`: 64 u8 x s8 products a instruction, `vpdpwssd` for the sub-block scales)
+where the CPU has it and plain LLVM integer vectors elsewhere. Integer sums are exact,
+so both give the same integers and the same floats.
+
+Per output element (row m, column n), super-block s in increasing order:
+
+  isum[l] = sum over the weights k of lane l of sc[j(k)] * q[k] * xq[k]     (exact int32)
+  msum[l] = m[l // 2] * (xq sum of the l-th 16 activations)                    (exact int32)
+  acc[l]  = (acc[l] + (dx * d) * f32(isum[l])) - (dx * dmin) * f32(msum[l])   (float32)
+
+with dx the row's block scale, d and dmin the super-block's; lane l < 8 holds the
+weights 4l..4l+3 of sub-blocks 0, 1, 4, 5 (bytes 4l.. of qs' two 64-byte halves, low
+and high nibbles), lane l >= 8 those of sub-blocks 2, 3, 6, 7. The result is
+`numpy_kernels.vsum(acc)`, the fixed halving tree. Nothing in it depends on other rows
+or on how many there are: a row's bits are the same alone or in any batch.
+`reference_q4_k` is the same arithmetic in numpy (the tests' exact reference).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from panechat.backends.cpu.numpy_kernels import _JIT, LANES, _element_ptr, _is_c_array, f32vec, prefetch, vsum, vzero
+
+QK = 256  # weights (and activations) a super-block
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_B64 = ir.VectorType(_I8, 64)
+_B32 = ir.VectorType(_I8, 32)
+_B16 = ir.VectorType(_I8, 16)
+_V16 = ir.VectorType(_I32, 16)
+_H16 = ir.VectorType(_I16, 16)
+_F16V = ir.VectorType(ir.FloatType(), 16)
+
+
+def _target_has_vnni() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 VNNI (honours NUMBA_CPU_NAME / FEATURES)."""
+    feats = config.CPU_FEATURES
+    if feats is None:
+        if config.CPU_NAME not in (None, "host"):
+            return False  # a named target: assume its baseline, the generic integer form
+        feats = llvm.get_host_cpu_features().flatten()
+    return "+avx512vnni" in feats.split(",") and "+avx512bw" in feats.split(",")
+
+
+HAS_VNNI = _target_has_vnni()
+
+
+def _splat(builder, ty, value):
+    return ir.Constant(ty, [value] * ty.count)
+
+
+def _load(builder, ptr, offset, ty):
+    p = builder.gep(ptr, [ir.Constant(ir.IntType(64), offset)]) if offset else ptr
+    return builder.load(builder.bitcast(p, ty.as_pointer()), align=1, typ=ty)
+
+
+def _dpbusd(builder, acc, u8, s8):
+    """acc[l] + sum_{i<4} u8[4l+i] * s8[4l+i] (unsigned times signed bytes; exact here)."""
+    if HAS_VNNI:
+        fnty = ir.FunctionType(_V16, [_V16, _V16, _V16])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, builder.bitcast(u8, _V16), builder.bitcast(s8, _V16)])
+    prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
+    for i in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
+    return acc
+
+
+def _dpwssd(builder, acc, a, b):
+    """acc + a * int16(b) lane by lane, for a in int16 range and b's high half 0 (vpdpwssd
+    on the low halves, signed; b's zero high half makes a's sign half add nothing)."""
+    if HAS_VNNI:
+        fnty = ir.FunctionType(_V16, [_V16, _V16, _V16])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpwssd.512")
+        return builder.call(fn, [acc, a, b])
+    return builder.add(acc, builder.mul(a, builder.sext(builder.trunc(b, ir.VectorType(_I16, 16)), _V16)))
+
+
+def _scales_mins(builder, wp):
+    """The 6-bit scales and mins of the Q4_K block at wp as int32 lanes (sc0..7, m0..7):
+    llama.cpp's utmp unpacking of the 12 bytes at wp + 4, in one 4-lane vector."""
+    v4 = ir.VectorType(_I32, 4)
+    v = _load(builder, wp, 4, v4)  # u0, u1, u2 (and 4 code bytes, unused)
+    p = builder.shuffle_vector(v, v, ir.Constant(v4, [0, 2, 1, 2]))
+    q = builder.shuffle_vector(v, v, ir.Constant(v4, [0, 0, 1, 1]))
+    low = builder.and_(p, _splat(builder, v4, 0x3F3F3F3F))  # lanes 0, 2: u0 & k1, u1 & k1
+    high = builder.or_(builder.and_(builder.lshr(p, ir.Constant(v4, [0, 0, 0, 4])), _splat(builder, v4, 0x0F0F0F0F)),
+                       builder.shl(builder.and_(builder.lshr(q, _splat(builder, v4, 6)),
+                                                _splat(builder, v4, 0x03030303)), _splat(builder, v4, 4)))
+    words = builder.select(ir.Constant(ir.VectorType(ir.IntType(1), 4), [1, 0, 1, 0]), low, high)
+    return builder.zext(builder.bitcast(words, _B16), _V16)
+
+
+_S_PICKS = [[0] * 8 + [2] * 8, [1] * 8 + [3] * 8, [4] * 8 + [6] * 8, [5] * 8 + [7] * 8]
+_M_PICKS = [8 + l // 2 for l in range(16)]  # lane l: the min of sub-block l // 2
+
+
+def _splat_f32(builder, s):
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(_F16V, None), s, ir.Constant(_I32, 0)),
+                                  ir.Constant(_F16V, None), ir.Constant(_V16, [0] * 16))
+
+
+_Q5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))  # qh bits of each code vector's two 32-byte halves
+
+
+def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
+    """acc after one Q4_K super-block (module docstring): wp its 144 bytes, xp the row's
+    256 int8 activations, bp their 16 int16 sums of 16. q5: a Q5_K block (176 bytes: qh[32]
+    at 16, qs at 48; weight 32j + l has bit j of qh[l] as its fifth bit)."""
+    lo4 = _splat(builder, _B64, 0x0F)
+    cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+    codes = []
+    for half in (0, 64):
+        q = _load(builder, wp, (48 if q5 else 16) + half, _B64)
+        codes += [builder.and_(q, lo4), builder.and_(builder.lshr(q, _splat(builder, _B64, 4)), lo4)]
+    if q5:
+        qh = _load(builder, wp, 16, _B32)
+        for i, (b0, b1) in enumerate(_Q5_BITS):
+            two = builder.shuffle_vector(builder.lshr(qh, _splat(builder, _B32, b0)) if b0 else qh,
+                                         builder.lshr(qh, _splat(builder, _B32, b1)), cat)
+            fifth = builder.shl(builder.and_(two, _splat(builder, _B64, 1)), _splat(builder, _B64, 4))
+            codes[i] = builder.or_(codes[i], fifth)
+    xs = []
+    for a, b in ((0, 64), (32, 96), (128, 192), (160, 224)):  # the weights of each code vector
+        xs.append(builder.shuffle_vector(_load(builder, xp, a, _B32), _load(builder, xp, b, _B32), cat))
+    sm = _scales_mins(builder, wp)
+    zero = ir.Constant(_V16, None)
+    part = [zero, zero]  # two chains of integer adds (exact: their order cannot matter), half the latency
+    for i, (c, x, picks) in enumerate(zip(codes, xs, _S_PICKS)):
+        part[i & 1] = _dpwssd(builder, part[i & 1], _dpbusd(builder, zero, c, x),
+                              builder.shuffle_vector(sm, sm, ir.Constant(_V16, picks)))
+    isum = builder.add(part[0], part[1])
+    # msum[l] = m[l // 2] * (sum of activation group l): the mins' part, exact
+    bs = builder.sext(_load(builder, bp, 0, _H16), _V16)
+    msum = builder.mul(bs, builder.shuffle_vector(sm, sm, ir.Constant(_V16, _M_PICKS)))
+    acc = builder.fadd(acc, builder.fmul(_splat_f32(builder, dd), builder.sitofp(isum, _F16V)))
+    return builder.fsub(acc, builder.fmul(_splat_f32(builder, dm), builder.sitofp(msum, _F16V)))
+
+
+@intrinsic
+def q4k_block(typingctx, acc, w, wo, xq, xo, bs, bo, dd, dm):
+    """acc after the Q4_K super-block at byte wo of the uint8 C-array w, against the int8
+    activations xq.flat[xo : xo + 256] (C-array) with their int16 sums of 16 at
+    bs.flat[bo : bo + 16]; dd = dx * d and dm = dx * dmin (float32)."""
+    if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+            and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
+            and dd == types.float32 and dm == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, wv, wov, xv, xov, bv, bov, ddv, dmv = args
+        wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
+        xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
+        bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
+        return _q4k_block(builder, a, wp, xp, bp, ddv, dmv)
+
+    return f32vec(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
+
+def _q6k_block(builder, acc, wp, xp, bp, dd):
+    """acc after one Q6_K super-block (module docstring): wp its 210 bytes, xp the row's
+    256 int8 activations, bp their 16 int16 sums of 16. Codes are taken unsigned (0..63)
+    and the offset 32 subtracted as 32 * sc[g] * (sum of group g's activations)."""
+    lo4, three = _splat(builder, _B64, 0x0F), _splat(builder, _B64, 3)
+    cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+    sc = _load(builder, wp, 192, _B16)
+    zero = ir.Constant(_V16, None)
+    part = [zero, zero]  # one chain of integer adds per half (exact in any order)
+    for h in (0, 1):
+        ql = _load(builder, wp, 64 * h, _B64)
+        qh = _load(builder, wp, 128 + 32 * h, _B32)
+        hv = [builder.lshr(qh, _splat(builder, _B32, s)) if s else qh for s in (0, 2, 4, 6)]
+        highs = (builder.shuffle_vector(hv[0], hv[1], cat), builder.shuffle_vector(hv[2], hv[3], cat))
+        lows = (builder.and_(ql, lo4), builder.and_(builder.lshr(ql, _splat(builder, _B64, 4)), lo4))
+        for c in (0, 1):  # weights 128h + 64c + b for byte b
+            code = builder.or_(lows[c], builder.shl(builder.and_(highs[c], three), _splat(builder, _B64, 4)))
+            x = _load(builder, xp, 128 * h + 64 * c, _B64)
+            picks = [8 * h + 4 * c + l // 4 for l in range(16)]
+            s16 = builder.zext(builder.sext(builder.shuffle_vector(sc, sc, ir.Constant(_V16, picks)),
+                                            ir.VectorType(_I16, 16)), _V16)
+            part[h] = _dpwssd(builder, part[h], _dpbusd(builder, zero, code, x), s16)
+    isum = builder.add(part[0], part[1])
+    bs = builder.sext(_load(builder, bp, 0, _H16), _V16)
+    corr = builder.mul(bs, builder.sext(sc, _V16))  # lane g: sc[g] * (sum of group g)
+    tot = builder.sub(isum, builder.shl(corr, _splat(builder, _V16, 5)))
+    return builder.fadd(acc, builder.fmul(_splat_f32(builder, dd), builder.sitofp(tot, _F16V)))
+
+
+@intrinsic
+def q5k_block(typingctx, acc, w, wo, xq, xo, bs, bo, dd, dm):
+    """acc after the Q5_K super-block at byte wo of w (as `q4k_block`)."""
+    if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+            and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
+            and dd == types.float32 and dm == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, wv, wov, xv, xov, bv, bov, ddv, dmv = args
+        wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
+        xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
+        bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
+        return _q4k_block(builder, a, wp, xp, bp, ddv, dmv, q5=True)
+
+    return f32vec(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
+
+
+@intrinsic
+def q6k_block(typingctx, acc, w, wo, xq, xo, bs, bo, dd):
+    """acc after the Q6_K super-block at byte wo of w (as `q4k_block`; dd = dx * d)."""
+    if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+            and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
+            and dd == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, wv, wov, xv, xov, bv, bov, ddv = args
+        wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
+        xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
+        bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
+        return _q6k_block(builder, a, wp, xp, bp, ddv)
+
+    return f32vec(acc, w, wo, xq, xo, bs, bo, dd), codegen
+
+
+@njit(inline="always", **_JIT)
+def quantize_row_q8k(x, m, xq, xd, xs):
+    """Row m of x (float32 [M, K], K a multiple of 256) as llama.cpp's Q8_K: per block of 256,
+    iscale = -127 / (the value of largest magnitude, the first one), q = min(127,
+    round-half-even(iscale * x)), d = 1 / iscale (0 and q = 0 for an all-zero block); xq
+    int8 [M, K], xd float32 [M, K / 256], xs int16 [M, K / 16] (sums of 16 q)."""
+    K = x.shape[1]
+    for b in range(K // QK):
+        o = b * QK
+        amax, mx = np.float32(0.0), np.float32(0.0)
+        for j in range(o, o + QK):
+            ax = abs(x[m, j])
+            if ax > amax:
+                amax, mx = ax, x[m, j]
+        if amax == 0:
+            xd[m, b] = np.float32(0.0)
+            for j in range(o, o + QK):
+                xq[m, j] = 0
+        else:
+            iscale = np.float32(-127.0) / mx
+            for j in range(o, o + QK):
+                xq[m, j] = min(127, np.int32(np.rint(iscale * x[m, j])))
+            xd[m, b] = np.float32(1.0) / iscale
+        for g in range(o // 16, (o + QK) // 16):
+            s = np.int32(0)
+            for j in range(16 * g, 16 * g + 16):
+                s += np.int32(xq[m, j])
+            xs[m, g] = s
+
+
+def reference_q8k(x: np.ndarray):
+    """numpy's `quantize_row_q8k` of every row: (xq int8 [M, K], xd float32 [M, K/256],
+    xs int16 [M, K/16])."""
+    M, K = x.shape
+    xb = x.reshape(M, K // QK, QK)
+    first = np.abs(xb).argmax(-1)  # argmax takes the first of equal magnitudes, as the loop
+    mx = np.take_along_axis(xb, first[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)
+        q = np.minimum(127, np.rint(iscale[..., None] * xb)).astype(np.int8)
+        d = np.where(mx == 0, np.float32(0), np.float32(1.0) / iscale).astype(np.float32)
+    q = q.reshape(M, K)
+    return q, d, q.reshape(M, K // 16, 16).astype(np.int32).sum(-1).astype(np.int16)
+
+
+def _q4k_lanes() -> np.ndarray:
+    """int [256]: the lane of each weight of a Q4_K super-block in `_q4k_block`."""
+    lane = np.empty(QK, np.int64)
+    for half, base in ((0, 0), (64, 128)):
+        for nib in (0, 1):
+            for b in range(64):  # byte b of the half: low nibble weight base + b (b < 32) ...
+                k = base + (b if b < 32 else 64 + b - 32) + 32 * nib
+                lane[k] = b // 4
+    return lane
+
+
+def reference_q4_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray, q5=False) -> np.ndarray:
+    """The module's arithmetic in numpy: x float32 [M, K] times Q4_K `blocks` [N, K/256*144]
+    (d, dmin float32 [N, K/256]) -> float32 [M, N], bit for bit what the kernels give.
+    q5: Q5_K blocks (176 bytes)."""
+    M, K = x.shape
+    N, nsb = d.shape
+    xq, xd, xs = reference_q8k(x)
+    b = blocks.reshape(N, nsb, 176 if q5 else 144)
+    qs = b[..., 48 if q5 else 16:]
+    codes = np.empty((N, nsb, QK), np.int64)
+    for g in range(4):
+        codes[..., 64 * g:64 * g + 32] = qs[..., 32 * g:32 * g + 32] & 15
+        codes[..., 64 * g + 32:64 * g + 64] = qs[..., 32 * g:32 * g + 32] >> 4
+    if q5:
+        qh = b[..., 16:48].astype(np.int64)
+        for j in range(8):
+            codes[..., 32 * j:32 * j + 32] |= ((qh >> j) & 1) << 4
+    s = b[..., 4:16].astype(np.int64)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    by_lane = np.argsort(_q4k_lanes(), kind="stable")  # the 16 weights of lane 0, then lane 1, ...
+    weighted = (codes * np.repeat(sc, 32, -1))[..., by_lane]  # [N, nsb, 256]
+    xqs = xq.reshape(M, nsb, QK).astype(np.int64)[..., by_lane]
+    groups = xs.reshape(M, nsb, 16).astype(np.int64)
+    out = np.empty((M, N), np.float32)
+    for m in range(M):
+        isum = (weighted * xqs[m][None]).reshape(N, nsb, LANES, QK // LANES).sum(-1)  # exact
+        msum = np.repeat(mn, 2, -1) * groups[m][None]
+        acc = np.zeros((N, LANES), np.float32)
+        for sb in range(nsb):
+            dd = (xd[m, sb] * d[:, sb]).astype(np.float32)[:, None]
+            dm = (xd[m, sb] * dmin[:, sb]).astype(np.float32)[:, None]
+            acc = (acc + dd * isum[:, sb].astype(np.float32)) - dm * msum[:, sb].astype(np.float32)
+        h = LANES // 2
+        while h >= 1:
+            acc = acc[:, :h] + acc[:, h:2 * h]
+            h //= 2
+        out[m] = acc[:, 0]
+    return out
+
+
+@njit(inline="always", **_JIT)
+def _q4k_sb(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """acc after super-block s of Q4_K weight row n against activation row m."""
+    K, dx = xq.shape[1], xd[m, s]
+    return q4k_block(acc, w, n * w.shape[1] + s * 144, xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                     dx * wd[n, s], dx * wdm[n, s])
+
+
+@njit(inline="always", **_JIT)
+def _q5k_sb(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """acc after super-block s of Q5_K weight row n against activation row m."""
+    K, dx = xq.shape[1], xd[m, s]
+    return q5k_block(acc, w, n * w.shape[1] + s * 176, xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                     dx * wd[n, s], dx * wdm[n, s])
+
+
+@njit(inline="always", **_JIT)
+def _q6k_sb(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """acc after super-block s of Q6_K weight row n against activation row m."""
+    K = xq.shape[1]
+    return q6k_block(acc, w, n * w.shape[1] + s * 210, xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                     xd[m, s] * wd[n, s])
+
+
+@njit(inline="always", **_JIT)
+def _prefetch_next(w, n, rb, s, step):
+    """Prefetch super-block s of the next tile's four weight rows (a line of each 64 bytes;
+    never faults): the first row pass streams the weights from memory."""
+    for r in range(4, 8):
+        for b in range(0, step, 64):
+            prefetch(w, (n + r) * rb + s * step + b)
+
+
+@njit(inline="always", **_JIT)
+def _cols4(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+    """out[m, n:n+4]: one activation row against four weight rows (x loads shared)."""
+    a0 = a1 = a2 = a3 = vzero()
+    rb, step = w.shape[1], w.shape[1] // wd.shape[1]
+    for s in range(wd.shape[1]):
+        if m == 0:
+            _prefetch_next(w, n, rb, s, step)
+        a0 = sb(a0, w, wd, wdm, xq, xd, xs, m, n, s)
+        a1 = sb(a1, w, wd, wdm, xq, xd, xs, m, n + 1, s)
+        a2 = sb(a2, w, wd, wdm, xq, xd, xs, m, n + 2, s)
+        a3 = sb(a3, w, wd, wdm, xq, xd, xs, m, n + 3, s)
+    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
+
+
+@njit(inline="always", **_JIT)
+def _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+    """out[m:m+2, n:n+4]: the codes and scales of four weight rows decoded once for two
+    activation rows (the compiler shares what both rows' calls compute alike)."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
+    rb, step = w.shape[1], w.shape[1] // wd.shape[1]
+    for s in range(wd.shape[1]):
+        if m == 0:
+            _prefetch_next(w, n, rb, s, step)
+        a0, b0 = sb(a0, w, wd, wdm, xq, xd, xs, m, n, s), sb(b0, w, wd, wdm, xq, xd, xs, m + 1, n, s)
+        a1, b1 = sb(a1, w, wd, wdm, xq, xd, xs, m, n + 1, s), sb(b1, w, wd, wdm, xq, xd, xs, m + 1, n + 1, s)
+        a2, b2 = sb(a2, w, wd, wdm, xq, xd, xs, m, n + 2, s), sb(b2, w, wd, wdm, xq, xd, xs, m + 1, n + 2, s)
+        a3, b3 = sb(a3, w, wd, wdm, xq, xd, xs, m, n + 3, s), sb(b3, w, wd, wdm, xq, xd, xs, m + 1, n + 3, s)
+    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
+    out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2], out[m + 1, n + 3] = vsum(b0), vsum(b1), vsum(b2), vsum(b3)
+
+
+@njit(inline="always", **_JIT)
+def _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+    """out[m, n] alone (the columns past the last whole 4)."""
+    a = vzero()
+    for s in range(wd.shape[1]):
+        a = sb(a, w, wd, wdm, xq, xd, xs, m, n, s)
+    out[m, n] = vsum(a)
+
+
+@njit(inline="always", **_JIT)
+def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb):
+    M = out.shape[0]
+    c4 = c0 + (c1 - c0) // 4 * 4
+    M2 = M // 2 * 2 if M > 1 else 0
+    for n in range(c0, c4, 4):
+        if M == 1:
+            _cols4(w, wd, wdm, xq, xd, xs, out, 0, n, sb)
+            continue
+        for m in range(0, M2, 2):
+            _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+        if M2 < M:
+            _cols4(w, wd, wdm, xq, xd, xs, out, M - 1, n, sb)
+    for n in range(c4, c1):
+        for m in range(M):
+            _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+
+
+@njit(inline="always", **_JIT)
+def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256]) and
+    every row's Q8_K activations (`quantize_row_q8k`): four columns at a time, each row in
+    turn (the four rows' bytes stay in L1 while every row passes)."""
+    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q4k_sb)
+
+
+@njit(inline="always", **_JIT)
+def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
+    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q5k_sb)
+
+
+@njit(inline="always", **_JIT)
+def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
+    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q6k_sb)
+
+
+@njit(inline="always", **_JIT)
+def quantized_rows(x):
+    """Every row of x as Q8_K: (xq, xd, xs) of `quantize_row_q8k`."""
+    M, K = x.shape
+    xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // QK), np.float32), np.empty((M, K // 16), np.int16)
+    for m in range(M):
+        quantize_row_q8k(x, m, xq, xd, xs)
+    return xq, xd, xs
+
+
+Q8K_COLS = 16  # output columns a parallel task computes (a multiple of the 4-column tile)
+
+
+@njit(inline="always", **_JIT)
+def q8k_linear_driver(x, ws, wds, wdms, outs, count, columns):
+    """outs[j] = x @ W_j.T for the first `count` (1..3) weights of the 3-tuples (as
+    `block_linear.block_linear_driver`), by `columns` (a type's column-range product over
+    Q8_K activations): x quantized once, then one parallel region over column tasks."""
+    xq, xd, xs = quantized_rows(x)
+    cols = Q8K_COLS
+    t1 = (outs[0].shape[1] + cols - 1) // cols
+    t2 = t1 + ((outs[1].shape[1] + cols - 1) // cols if count > 1 else 0)
+    t3 = t2 + ((outs[2].shape[1] + cols - 1) // cols if count > 2 else 0)
+    for t in prange(t3):
+        j = 0 if t < t1 else (1 if t < t2 else 2)
+        n0 = (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
+        out = outs[j]
+        columns(ws[j], wds[j], wdms[j], xq, xd, xs, out, n0, min(n0 + cols, out.shape[1]))
+
+
+def reference_q6_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """`reference_q4_k` for Q6_K (dmin unused): lane l holds the weights k with k % 64 in
+    4l..4l+3 and the correction -32 * sc[l] * (sum of activation group l)."""
+    M, K = x.shape
+    N, nsb = d.shape
+    xq, xd, xs = reference_q8k(x)
+    b = blocks.reshape(N, nsb, 210).astype(np.int64)
+    ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208]
+    sc = np.where(sc > 127, sc - 256, sc)
+    codes = np.empty((N, nsb, QK), np.int64)
+    for h in (0, 1):
+        lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        o = 128 * h
+        codes[..., o:o + 32] = (lo[..., :32] & 15) | ((hi & 3) << 4)
+        codes[..., o + 32:o + 64] = (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4)
+        codes[..., o + 64:o + 96] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
+        codes[..., o + 96:o + 128] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
+    by_lane = np.argsort((np.arange(QK) % 64) // 4, kind="stable")
+    weighted = (codes * np.repeat(sc, 16, -1))[..., by_lane]
+    xqs = xq.reshape(M, nsb, QK).astype(np.int64)[..., by_lane]
+    groups = xs.reshape(M, nsb, 16).astype(np.int64)
+    out = np.empty((M, N), np.float32)
+    for m in range(M):
+        tot = (weighted * xqs[m][None]).reshape(N, nsb, LANES, QK // LANES).sum(-1) - 32 * sc * groups[m][None]
+        acc = np.zeros((N, LANES), np.float32)
+        for s in range(nsb):
+            dd = (xd[m, s] * d[:, s]).astype(np.float32)[:, None]
+            acc = acc + dd * tot[:, s].astype(np.float32)
+        h = LANES // 2
+        while h >= 1:
+            acc = acc[:, :h] + acc[:, h:2 * h]
+            h //= 2
+        out[m] = acc[:, 0]
+    return out
+
+
+def reference_q5_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """`reference_q4_k` for Q5_K blocks."""
+    return reference_q4_k(x, blocks, d, dmin, q5=True)
+
+
+REFERENCES = {"Q4_K": reference_q4_k, "Q5_K": reference_q5_k, "Q6_K": reference_q6_k}  # type -> its numpy reference (the kernels' bits)
+
+
+def reference(qtype: str, x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """x @ W.T for W the `qtype` blocks (d, dmin: `quant_kernels.superblock_scales`) by the
+    int8-activation arithmetic, in numpy: what the kernels of a type with `cpu_q8k` give."""
+    return REFERENCES[qtype](np.ascontiguousarray(x, np.float32), blocks, d, dmin)
