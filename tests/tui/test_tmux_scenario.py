@@ -16,12 +16,9 @@ the same data folder reopened (the start-up dominates, so one process does all i
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,46 +39,7 @@ DECODING = re.compile(r"decoding · [\d.]+ tok/s · (\d+) tok")
 PLACEHOLDER = "Message  (Enter sends, ctrl+j newline)"
 
 
-class Tmux:
-    """One tmux server on a private socket (named after the test and the pid): no other
-    test's session shares it, so ending it cannot break another's `new-session`."""
-
-    def __init__(self, name: str):
-        self.socket = f"pc-{name}-{os.getpid()}"
-
-    def __call__(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], check=True,
-                              capture_output=True, text=True, timeout=10).stdout
-
-    def new_session(self, session: str, size: tuple[int, int], cmd: str) -> None:
-        for attempt in range(3):  # a server still exiting refuses the first new-session
-            try:
-                self("new-session", "-d", "-s", session, "-x", str(size[0]), "-y", str(size[1]), cmd)
-                return
-            except subprocess.CalledProcessError as e:
-                if "server exited unexpectedly" not in (e.stderr or "") or attempt == 2:
-                    raise
-                time.sleep(0.5)
-
-    def screen(self, session: str) -> str:
-        return self("capture-pane", "-p", "-t", session)
-
-    def poll(self, session: str, predicate, timeout: float, what: str, step: float = 0.05) -> tuple[str, float]:
-        """The screen once predicate(screen) holds, and the seconds it took; fails after timeout."""
-        t0 = time.monotonic()
-        while True:
-            screen = self.screen(session)
-            if predicate(screen):
-                return screen, time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; the screen was:\n{screen}")
-            time.sleep(step)
-
-    def kill_server(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
-
-
-def test_small_terminal_paste_refusal_and_quit_mid_reply(tmp_path, model_path):
+def test_small_terminal_paste_refusal_and_quit_mid_reply(tmp_path, model_path, tmux):
     data = tmp_path / "data"
     st = Store.open(data)
     st.set_setting("default_max_tokens", "600")  # long enough to be mid-reply at ctrl+q
@@ -90,45 +48,41 @@ def test_small_terminal_paste_refusal_and_quit_mid_reply(tmp_path, model_path):
     paste_file.write_text(PASTE)
     env = f"PANECHAT_DATA_DIR={data} PANECHAT_EXPORT_DIR={tmp_path} XDG_CACHE_HOME={tmp_path / 'cache'}"
     run = f"env {env} {PANECHAT} --ctx-size {CTX}"
-    tmux, s = Tmux("scenario"), "scenario"
+    s = "scenario"
     tmux.new_session(s, (80, 24), f"{run}; echo PANECHAT-EXIT $?; {run}; echo PANECHAT-EXIT2 $?; sleep 60")
-    try:
-        screen, _ = tmux.poll(s, lambda x: "Message" in x and "batch" in x, 60, "the TUI to start", step=0.3)
-        # item 6: the pane has the width, the dashboard a line, the footer its keys
-        assert PLACEHOLDER in screen, screen
-        assert re.search(r"batch \d+/\d+ +queue \d+", screen), screen
-        footer = screen.rstrip().splitlines()[-1]
-        assert all(k in footer for k in ("f2 Settings", "f3 Export", "f4 Open", "f5 Model", "Quit")), footer
+    screen = tmux.poll(s, lambda x: "Message" in x and "batch" in x, 60, "the TUI to start", step=0.3)
+    # item 6: the pane has the width, the dashboard a line, the footer its keys
+    assert PLACEHOLDER in screen, screen
+    assert re.search(r"batch \d+/\d+ +queue \d+", screen), screen
+    footer = screen.rstrip().splitlines()[-1]
+    assert all(k in footer for k in ("f2 Settings", "f3 Export", "f4 Open", "f5 Model", "Quit")), footer
 
-        # item 4: a 40 KB bracketed paste shows at once, and the keys after it respond
-        tmux("load-buffer", str(paste_file))
-        tmux("paste-buffer", "-p", "-d", "-t", s)
-        _, shown_s = tmux.poll(s, lambda x: CHIP.search(x) is not None, 30, "the paste to show")
-        assert shown_s < PASTE_SHOWS_S, f"the 40 KB paste took {shown_s:.2f} s to show"
-        tmux("send-keys", "-t", s, "-l", " Zq")
-        _, key_s = tmux.poll(s, lambda x: re.search(CHIP.pattern + r" Zq", x) is not None, 30, "the typed keys")
-        assert key_s < KEY_SHOWS_S, f"keys after the paste took {key_s:.2f} s to show"
+    # item 4: a 40 KB bracketed paste shows at once, and the keys after it respond
+    tmux("load-buffer", str(paste_file))
+    tmux("paste-buffer", "-p", "-d", "-t", s)
+    _, shown_s = tmux.timed_poll(s, lambda x: CHIP.search(x) is not None, 30, "the paste to show")
+    assert shown_s < PASTE_SHOWS_S, f"the 40 KB paste took {shown_s:.2f} s to show"
+    tmux("send-keys", "-t", s, "-l", " Zq")
+    _, key_s = tmux.timed_poll(s, lambda x: re.search(CHIP.pattern + r" Zq", x) is not None, 30, "the typed keys")
+    assert key_s < KEY_SHOWS_S, f"keys after the paste took {key_s:.2f} s to show"
 
-        # item 2: the too-long prompt is refused, the pane still chats
-        tmux("send-keys", "-t", s, "Enter")
-        screen, _ = tmux.poll(s, lambda x: f"context holds {CTX}" in x and "New chat" in x and BACK.search(x), 30,
-                              "the refusal, the prompt back in the box and the pane's name given back")
-        tmux("send-keys", "-t", s, "C-u")  # clear the box
-        tmux.poll(s, lambda x: BACK.search(x) is None, 10, "the box to clear")
-        tmux("send-keys", "-t", s, "-l", "Write a long story about a dragon")
-        tmux("send-keys", "-t", s, "Enter")
+    # item 2: the too-long prompt is refused, the pane still chats
+    tmux("send-keys", "-t", s, "Enter")
+    screen = tmux.poll(s, lambda x: f"context holds {CTX}" in x and "New chat" in x and BACK.search(x), 30,
+                       "the refusal, the prompt back in the box and the pane's name given back")
+    tmux("send-keys", "-t", s, "C-u")  # clear the box
+    tmux.poll(s, lambda x: BACK.search(x) is None, 10, "the box to clear", step=0.05)
+    tmux("send-keys", "-t", s, "-l", "Write a long story about a dragon")
+    tmux("send-keys", "-t", s, "Enter")
 
-        # item 5: quit while decoding, reopen, the partial reply is there, marked
-        tmux.poll(s, lambda x: (m := DECODING.search(x)) is not None and int(m.group(1)) >= 8, 120,
-                  "the reply to stream")
-        tmux("send-keys", "-t", s, "C-q")
-        tmux.poll(s, lambda x: "PANECHAT-EXIT 0" in x, 30, "a clean exit")
-        screen, _ = tmux.poll(s, lambda x: "[cut off]" in x, 60, "the reopened app to show the cut-off reply",
-                              step=0.3)
-        tmux("send-keys", "-t", s, "C-q")
-        tmux.poll(s, lambda x: "PANECHAT-EXIT2 0" in x, 30, "the second clean exit")
-    finally:
-        tmux.kill_server()
+    # item 5: quit while decoding, reopen, the partial reply is there, marked
+    tmux.poll(s, lambda x: (m := DECODING.search(x)) is not None and int(m.group(1)) >= 8, 120,
+              "the reply to stream", step=0.05)
+    tmux("send-keys", "-t", s, "C-q")
+    tmux.poll(s, lambda x: "PANECHAT-EXIT 0" in x, 30, "a clean exit", step=0.05)
+    screen = tmux.poll(s, lambda x: "[cut off]" in x, 60, "the reopened app to show the cut-off reply", step=0.3)
+    tmux("send-keys", "-t", s, "C-q")
+    tmux.poll(s, lambda x: "PANECHAT-EXIT2 0" in x, 30, "the second clean exit")
 
     st = Store.open(data)
     try:

@@ -40,16 +40,21 @@ class TmuxServer:
     def capture(self, session: str) -> str:
         return self("capture-pane", "-p", "-t", session)
 
-    def poll(self, session: str, predicate, timeout: float, what: str) -> str:
+    def poll(self, session: str, predicate, timeout: float, what: str, step: float = 0.5) -> str:
         """The screen once `predicate(screen)` holds; fails naming `what` after `timeout` s."""
+        return self.timed_poll(session, predicate, timeout, what, step)[0]
+
+    def timed_poll(self, session: str, predicate, timeout: float, what: str,
+                   step: float = 0.05) -> tuple[str, float]:
+        """`poll`, and the seconds it took (checked every `step` s)."""
         t0 = time.monotonic()
         while True:
             screen = self.capture(session)
             if predicate(screen):
-                return screen
+                return screen, time.monotonic() - t0
             if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"timed out waiting for {what}; the screen was:\n{screen}")
-            time.sleep(0.5)
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; the screen was:\n{screen}")
+            time.sleep(step)
 
     def send(self, session: str, text: str) -> None:
         """Type `text` literally, then Enter."""
