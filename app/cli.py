@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("text")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP + websocket server",
-                           parents=[model, context, batching, listen, _parent(_server_limit_args, _state_dir_option)])
+                           parents=[model, context, batching, listen, _parent(_server_limit_args, _state_dir_option, defaults={"state_dir": None})])
     serve.add_argument("--tokens", metavar="FILE",
                        help="named access tokens instead of --token: one 'name token' per line (# comments); "
                             "requests and terminals are attributed to the name, the file is re-read when it "
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     web = sub.add_parser("web", help="the TUI in a browser (textual-serve): each browser session is a terminal "
                                      "of this engine's server (or of the one --connect names)",
                          parents=[model, context, batching, listen, connect,
-                                  _parent(_server_limit_args, _state_dir_option)])
+                                  _parent(_server_limit_args, _state_dir_option, defaults={"state_dir": None})])
     web.add_argument("--max-sessions", type=int, default=8, metavar="N",
                      help="browser sessions at once (each runs a TUI process; default 8)")
 

@@ -34,7 +34,7 @@ class RefusingEngine:
     def __init__(self, error: Exception):
         self.error = error
         self.lm = SimpleNamespace(name="fake.gguf", prompt_ids=lambda messages: [1, 2, 3],
-                                  template=SimpleNamespace(kind="gguf", source=""),
+                                  template=SimpleNamespace(kind="gguf", source="", is_fallback=False),
                                   model=SimpleNamespace(backend=SimpleNamespace(describe=lambda: "fake")))
 
     def prompt_ids(self, messages, tools=None):

@@ -143,5 +143,6 @@ def test_engine_samples_on_the_device_and_seeded_replies_do_not_depend_on_the_ba
 
     be.kernels.module.launches.clear()
     together = run([0, 1, 2])
-    assert sum(name == "sample_rows" for name, _ in be.kernels.module.launches) >= 5
+    picked = sum(grid[0] for name, grid in be.kernels.module.launches if name == "sample_rows")  # a row a pick
+    assert picked >= sum(map(len, together))  # every token (drafts' checks too: several rows a launch)
     assert [run([i])[0] for i in range(3)] == together
