@@ -173,7 +173,8 @@ def test_block_kernel_equals_linear_on_gguf_dequantized(rng, qtype, M, N, K):
     assert np.array_equal(run(x), _expected(x, w, kept))
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", [pytest.param(t, marks=pytest.mark.slow) if t in NOT_SHIPPED else t
+                                   for t in BLOCK_TYPES])
 def test_block_kernel_rows_invariant_1_to_33(rng, qtype):
     """Every row count 1..33, rows drawn from a pool in a shuffled order."""
     run, _, _ = _block_weight(rng, qtype, 70, 512)
