@@ -53,7 +53,9 @@ def _keys(*keys: str, pane: int = 0):
         await pilot.pause()
         await pilot.press(*keys)
         await pilot.pause(0.3)
+        await pilot.wait_for_scheduled_animations()  # a notice slides in; a loaded machine draws it late
         await _steady(pilot)
+        await pilot.pause(0.2)
     return run
 
 
