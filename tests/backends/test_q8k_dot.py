@@ -43,7 +43,8 @@ def _products_source():
 CODES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
 
 
-@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("vnni", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: the form
+# for CPUs without VNNI, compiled only for this check (~25 s cold): `make test-slow`
 def test_both_forms_give_the_reference_bits(vnni, monkeypatch):
     if vnni and not q.HAS_VNNI:
         pytest.skip("this CPU has no AVX-512 VNNI")

@@ -118,6 +118,7 @@ def test_the_model_keeps_the_type_in_its_blocks(t8_model):
     assert model.decoder is not None  # the one-call step takes it
 
 
+@pytest.mark.slow  # a made-up type's kernels compile cold every run (~50 s); the model tests below run it
 def test_kernels_equal_linear_on_the_reference_weights_at_every_row_count(t8):
     rng = np.random.default_rng(23)
     be, K = NumpyBackend(), 256
