@@ -33,6 +33,10 @@ SHARED_DEFAULTS = {
     "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
+# the options that shape this process's engine: `web --connect` starts none, so it refuses them
+ENGINE_OPTIONS = ("model", "models_memory", "backend", "ctx_size", "max_concurrent", "kv_sessions", "kv_memory",
+                  "kv_dtype", "max_queue", "prefill_chunk", "straggler_ms", "kv_snapshot_memory", "spec",
+                  "kv_snapshots")
 
 
 class _ModelsAction(argparse.Action):
@@ -282,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.models or ()) > 1 and args.command not in (None, "serve", "warm"):
             raise UsageError(f"`panechat {args.command}` uses one model; give --model once "
                              "(several models: the TUI and `panechat serve`)")
+        if args.command == "web" and args.connect:
+            _refuse_engine_options(args)
         return _dispatch(args)
     except KeyboardInterrupt:
         return 130
@@ -325,6 +331,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     from .tui.launch import launch
 
     return launch(args)
+
+
+def _refuse_engine_options(args: argparse.Namespace) -> None:
+    """`web --connect` joins another server's engine: an engine option given here would do nothing."""
+    given = [name for name in ENGINE_OPTIONS if getattr(args, name, SHARED_DEFAULTS[name]) != SHARED_DEFAULTS[name]]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"panechat web --connect uses that server's engine; drop {flags} (set them on its `serve`)")
 
 
 def _user_error(e: Exception) -> str | None:

@@ -33,7 +33,7 @@ def _marker(path: Path, kv_dtype: str) -> Path | None:
     folder = os.environ.get("NUMBA_CACHE_DIR")
     if not folder:
         return None
-    h = hashlib.sha256(f"{path.stat().st_size}\0{kv_dtype}\0".encode())
+    h = hashlib.sha256(f"{path.stat().st_size}\0{kv_dtype}\0{_thread_counts()}\0".encode())  # what was warmed
     with open(path, "rb") as f:
         h.update(f.read(_HEAD_BYTES))
     return Path(folder) / "warmed" / h.hexdigest()[:32]

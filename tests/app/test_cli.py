@@ -325,3 +325,12 @@ def test_warm_caches_the_default_models_kernels_and_names_a_bad_model():
     bad = cli("warm", "--model", "no-such-model")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "no-such-model" in bad.stderr
+
+
+def test_web_connect_refuses_engine_options_it_would_ignore():
+    """`web --connect` starts no engine: --ctx-size or --model there would do nothing, so
+    they are refused in one line naming them (before anything listens)."""
+    p = cli("web", "--connect", "ws://127.0.0.1:9/ws", "--ctx-size", "1234", "--model", "x")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ctx-size" in lines[0] and "--model" in lines[0], p.stderr
