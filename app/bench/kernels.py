@@ -51,7 +51,7 @@ class _Product:
         if self.at_load:
             self.d, self.dmin = qk.superblock_scales(blocks, qtype)
             self.nbytes += self.d.nbytes + (self.dmin.nbytes if len(t.f16_at) > 1 else 0)
-        self.kernel = qk._pick(qtype)
+        self.kernel = qk.kernel(qtype)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
         b = self.blocks

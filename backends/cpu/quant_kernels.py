@@ -59,7 +59,6 @@ Q2_K and Q3_K (one loader on every ISA) gave gguf's weights on AVX-512, haswell 
 from __future__ import annotations
 
 import numpy as np
-import numba
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
@@ -685,20 +684,17 @@ def _linear_q8k(x, ws, wds, wdms, outs, count):
     q8k_linear_driver(x, ws, wds, wdms, outs, count, _load2)
 
 
-# Each type gets a parallel kernel and a serial twin, the same driver compiled without
-# `parallel`: prange runs as a plain loop, so each element is computed exactly as in the
-# parallel one (the split over columns never changes an element's arithmetic). When the
-# kernels run on one thread (the governor's choice while other processes hold the cores,
-# or NUMBA_NUM_THREADS=1) the twin skips the parallel launch, which at decode sizes costs
-# more than it saves: measured 15-20% per product for SmolLM2-135M's B=1 products. Both
-# get names of their own: numba's cache keys a kernel on its name and line, not on the
-# parallel flag.
-_BUILT: dict[str, tuple] = {}  # qtype -> (registry entry, parallel kernel, serial kernel)
+# One kernel a type, parallel: on one numba thread (NUMBA_NUM_THREADS=1, or the governor's
+# choice while other processes hold the cores) its prange runs on that thread. A serial twin
+# used to skip that launch (15-20% of a 135M model's B=1 products op by op), but decode now
+# runs in the one-call step, which calls the range functions directly, and each twin cost a
+# third of its type's compile time in every cold start and test run.
+_BUILT: dict[str, tuple] = {}  # qtype -> (registry entry, kernel)
 
 
-def kernels(qtype: str) -> tuple:
-    """(parallel, serial) numba kernels of `qtype`, made from its registry entry on first use
-    (`generated`: "_linear_q4_k" / "_serial_q4_k", its pair loader bound in)."""
+def kernel(qtype: str):
+    """The numba product kernel of `qtype`, made from its registry entry on first use
+    (`generated`: "_linear_q4_k", its pair loader bound in)."""
     t = registry.get(qtype)
     built = _BUILT.get(qtype)
     if built is None or built[0] is not t:
@@ -707,15 +703,8 @@ def kernels(qtype: str) -> tuple:
         q8k = q8k_columns_of(t)
         template = _linear_q8k if q8k else (_linear_at_load if t.scales_at_load else _linear_in_block)
         load2, jit = q8k or loader_of(t), dict(_JIT, cache=cacheable(t))
-        built = _BUILT[qtype] = (t, njit(parallel=True, **jit)(bind_loader(template, kernel_name("_linear", t), load2)),
-                                 njit(**jit)(bind_loader(template, kernel_name("_serial", t), load2)))
-    return built[1], built[2]
-
-
-def _pick(qtype: str):
-    """The parallel kernel for `qtype`, or its serial twin when numba runs one thread."""
-    parallel, serial = kernels(qtype)
-    return serial if numba.get_num_threads() == 1 else parallel
+        built = _BUILT[qtype] = (t, njit(parallel=True, **jit)(bind_loader(template, kernel_name("_linear", t), load2)))
+    return built[1]
 
 
 def _entry(qtype: str, at_load: bool) -> registry.QuantType:
@@ -742,7 +731,7 @@ def linear_block32(x: np.ndarray, blocks: np.ndarray, qtype: str, out: np.ndarra
     a memory-map view is fine); the f16 scales are widened in the kernel. Bit-identical to
     ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
     _check_block32(x, blocks, qtype, out)
-    _pick(qtype)(x, (blocks, blocks, blocks), (out, out, out), 1)
+    kernel(qtype)(x, (blocks, blocks, blocks), (out, out, out), 1)
     return out
 
 
@@ -759,7 +748,7 @@ def linear_block32_many(x: np.ndarray, blocks: list[np.ndarray], qtype: str) -> 
     outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b in blocks]
     for b, o in zip(blocks, outs):
         _check_block32(x, b, qtype, o)
-    _pick(qtype)(x, _three(blocks), _three(outs), len(blocks))
+    kernel(qtype)(x, _three(blocks), _three(outs), len(blocks))
     return outs
 
 
@@ -801,7 +790,7 @@ def linear_kquant(x: np.ndarray, blocks: np.ndarray, qtype: str, d: np.ndarray, 
     with `d`, `dmin` from `superblock_scales`. Bit-identical to
     ``linear(x, gguf.quants.dequantize(blocks, qtype), out)``. Returns out."""
     _check_kquant(x, blocks, qtype, d, dmin, out)
-    _pick(qtype)(x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
+    kernel(qtype)(x, (blocks,) * 3, (d,) * 3, (dmin,) * 3, (out,) * 3, 1)
     return out
 
 
@@ -812,6 +801,6 @@ def linear_kquant_many(x: np.ndarray, weights: list[tuple[np.ndarray, np.ndarray
     outs = [np.empty((x.shape[0], b.shape[0]), np.float32) for b, _, _ in weights]
     for (b, d, dm), o in zip(weights, outs):
         _check_kquant(x, b, qtype, d, dm, o)
-    _pick(qtype)(x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
+    kernel(qtype)(x, _three([w[0] for w in weights]), _three([w[1] for w in weights]),
                  _three([w[2] for w in weights]), _three(outs), len(weights))
     return outs

@@ -3,8 +3,7 @@
 numba compiles while holding the GIL: a model whose quant types were never compiled here
 costs a minute or more of it, and in-process every other model's stream would stop for as
 long. The child loads the model and starts an engine on it, whose start-up self-check calls
-every kernel prefill and decode use (once with every core, once with one thread: the
-products' parallel and serial kernels); numba writes each to its on-disk cache (NUMBA_CACHE_DIR,
+every kernel prefill and decode use; numba writes each to its on-disk cache (NUMBA_CACHE_DIR,
 set by `panechat.backends.cpu`), from where the serving process then loads it. A marker per
 model (its size and header) in that cache folder says it was done, so later loads skip the
 child; the folder itself changes whenever kernel source does.
@@ -33,7 +32,7 @@ def _marker(path: Path, kv_dtype: str) -> Path | None:
     folder = os.environ.get("NUMBA_CACHE_DIR")
     if not folder:
         return None
-    h = hashlib.sha256(f"{path.stat().st_size}\0{kv_dtype}\0{_thread_counts()}\0".encode())  # what was warmed
+    h = hashlib.sha256(f"{path.stat().st_size}\0{kv_dtype}\0".encode())  # what was warmed
     with open(path, "rb") as f:
         h.update(f.read(_HEAD_BYTES))
     return Path(folder) / "warmed" / h.hexdigest()[:32]
@@ -51,30 +50,20 @@ def warm_kernels(path: str | Path, kv_dtype: str = "f16") -> bool:
         return False
     if marker is None or marker.exists():
         return marker is not None
-    for threads in _thread_counts():
-        env = {**os.environ, "NUMBA_NUM_THREADS": str(threads)}
-        try:
-            rc = subprocess.run([sys.executable, "-m", "panechat.engine.serving.kernel_warmup", str(path), kv_dtype],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=env, timeout=WARMUP_TIMEOUT_S).returncode
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        if rc != 0:
-            return False
+    try:
+        rc = subprocess.run([sys.executable, "-m", "panechat.engine.serving.kernel_warmup", str(path), kv_dtype],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            timeout=WARMUP_TIMEOUT_S).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if rc != 0:
+        return False
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
     except OSError:
         pass
     return True
-
-
-def _thread_counts() -> list[int]:
-    """The thread counts to compile for: each product has a parallel kernel and a serial twin
-    taken when numba runs one thread (the thread governor drops to one on a busy machine),
-    so a serving process may call either. One child per count (numba reads it at import)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return [cores, 1] if cores > 1 else [1]
 
 
 def _child(path: str, kv_dtype: str) -> None:

@@ -15,7 +15,7 @@ from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 TYPES = ("Q8_0", "Q4_0")  # two types of one template: one bytecode, two loaders
 
-# One process: the serial kernel of each type on its weights, into a fresh cache dir (set
+# One process: the kernel of each type (one thread) on its weights, into a fresh cache dir (set
 # after import, so whatever the package sets, these kernels go there).
 _RUN = """
 import json, sys
@@ -27,9 +27,9 @@ data = np.load(sys.argv[2])
 stats = {}
 for qtype in %r:
     out = np.empty((2, 16), np.float32)
-    qk.linear_block32(data["x"], data[qtype], qtype, out)  # one numba thread: the serial kernel
+    qk.linear_block32(data["x"], data[qtype], qtype, out)
     np.save(f"{sys.argv[1]}/{qtype}.npy", out)
-    s = qk.kernels(qtype)[1].stats
+    s = qk.kernel(qtype).stats
     stats[qtype] = [sum(s.cache_hits.values()), sum(s.cache_misses.values())]
 print(json.dumps(stats))
 """ % (TYPES,)
@@ -56,7 +56,7 @@ def test_two_generated_kernels_cache_apart_and_a_warm_start_compiles_nothing(tmp
     assert all(hits == 0 and misses > 0 for hits, misses in cold.values()), cold
     for q in TYPES:
         assert np.array_equal(np.load(cache / f"{q}.npy"), want[q]), q
-        assert len(list(cache.rglob(f"*_serial_{q.lower()}-*.nbi"))) == 1, q  # an index of its own
+        assert len(list(cache.rglob(f"*_linear_{q.lower()}-*.nbi"))) == 1, q  # an index of its own
     warm = _run(cache, tmp_path / "data.npz")
     assert all(hits > 0 and misses == 0 for hits, misses in warm.values()), warm  # read, not compiled
     for q in TYPES:  # each served its own code
