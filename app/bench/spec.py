@@ -115,7 +115,9 @@ def run_spec(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"--workloads: unknown {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
     lm = load_model_from_args(args)
-    engine = Engine(lm, EngineConfig(max_concurrent=max(sizes), ctx_size=2048, prefix_caching=False)).start()
+    draft = getattr(args, "draft_model", None)  # --spec draft --draft-model X: its drafts, else n-gram ones
+    engine = Engine(lm, EngineConfig(max_concurrent=max(sizes), ctx_size=2048, prefix_caching=False,
+                                     spec="draft" if draft else "ngram", draft_model=draft)).start()
     rows = []
     try:
         _cell(engine, "chat", 1, 8, True)  # warm-up
@@ -127,7 +129,8 @@ def run_spec(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": lm.name, "backend": lm.model.backend.describe(), "rows": rows}))
         return 0
-    print(f"model: {lm.name}  backend: {lm.model.backend.describe()}  tokens per reply: {args.max_tokens}")
+    print(f"model: {lm.name}  backend: {lm.model.backend.describe()}  tokens per reply: {args.max_tokens}  "
+          f"drafts: {'draft model ' + engine.draft.lm.name if engine.draft else 'n-gram'}")
     print(f"{'workload':>9} {'B':>3} {'tok/s off':>10} {'tok/s on':>9} {'speed-up':>9} {'accepted':>9} "
           f"{'drafts':>7} {'identical':>9}")
     for r in rows:

@@ -24,6 +24,7 @@ a request with one decodes without drafts (`can_speculate`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from panechat.engine.serving.logits_processors import LogitBias, RepeatPenalty
 
@@ -35,6 +36,19 @@ PAUSE_MAX = 32  # steps without drafting after repeated misses, at most
 #: verify row can get its own: a request with any other (a grammar's mask, count
 #: penalties) decodes without speculation.
 HISTORY_FREE = (LogitBias, RepeatPenalty)
+
+
+class Drafter(Protocol):
+    """What proposes one sequence's drafts: `NgramDrafter`, or a draft model's
+    (draft_model.py). It holds the sequence's tokens (prompt, then accepted reply)."""
+
+    tokens: list[int]
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` draft tokens continuing `tokens`."""
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Append the tokens a step accepted."""
 
 
 class NgramDrafter:
@@ -96,6 +110,10 @@ class AdaptiveK:
             self._wait -= 1
             return 0
         return self.k
+
+    def peek(self) -> int:
+        """What `next_k` would return, without counting a step of a pause."""
+        return 0 if self._wait > 0 else self.k
 
     def observe(self, drafted: int, accepted: int) -> None:
         """The outcome of a step that tried `drafted` drafts."""
@@ -160,8 +178,8 @@ class Speculation:
     DECAY = 0.8  # of the old counts at each verify
     DRIFT = 0.03  # towards the prior at each step without drafts
 
-    def __init__(self, prompt: Sequence[int], max_len: int):
-        self.drafter = NgramDrafter(prompt)
+    def __init__(self, prompt: Sequence[int], max_len: int, drafter: Drafter | None = None):
+        self.drafter = drafter if drafter is not None else NgramDrafter(prompt)
         self.policy = AdaptiveK()
         self.max_len = max_len
         self.drafted = 0
@@ -174,6 +192,11 @@ class Speculation:
     def chance(self) -> float:
         """The estimated chance that a draft stands, given the ones before it did."""
         return self._hits / (self._hits + self._misses)
+
+    def wanted(self, room: int) -> int:
+        """The most drafts the next `propose(room)` may take (a draft model computes them
+        before the step is planned)."""
+        return max(0, min(self.policy.peek(), room, self.max_len - len(self.drafter.tokens) - 1))
 
     def propose(self, room: int, worth: Callable[[float, int], float] | None = None) -> list[int]:
         """This step's drafts: at most `room` (the caller's bound: tokens left, KV slots).
