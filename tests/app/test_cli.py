@@ -339,3 +339,13 @@ def test_web_connect_refuses_engine_options_it_would_ignore():
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "--ctx-size" in lines[0] and "--model" in lines[0], p.stderr
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(tiny, model_path):
+    """A tiny synthetic llama (a 256-byte vocabulary) cannot draft for the default model."""
+    draft = tiny("llama", "F32")[0]
+    p = cli("run", "--model", str(model_path), "--spec", "draft", "--draft-model", str(draft), "hi", timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"panechat: error: --draft-model {draft.name} cannot draft for {model_path.name}: ")
+    assert "vocabulary" in lines[0] and "same tokenizer" in lines[0], lines[0]
