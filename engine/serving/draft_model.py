@@ -66,7 +66,7 @@ class ModelDraft:
 class DraftModel:
     """A draft model on the target's backend and its paged KV (`n_blocks`, as many as the
     target's), drafting greedily for many sequences per forward pass. Counts its passes
-    and their seconds (`forwards`, `seconds`) for the benchmarks."""
+    and their seconds (`forwards`, `seconds`; `forward_s` weighs the drafts' cost)."""
 
     def __init__(self, lm: LoadedModel, n_blocks: int, kv_dtype: str, prefix_caching: bool, max_catch_up: int):
         self.lm = lm
@@ -76,9 +76,11 @@ class DraftModel:
         self.manager = KVManager(self.pool)
         self.max_catch_up = max_catch_up  # draft KV positions one sequence computes per step, at most
         self._live: dict[str, ModelDraft] = {}  # the sequences holding draft blocks
+        self.broken = False  # set by the engine when a run raised: no more drafts from it
         self.forwards = 0
         self.runs = 0
         self.seconds = 0.0
+        self.forward_s = 0.0  # seconds per pass of one row a sequence, a moving average (0.0: not yet)
 
     def drafter(self, key: str, prompt: Sequence[int]) -> ModelDraft:
         """A new sequence's drafter (`key`: its request id); it takes draft KV when it first drafts."""
@@ -104,8 +106,12 @@ class DraftModel:
             n = min(len(d.tokens) - d.computed, self.max_catch_up)
             parts.append((d, d.computed, d.tokens[d.computed:d.computed + n], d.computed + n == len(d.tokens)))
         while parts:
+            t1 = time.perf_counter()
             for (d, _, toks, _), tok in zip([p for p in parts if p[3]], self._greedy(parts)):
                 d.proposal.append(int(tok))
+            if all(len(p[2]) == 1 for p in parts):  # a draft pass (a long catch-up would overstate the cost)
+                per = time.perf_counter() - t1
+                self.forward_s = per if self.forward_s == 0.0 else 0.8 * self.forward_s + 0.2 * per
             for d, _, toks, _ in parts:
                 d.computed += len(toks)
             # the next position's pass: each sequence that wants more feeds its latest draft

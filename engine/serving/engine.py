@@ -453,7 +453,7 @@ class Engine:
             try:
                 with self._lock:
                     self._reap_cancelled()
-                if self.draft is not None:
+                if self.draft is not None and not self.draft.broken:
                     self._draft_ahead()
                 # not under the lock: an admission may read a KV snapshot from disk, and
                 # submit (on an event loop) must not wait for that
@@ -488,16 +488,28 @@ class Engine:
 
     def _draft_ahead(self) -> None:
         """The draft model's drafts for every decoding request that speculates, before the
-        step is planned (the scheduler then takes as many as pay: `Speculation.propose`);
-        preempted requests give their draft KV back."""
-        running = [r for r in self.scheduler.running if r.state == RequestState.DECODING and r.spec is not None]
-        wants = []
+        step is planned, as many as pay for the target's extra rows and the draft passes
+        (the scheduler then takes those that still pay: `Speculation.propose`); preempted
+        requests give their draft KV back."""
+        decoding = [r for r in self.scheduler.running if r.state == RequestState.DECODING]
+        running = [r for r in decoding if r.spec is not None]
+        wants, n, cost = [], len(decoding), self.scheduler.step_cost
+        plain, per = cost.seconds(n), self.draft.forward_s
+
+        def worth(expected: float, k: int) -> float:  # the step's tokens per second, relative
+            return (n + expected - 1) / n / (cost.ratio(n, k) + (k * per / plain if plain > 0 else 0.0))
+
         if self.scheduler.speculate:
             for r in running:
-                k = r.spec.wanted(r.params.max_tokens - len(r.output_ids) - 1)  # the scheduler's room
+                k = r.spec.wanted(r.params.max_tokens - len(r.output_ids) - 1, worth)  # room: the scheduler's
                 if k > 0:
                     wants.append((r.spec.drafter, k))
-        self.draft.run(wants, {r.id for r in running})
+        try:
+            self.draft.run(wants, {r.id for r in running})
+        except Exception:  # drafts are only proposals: a failing draft model fails no request
+            log.exception("the draft model failed; decoding goes on without its drafts")
+            self.draft.close()
+            self.draft.broken = True
 
     def _open_snapshots(self) -> KVPersistence | None:
         """The snapshot folder of this model when --kv-snapshots is on; a folder that

@@ -154,6 +154,10 @@ class StepCost:
             t = table[rows]
             table[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
 
+    def seconds(self, rows: int) -> float:
+        """The measured time of a plain step of `rows` rows (0.0: not measured yet)."""
+        return self._plain[min(rows, self.MAX_ROWS)]
+
     def ratio(self, rows: int, extra: int) -> float:
         """How much longer a step of rows + extra rows (drafts among them) takes than a
         plain one of `rows`."""
@@ -193,10 +197,12 @@ class Speculation:
         """The estimated chance that a draft stands, given the ones before it did."""
         return self._hits / (self._hits + self._misses)
 
-    def wanted(self, room: int) -> int:
-        """The most drafts the next `propose(room)` may take (a draft model computes them
-        before the step is planned)."""
-        return max(0, min(self.policy.peek(), room, self.max_len - len(self.drafter.tokens) - 1))
+    def wanted(self, room: int, worth: Callable[[float, int], float] | None = None) -> int:
+        """The most drafts the next `propose(room, ...)` may take, and with `worth` (as for
+        `propose`) only as many as pay: a draft model computes them before the step is
+        planned, so drafts that would not pay are not computed at all."""
+        k = max(0, min(self.policy.peek(), room, self.max_len - len(self.drafter.tokens) - 1))
+        return k if worth is None or k == 0 else self._best(k, worth)[0]
 
     def propose(self, room: int, worth: Callable[[float, int], float] | None = None) -> list[int]:
         """This step's drafts: at most `room` (the caller's bound: tokens left, KV slots).
@@ -208,14 +214,19 @@ class Speculation:
         drafts = self.drafter.propose(k) if k > 0 else []
         if not drafts or worth is None:
             return drafts
-        a, best, best_worth, e, p = self.chance, 0, 1.0, 1.0, 1.0
-        for k in range(1, len(drafts) + 1):
+        best, self.expected = self._best(len(drafts), worth)
+        return drafts[:best]
+
+    def _best(self, n: int, worth: Callable[[float, int], float]) -> tuple[int, float]:
+        """The k <= n with the best worth (0: none is worth it) and the tokens it is expected to give."""
+        a, best, best_worth, expected, e, p = self.chance, 0, 1.0, 1.0, 1.0, 1.0
+        for k in range(1, n + 1):
             p *= a
             e += p  # expected tokens from k drafts: 1 + a + ... + a^k
             w = worth(e, k)
             if w > best_worth:
-                best, best_worth, self.expected = k, w, e
-        return drafts[:best]
+                best, best_worth, expected = k, w, e
+        return best, expected
 
     def accept(self, tokens: Sequence[int], drafted: int, accepted: int) -> None:
         """A step's outcome: `tokens` appended to the sequence; it tried `drafted` drafts,

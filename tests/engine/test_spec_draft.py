@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from panechat.backends.paged_kv import bytes_per_block
+from panechat.engine.serving.draft_model import ModelDraft
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.request import RequestState
 from panechat.engine.serving.sampling import SamplingParams
-from panechat.engine.serving.speculation import StepCost
+from panechat.engine.serving.speculation import Speculation, StepCost
 
 TEXTS = ["apple, banana, cherry, apple, banana, cherry, apple,", "1 2 3 4 5 1 2 3 4 5 1 2 3",
          "The cat sat on the mat. The cat sat on the mat. The"]
@@ -20,6 +21,9 @@ TEXTS = ["apple, banana, cherry, apple, banana, cherry, apple,", "1 2 3 4 5 1 2 
 class FreeRows(StepCost):
     def ratio(self, rows: int, extra: int) -> float:  # every draft tried, whatever the machine's load
         return 1.0
+
+    def seconds(self, rows: int) -> float:  # and the draft model's passes too (unmeasured: not weighed)
+        return 0.0
 
 
 def test_preempted_requests_give_their_draft_kv_back(loaded_model, model_path):
@@ -51,3 +55,21 @@ def test_preempted_requests_give_their_draft_kv_back(loaded_model, model_path):
         assert draft.held == 0 and draft.pool.in_use == 0
     finally:
         e.stop()
+
+
+def test_extend_keeps_the_draft_kv_of_the_drafts_that_stood():
+    d = ModelDraft("r", [1, 2, 3])
+    d.computed, d.proposal = 5, [7, 8, 9]  # after drafting 3: positions 3, 4 hold drafts 7, 8
+    d.extend([7, 4])  # the first stood, the target picked 4 instead of 8
+    assert (d.tokens, d.computed, d.proposal) == ([1, 2, 3, 7, 4], 4, [])
+    d.computed, d.proposal = 6, [5, 6]
+    d.extend([5, 6, 0])  # every draft stood: all its draft KV holds true tokens
+    assert (d.tokens, d.computed) == ([1, 2, 3, 7, 4, 5, 6, 0], 6)
+
+
+def test_wanted_computes_only_drafts_that_pay():
+    s = Speculation([1, 2, 3], 100, ModelDraft("r", [1, 2, 3]))
+    assert s.wanted(10) == s.policy.k > 0  # no cost model: the policy's k
+    assert s.wanted(10, lambda expected, k: 0.9) == 0  # nothing pays: the draft model is not run
+    assert s.wanted(10, lambda expected, k: expected / (1 + 0.1 * k)) == s.policy.k
+    assert s.wanted(1, lambda expected, k: expected) == 1  # bounded by the room
