@@ -74,7 +74,7 @@ class DraftModel:
         self.kv = lm.model.backend.new_paged_kv(n_blocks, a.n_layer, a.n_kv_head, a.head_dim, kv_dtype)
         self.pool = BlockPool(n_blocks, caching=prefix_caching)
         self.manager = KVManager(self.pool)
-        self.max_catch_up = max_catch_up  # draft KV positions one sequence computes per step, at most
+        self.max_catch_up = max_catch_up  # rows of the catch-up pass (all sequences), at most
         self._live: dict[str, ModelDraft] = {}  # the sequences holding draft blocks
         self.broken = False  # set by the engine when a run raised: no more drafts from it
         self.forwards = 0
@@ -93,18 +93,23 @@ class DraftModel:
 
     def run(self, wants: list[tuple[ModelDraft, int]], live: set[str]) -> None:
         """Draft for each (sequence, k) of `wants` up to k tokens into its `proposal`
-        (fewer, or none, where draft blocks run short or its catch-up takes more than this
-        step); first gives back the blocks of the sequences not in `live` (preempted)."""
+        (fewer, or none, where draft blocks run short or its catch-up does not fit this
+        step's `max_catch_up` rows); first gives back the blocks of the sequences not in
+        `live` (preempted)."""
         for key in [k for k in self._live if k not in live]:
             self.release(self._live[key])
         t0 = time.perf_counter()
         ready = [(d, n) for d, n in ((d, self._reserve(d, k)) for d, k in wants if k > 0) if n > 0]
         if not ready:
             return
-        parts = []  # (sequence, first position, tokens, whether its last row gives a draft)
-        for d, _ in ready:
-            n = min(len(d.tokens) - d.computed, self.max_catch_up)
-            parts.append((d, d.computed, d.tokens[d.computed:d.computed + n], d.computed + n == len(d.tokens)))
+        # the catch-up pass holds max_catch_up rows at most, the shortest catch-ups first (they
+        # draft now); a new sequence's prompt may take a few steps before it drafts
+        parts, budget = [], self.max_catch_up  # (sequence, first position, tokens, whether it drafts)
+        for d, _ in sorted(ready, key=lambda dk: len(dk[0].tokens) - dk[0].computed):
+            n = min(len(d.tokens) - d.computed, budget)
+            if n > 0:
+                budget -= n
+                parts.append((d, d.computed, d.tokens[d.computed:d.computed + n], d.computed + n == len(d.tokens)))
         while parts:
             t1 = time.perf_counter()
             for (d, _, toks, _), tok in zip([p for p in parts if p[3]], self._greedy(parts)):
