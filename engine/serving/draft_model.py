@@ -193,7 +193,10 @@ def load_draft_model(spec: str, target: LoadedModel, ctx: int, n_blocks: int, kv
     """The draft model `spec` names (a path or a catalog name) on the target's backend, for
     `ctx` positions; ModelFileError (one line naming both files) unless its vocabulary is
     the target's."""
-    lm = load_model(resolve_model_path(spec), target.model.backend, max_positions=ctx)
+    try:
+        lm = load_model(resolve_model_path(spec), target.model.backend, max_positions=ctx)
+    except ModelFileError as e:
+        raise ModelFileError(f"--draft-model: {e}") from None
     problem = vocabulary_mismatch(lm, target)
     if problem:
         lm.tokenizer.close()

@@ -341,11 +341,14 @@ def test_web_connect_refuses_engine_options_it_would_ignore():
     assert len(lines) == 1 and "--ctx-size" in lines[0] and "--model" in lines[0], p.stderr
 
 
-def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(tiny, model_path):
-    """A tiny synthetic llama (a 256-byte vocabulary) cannot draft for the default model."""
-    draft = tiny("llama", "F32")[0]
+@pytest.mark.parametrize("which", ["tiny", "gemma"])
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(which, tiny, model_path, request):
+    """A tiny synthetic llama (259 tokens) or gemma-3-270m (262144) cannot draft for the
+    default model (49152)."""
+    draft = tiny("llama", "F32")[0] if which == "tiny" else request.getfixturevalue("gemma_path")
     p = cli("run", "--model", str(model_path), "--spec", "draft", "--draft-model", str(draft), "hi", timeout=300)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, p.stderr
-    assert lines[0].startswith(f"panechat: error: --draft-model {draft.name} cannot draft for {model_path.name}: ")
-    assert "vocabulary" in lines[0] and "same tokenizer" in lines[0], lines[0]
+    assert lines[0].startswith(f"panechat: error: --draft-model {draft.name} cannot draft for {model_path.name}: "
+                               "its vocabulary has "), lines[0]
+    assert "the target's 49152; use a draft model of the same family (the same tokenizer)" in lines[0], lines[0]
