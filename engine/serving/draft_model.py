@@ -1,7 +1,7 @@
 """Drafts from a small model of the target's vocabulary (`--spec draft --draft-model X`).
 
 The draft model runs on the target's backend with paged KV of its own, as many blocks as
-the target's. Before each engine step `DraftModel.run` drafts for every speculating
+the target's (the engine's KV budget holds both). Before each engine step `DraftModel.run` drafts for every speculating
 sequence at once: one forward pass catches each sequence's draft KV up with the tokens
 the target accepted (its prompt, the first time) and gives its first draft, then one pass
 per further draft position, all sequences as rows of it, each pick the argmax. The drafts
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from panechat.backends.paged_kv import bytes_per_block
 from panechat.engine.default_model import resolve_model_path
 from panechat.engine.gguf.file import ModelFileError
 from panechat.engine.kv.blocks import BlockPool
@@ -188,8 +189,7 @@ class DraftModel:
         return np.argmax(model.forward(self.kv, batch), axis=1)[:wanted]
 
 
-def load_draft_model(spec: str, target: LoadedModel, ctx: int, n_blocks: int, kv_dtype: str,
-                     prefix_caching: bool, max_catch_up: int) -> DraftModel:
+def load_draft_lm(spec: str, target: LoadedModel, ctx: int) -> LoadedModel:
     """The draft model `spec` names (a path or a catalog name) on the target's backend, for
     `ctx` positions; ModelFileError (one line naming both files) unless its vocabulary is
     the target's."""
@@ -202,7 +202,13 @@ def load_draft_model(spec: str, target: LoadedModel, ctx: int, n_blocks: int, kv
         lm.tokenizer.close()
         raise ModelFileError(f"--draft-model {Path(lm.path).name} cannot draft for {Path(target.path).name}: "
                              f"{problem}; use a draft model of the same family (the same tokenizer)")
-    return DraftModel(lm, n_blocks, kv_dtype, prefix_caching, max_catch_up)
+    return lm
+
+
+def draft_bytes_per_block(lm: LoadedModel, kv_dtype: str) -> int:
+    """Bytes of one KV block of the draft model (the engine's KV budget holds them too)."""
+    a = lm.model.args
+    return bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, kv_dtype)
 
 
 def vocabulary_mismatch(draft: LoadedModel, target: LoadedModel) -> str | None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
-from panechat.engine.serving.draft_model import DraftModel, load_draft_model
+from panechat.engine.serving.draft_model import DraftModel, draft_bytes_per_block, load_draft_lm
 from panechat.engine.serving.events import Event, FinishEvent
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.model.invariance import check_model_invariance, check_one_call_step, check_speculation
@@ -163,8 +163,11 @@ class Engine:
             raise ModelFileError(f"the model's context ({args.context_length} tokens) is shorter than "
                                  f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
         per_block = bytes_per_block(args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
-        self.kv_budget_note = self._kv_budget(cfg, per_block)
-        n_blocks = max(1, self.kv_budget // per_block)
+        # --spec draft: the draft model, on this backend; the KV budget holds its blocks too
+        draft_lm = None if cfg.spec != "draft" else load_draft_lm(cfg.draft_model, lm, self.ctx)
+        draft_block = 0 if draft_lm is None else draft_bytes_per_block(draft_lm, cfg.kv_dtype)
+        self.kv_budget_note = self._kv_budget(cfg, per_block + draft_block)
+        n_blocks = max(1, self.kv_budget // (per_block + draft_block))
         be = lm.model.backend
         self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
         self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
@@ -173,9 +176,9 @@ class Engine:
         self.metrics.kv_total = n_blocks
         self.metrics.kv_bytes_per_block = per_block
         self.kv_manager = KVManager(self.pool, self._open_snapshots())
-        # --spec draft: the draft model, on this backend, with as many KV blocks of its own
-        self.draft: DraftModel | None = None if cfg.spec != "draft" else load_draft_model(
-            cfg.draft_model, lm, self.ctx, n_blocks, cfg.kv_dtype, cfg.prefix_caching, cfg.prefill_chunk)
+        # as many draft KV blocks as the target's: room for the same sequences
+        self.draft: DraftModel | None = None if draft_lm is None else DraftModel(
+            draft_lm, n_blocks, cfg.kv_dtype, cfg.prefix_caching, cfg.prefill_chunk)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk,
                                    max_queue_per_client=cfg.max_queue_per_client)
         # Set by the compute thread's start-up self-check (see start()).

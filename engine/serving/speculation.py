@@ -19,6 +19,10 @@ count) and the request's acceptance estimate then take the k that speeds the ste
 or none, so prose without repeats, or a machine where extra rows are dear, costs nearly
 nothing. A grammar's mask and count penalties keep state of their own token by token, so
 a request with one decodes without drafts (`can_speculate`).
+
+A `Drafter` proposes one sequence's drafts: `NgramDrafter`, or with `--spec draft` a draft
+model's (draft_model.py), which computes them for all sequences before the step is planned
+(`Speculation.wanted` says how many pay).
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ class FreeRows(StepCost):
 def test_preempted_requests_give_their_draft_kv_back(loaded_model, model_path):
     a = loaded_model.model.args
     blocks = 11  # each reply needs 5 (about 16 prompt tokens + 60): three at once do not fit
-    cfg = EngineConfig(max_concurrent=3, ctx_size=256, kv_memory=blocks * bytes_per_block(
-        a.n_layer, a.n_kv_head, a.head_dim, "f16"), spec="draft", draft_model=str(model_path))
+    per = bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, "f16")  # the target's, and its own draft's
+    cfg = EngineConfig(max_concurrent=3, ctx_size=256, kv_memory=blocks * 2 * per, spec="draft",
+                       draft_model=str(model_path))
     e = Engine(loaded_model, cfg).start()
     e.scheduler.step_cost = FreeRows()
     draft, problems = e.draft, []
@@ -53,6 +54,7 @@ def test_preempted_requests_give_their_draft_kv_back(loaded_model, model_path):
         assert e.scheduler.preemptions > 0 and e.stats().spec_accepted > 0
         assert problems == []
         assert draft.held == 0 and draft.pool.in_use == 0
+        assert e.pool.n_blocks == draft.pool.n_blocks == blocks  # the budget holds both models' blocks
     finally:
         e.stop()
 

@@ -87,9 +87,9 @@ def test_draft_model_replies_equal_plain_decoding_alone_and_beside_three(draft_l
 def test_a_cancelled_stream_gives_its_draft_kv_back(draft_live):
     draft = draft_live.engine.draft
     runs = draft.runs
-    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 400, "temperature": 0,
-            "stream": True}
-    with httpx.stream("POST", draft_live.url + "/v1/chat/completions", json=body, timeout=300) as r:
+    # a raw pattern to continue: no end of turn in sight, so it is still running when checked
+    body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", draft_live.url + "/v1/completions", json=body, timeout=300) as r:
         chunks = 0
         for line in r.iter_lines():
             chunks += line.startswith("data:")
