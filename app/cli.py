@@ -29,14 +29,14 @@ SHARED_DEFAULTS = {
     "connect": None, "api_key": None,
     **{name: getattr(_ENGINE, name) for name in
        ("ctx_size", "max_concurrent", "kv_sessions", "kv_memory", "kv_dtype", "max_queue", "max_queue_per_client",
-        "prefill_chunk", "straggler_ms", "kv_snapshot_memory", "spec")},
+        "prefill_chunk", "straggler_ms", "kv_snapshot_memory", "spec", "draft_model")},
     "kv_snapshots": "on",
 }
 _D = SHARED_DEFAULTS
 # the options that shape this process's engine: `web --connect` starts none, so it refuses them
 ENGINE_OPTIONS = ("model", "models_memory", "backend", "ctx_size", "max_concurrent", "kv_sessions", "kv_memory",
                   "kv_dtype", "max_queue", "prefill_chunk", "straggler_ms", "kv_snapshot_memory", "spec",
-                  "kv_snapshots")
+                  "draft_model", "kv_snapshots")
 
 
 class _ModelsAction(argparse.Action):
@@ -73,9 +73,7 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
                    help="waiting requests of one client (a --tokens name, a terminal, an address) before "
                         "refusing it alone with 429 client_queue_full (default: up to --max-queue)")
     p.add_argument("--prefill-chunk", type=int, metavar="N", help=f"prompt tokens per step (default {_D['prefill_chunk']})")
-    p.add_argument("--spec", choices=("ngram", "draft", "off"),
-                   help="speculative decoding: n-gram drafts from the conversation's own tokens, checked "
-                        f"exactly so every reply is the one without it (default {_D['spec']})")
+    _spec_options(p)
     p.add_argument("--models-memory", type=byte_size, metavar="SIZE",
                    help="memory for the models held at once (weights + KV), e.g. 2G; a model that does not "
                         "fit unloads the least recently used idle one (never the first), or is refused "
@@ -90,6 +88,16 @@ def _batching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-snapshot-memory", type=byte_size, metavar="SIZE",
                    help="disk space for KV snapshots, e.g. 2G; past it the least recently used go "
                         f"(default {_D['kv_snapshot_memory'] >> 30}G)")
+
+
+def _spec_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", choices=("ngram", "draft", "off"),
+                   help="speculative decoding: n-gram drafts from the conversation's own tokens, or a draft "
+                        "model's (draft, with --draft-model), checked exactly so every reply is the one without "
+                        f"it (default {_D['spec']})")
+    p.add_argument("--draft-model", metavar="PATH|NAME",
+                   help="with --spec draft: a small model with the target's vocabulary (a GGUF file or a name "
+                        "`panechat models` lists) drafting for every conversation, with KV of its own")
 
 
 def _listen_options(p: argparse.ArgumentParser) -> None:
@@ -193,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate one reply and stream it to stdout (here, or on the server "
                                      "--connect names)",
-                         parents=[model, context, connect, _parent(_token_option),
+                         parents=[model, context, connect, _parent(_token_option), _parent(_spec_options),
                                   _parent(_max_tokens_option, defaults={"max_tokens": 256}), json_out])
     run.add_argument("--system", "-s", help="system prompt")
     run.add_argument("--messages", metavar="FILE", help="JSON list of {role, content} messages")
@@ -253,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec = bsub.add_parser("spec", help="speculative decoding (n-gram drafts) on and off: repetitive work "
                            "(rewrite a code file, quote a passage) and an ordinary chat, tok/s and acceptance",
                            parents=[model, _parent(_max_tokens_option, defaults={"max_tokens": 128}),
-                                    _parent(_clients_option, defaults={"clients": "1,4"}), json_out])
+                                    _parent(_clients_option, defaults={"clients": "1,4"}), _parent(_spec_options),
+                                    json_out])
     spec.add_argument("--workloads", default="rewrite,quote,chat", help="comma list of rewrite, quote, chat")
     spec.add_argument("--rounds", type=int, default=2, help="off and on runs of each cell, in turn (median)")
     kern = bsub.add_parser("kernels", help="each weight type's product at Llama-3.2-1B's matrix sizes: GB/s and "
@@ -288,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(several models: the TUI and `panechat serve`)")
         if args.command == "web" and args.connect:
             _refuse_engine_options(args)
+        EngineConfig(spec=args.spec, draft_model=args.draft_model)  # --spec/--draft-model: a usage error at once
         return _dispatch(args)
     except KeyboardInterrupt:
         return 130

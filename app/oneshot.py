@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--raw runs on the local engine only; drop --connect (or send a chat prompt)")
         return run_remote(args, messages, params)
     cfg = EngineConfig(max_concurrent=1, kv_sessions=1, max_queue=1, ctx_size=args.ctx_size,
-                       verify_invariance=False)  # validated: a bad --ctx-size fails before loading
+                       verify_invariance=False, spec=args.spec, draft_model=args.draft_model)  # validated: a bad --ctx-size fails before loading
     lm = load_model(resolve_model_path(args.model), args.backend, max_positions=cfg.ctx_size)
     engine = Engine(lm, cfg).start()
     try:

@@ -1,4 +1,5 @@
-"""`panechat bench spec`: what speculative decoding (n-gram drafts) gains on repetitive work.
+"""`panechat bench spec`: what speculative decoding (n-gram drafts, or a draft model's with
+`--spec draft --draft-model X`) gains on repetitive work.
 
 Workloads (greedy, one engine; speculation on and off per request, so the same engine and
 kernels serve both): `rewrite`, a ~300-token code file to be written out again with one
@@ -115,22 +116,38 @@ def run_spec(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"--workloads: unknown {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
     lm = load_model_from_args(args)
-    engine = Engine(lm, EngineConfig(max_concurrent=max(sizes), ctx_size=2048, prefix_caching=False)).start()
+    draft = getattr(args, "draft_model", None)  # --spec draft --draft-model X: its drafts, else n-gram ones
+    engine = Engine(lm, EngineConfig(max_concurrent=max(sizes), ctx_size=2048, prefix_caching=False,
+                                     spec="draft" if draft else "ngram", draft_model=draft)).start()
     rows = []
     try:
         _cell(engine, "chat", 1, 8, True)  # warm-up
         for w in workloads:
             for b in sizes:
                 rows.append(_compare(engine, w, b, args.max_tokens, args.rounds))
+        drafter = _draft_cost(engine)
     finally:
         engine.stop()
     if args.json:
-        print(json.dumps({"model": lm.name, "backend": lm.model.backend.describe(), "rows": rows}))
+        print(json.dumps({"model": lm.name, "backend": lm.model.backend.describe(), "rows": rows, "draft": drafter}))
         return 0
-    print(f"model: {lm.name}  backend: {lm.model.backend.describe()}  tokens per reply: {args.max_tokens}")
+    print(f"model: {lm.name}  backend: {lm.model.backend.describe()}  tokens per reply: {args.max_tokens}  "
+          f"drafts: {'draft model ' + engine.draft.lm.name if engine.draft else 'n-gram'}")
     print(f"{'workload':>9} {'B':>3} {'tok/s off':>10} {'tok/s on':>9} {'speed-up':>9} {'accepted':>9} "
           f"{'drafts':>7} {'identical':>9}")
     for r in rows:
         print(f"{r['workload']:>9} {r['B']:>3} {r['tok_s_off']:>10.1f} {r['tok_s_on']:>9.1f} {r['speedup']:>8.2f}x "
               f"{r['acceptance']:>8.0%} {r['drafted']:>7} {'yes' if r['identical'] else 'NO':>9}")
+    if drafter:
+        print(f"draft model {drafter['model']}: {drafter['runs']} drafting runs, {drafter['ms_per_run']:.1f} ms each, "
+              f"{drafter['ms_per_forward']:.1f} ms per forward pass")
     return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _draft_cost(engine) -> dict | None:
+    """The draft model's passes and their mean time (None: n-gram drafts)."""
+    d = engine.draft
+    if d is None or not d.runs:
+        return None
+    return {"model": d.lm.name, "runs": d.runs, "forwards": d.forwards, "ms_per_run": 1000 * d.seconds / d.runs,
+            "ms_per_forward": 1000 * d.seconds / d.forwards}

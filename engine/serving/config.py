@@ -29,7 +29,7 @@ class EngineConfig:
 
     KV_MEMORY_SHARE: ClassVar[float] = 0.25  # of free RAM / device memory, the default KV budget
     KV_DTYPES: ClassVar[tuple[str, ...]] = ("f16", "f32")
-    SPEC_MODES: ClassVar[tuple[str, ...]] = ("ngram", "off")  # --spec (engine/serving/speculation.py)
+    SPEC_MODES: ClassVar[tuple[str, ...]] = ("ngram", "draft", "off")  # --spec (engine/serving/speculation.py)
 
     max_concurrent: int = 4
     kv_sessions: int | None = None  # a KV budget of this many whole contexts (when kv_memory is None)
@@ -42,7 +42,8 @@ class EngineConfig:
     prefill_chunk: int = 512
     straggler_ms: float = 2.0
     verify_invariance: bool = True
-    spec: str = "ngram"  # speculative decoding: n-gram drafts checked exactly, or off
+    spec: str = "ngram"  # speculative decoding: n-gram or draft-model drafts checked exactly, or off
+    draft_model: str | None = None  # --draft-model PATH|NAME: the drafter of --spec draft (draft_model.py)
     # KV snapshots (engine/kv/persistence.py): a folder turns them on (the CLI passes
     # $XDG_CACHE_HOME/panechat/kv unless --kv-snapshots off); None: off
     kv_snapshot_dir: str | None = None
@@ -60,10 +61,12 @@ class EngineConfig:
             raise ValueError("--kv-sessions must be at least --max-concurrent")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ValueError("--kv-memory must be a positive size, like 2GiB")
-        if self.spec == "draft":
-            raise ValueError("--spec draft (a draft model) is not built yet; use --spec ngram or --spec off")
         if self.spec not in self.SPEC_MODES:
             raise ValueError(f"--spec must be one of {', '.join(self.SPEC_MODES)}")
+        if self.spec == "draft" and not self.draft_model:
+            raise ValueError("--spec draft needs --draft-model PATH|NAME (a small model with the same vocabulary)")
+        if self.draft_model and self.spec != "draft":
+            raise ValueError(f"--draft-model drafts only with --spec draft (not --spec {self.spec})")
         if self.kv_dtype not in self.KV_DTYPES:
             raise ValueError(f"--kv-dtype must be one of {', '.join(self.KV_DTYPES)}")
         if not 0 <= self.max_queue <= self.MAX_QUEUE:

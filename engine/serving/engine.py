@@ -30,6 +30,7 @@ import numpy as np
 
 from panechat.backends.paged_kv import BLOCK_TOKENS, bytes_per_block
 from panechat.engine.serving.config import EngineConfig, format_size
+from panechat.engine.serving.draft_model import DraftModel, draft_bytes_per_block, load_draft_lm
 from panechat.engine.serving.events import Event, FinishEvent
 from panechat.engine.serving.invalid_request import InvalidRequest
 from panechat.engine.model.invariance import check_model_invariance, check_one_call_step, check_speculation
@@ -162,8 +163,11 @@ class Engine:
             raise ModelFileError(f"the model's context ({args.context_length} tokens) is shorter than "
                                  f"the minimum of {cfg.MIN_CTX}; use a model with a longer context")
         per_block = bytes_per_block(args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
-        self.kv_budget_note = self._kv_budget(cfg, per_block)
-        n_blocks = max(1, self.kv_budget // per_block)
+        # --spec draft: the draft model, on this backend; the KV budget holds its blocks too
+        draft_lm = None if cfg.spec != "draft" else load_draft_lm(cfg.draft_model, lm, self.ctx)
+        draft_block = 0 if draft_lm is None else draft_bytes_per_block(draft_lm, cfg.kv_dtype)
+        self.kv_budget_note = self._kv_budget(cfg, per_block + draft_block)
+        n_blocks = max(1, self.kv_budget // (per_block + draft_block))
         be = lm.model.backend
         self.kv = be.new_paged_kv(n_blocks, args.n_layer, args.n_kv_head, args.head_dim, cfg.kv_dtype)
         self.pool = BlockPool(n_blocks, caching=cfg.prefix_caching)
@@ -172,6 +176,9 @@ class Engine:
         self.metrics.kv_total = n_blocks
         self.metrics.kv_bytes_per_block = per_block
         self.kv_manager = KVManager(self.pool, self._open_snapshots())
+        # as many draft KV blocks as the target's: room for the same sequences
+        self.draft: DraftModel | None = None if draft_lm is None else DraftModel(
+            draft_lm, n_blocks, cfg.kv_dtype, cfg.prefix_caching, cfg.prefill_chunk)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_concurrent, cfg.max_queue, cfg.prefill_chunk,
                                    max_queue_per_client=cfg.max_queue_per_client)
         # Set by the compute thread's start-up self-check (see start()).
@@ -225,6 +232,11 @@ class Engine:
             lines.append("speculative decoding: off (--spec off)")
         elif self.spec_problem or not self.batching:
             lines.append(f"speculative decoding: off, the self-check failed: {self.spec_problem or 'no batching'}")
+        elif self.draft is not None:
+            d = self.draft
+            lines.append(f"speculative decoding: draft model {d.lm.name} ({d.lm.model.args.n_layer} layers, "
+                         f"{d.lm.model.weight_bytes / 2**20:.0f} MiB, KV {format_size(d.kv.nbytes)}), drafts "
+                         "checked exactly (replies identical to plain decoding)")
         else:
             lines.append("speculative decoding: n-gram drafts, checked exactly (replies identical to plain decoding)")
         k = self.cfg.max_concurrent
@@ -365,8 +377,9 @@ class Engine:
             processors=processors, client=client,
             prompt_lps=None if params.prompt_logprobs is None else [None] * (len(prompt_ids) - 1),
         )
-        if self.cfg.spec == "ngram" and can_speculate(processors, params.speculate):
-            req.spec = Speculation(req.prompt_ids, self.ctx)
+        if self.cfg.spec != "off" and can_speculate(processors, params.speculate):
+            drafter = self.draft.drafter(rid, req.prompt_ids) if self.draft is not None else None
+            req.spec = Speculation(req.prompt_ids, self.ctx, drafter)
         return gen, req
 
     def _grammar_mask(self, params: SamplingParams) -> tuple[GrammarMask, ...]:
@@ -443,6 +456,8 @@ class Engine:
             try:
                 with self._lock:
                     self._reap_cancelled()
+                if self.draft is not None and not self.draft.broken:
+                    self._draft_ahead()
                 # not under the lock: an admission may read a KV snapshot from disk, and
                 # submit (on an event loop) must not wait for that
                 plan = self.scheduler.schedule()
@@ -471,6 +486,33 @@ class Engine:
                     for r in victims:
                         self._fail(r, f"internal error: {type(e).__name__}: {e}")
         self.kv_manager.close()  # with snapshots on: the idle conversations' KV is written
+        if self.draft is not None:
+            self.draft.close()
+
+    def _draft_ahead(self) -> None:
+        """The draft model's drafts for every decoding request that speculates, before the
+        step is planned, as many as pay for the target's extra rows and the draft passes
+        (the scheduler then takes those that still pay: `Speculation.propose`); preempted
+        requests give their draft KV back."""
+        decoding = [r for r in self.scheduler.running if r.state == RequestState.DECODING]
+        running = [r for r in decoding if r.spec is not None]
+        wants, n, cost = [], len(decoding), self.scheduler.step_cost
+        plain, per = cost.seconds(n), self.draft.forward_s
+
+        def worth(expected: float, k: int) -> float:  # the step's tokens per second, relative
+            return (n + expected - 1) / n / (cost.ratio(n, k) + (k * per / plain if plain > 0 else 0.0))
+
+        if self.scheduler.speculate:
+            for r in running:
+                k = r.spec.wanted(r.params.max_tokens - len(r.output_ids) - 1, worth)  # room: the scheduler's
+                if k > 0:
+                    wants.append((r.spec.drafter, k))
+        try:
+            self.draft.run(wants, {r.id for r in running})
+        except Exception:  # drafts are only proposals: a failing draft model fails no request
+            log.exception("the draft model failed; decoding goes on without its drafts")
+            self.draft.close()
+            self.draft.broken = True
 
     def _open_snapshots(self) -> KVPersistence | None:
         """The snapshot folder of this model when --kv-snapshots is on; a folder that
@@ -654,6 +696,8 @@ class Engine:
         if held:
             self._remember(r.conversation, held)
         self._by_id.pop(r.id, None)
+        if self.draft is not None and r.spec is not None:
+            self.draft.release(r.spec.drafter)
         r.t_end = time.perf_counter()
         self._members_changed = True
         self.metrics.record_finish(reason, (r.t_first - r.t_submit) if r.t_first else None,

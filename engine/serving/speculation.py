@@ -19,11 +19,16 @@ count) and the request's acceptance estimate then take the k that speeds the ste
 or none, so prose without repeats, or a machine where extra rows are dear, costs nearly
 nothing. A grammar's mask and count penalties keep state of their own token by token, so
 a request with one decodes without drafts (`can_speculate`).
+
+A `Drafter` proposes one sequence's drafts: `NgramDrafter`, or with `--spec draft` a draft
+model's (draft_model.py), which computes them for all sequences before the step is planned
+(`Speculation.wanted` says how many pay).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from panechat.engine.serving.logits_processors import LogitBias, RepeatPenalty
 
@@ -35,6 +40,19 @@ PAUSE_MAX = 32  # steps without drafting after repeated misses, at most
 #: verify row can get its own: a request with any other (a grammar's mask, count
 #: penalties) decodes without speculation.
 HISTORY_FREE = (LogitBias, RepeatPenalty)
+
+
+class Drafter(Protocol):
+    """What proposes one sequence's drafts: `NgramDrafter`, or a draft model's
+    (draft_model.py). It holds the sequence's tokens (prompt, then accepted reply)."""
+
+    tokens: list[int]
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` draft tokens continuing `tokens`."""
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Append the tokens a step accepted."""
 
 
 class NgramDrafter:
@@ -97,6 +115,10 @@ class AdaptiveK:
             return 0
         return self.k
 
+    def peek(self) -> int:
+        """What `next_k` would return, without counting a step of a pause."""
+        return 0 if self._wait > 0 else self.k
+
     def observe(self, drafted: int, accepted: int) -> None:
         """The outcome of a step that tried `drafted` drafts."""
         if drafted == 0:
@@ -136,6 +158,10 @@ class StepCost:
             t = table[rows]
             table[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
 
+    def seconds(self, rows: int) -> float:
+        """The measured time of a plain step of `rows` rows (0.0: not measured yet)."""
+        return self._plain[min(rows, self.MAX_ROWS)]
+
     def ratio(self, rows: int, extra: int) -> float:
         """How much longer a step of rows + extra rows (drafts among them) takes than a
         plain one of `rows`."""
@@ -160,8 +186,8 @@ class Speculation:
     DECAY = 0.8  # of the old counts at each verify
     DRIFT = 0.03  # towards the prior at each step without drafts
 
-    def __init__(self, prompt: Sequence[int], max_len: int):
-        self.drafter = NgramDrafter(prompt)
+    def __init__(self, prompt: Sequence[int], max_len: int, drafter: Drafter | None = None):
+        self.drafter = drafter if drafter is not None else NgramDrafter(prompt)
         self.policy = AdaptiveK()
         self.max_len = max_len
         self.drafted = 0
@@ -175,6 +201,13 @@ class Speculation:
         """The estimated chance that a draft stands, given the ones before it did."""
         return self._hits / (self._hits + self._misses)
 
+    def wanted(self, room: int, worth: Callable[[float, int], float] | None = None) -> int:
+        """The most drafts the next `propose(room, ...)` may take, and with `worth` (as for
+        `propose`) only as many as pay: a draft model computes them before the step is
+        planned, so drafts that would not pay are not computed at all."""
+        k = max(0, min(self.policy.peek(), room, self.max_len - len(self.drafter.tokens) - 1))
+        return k if worth is None or k == 0 else self._best(k, worth)[0]
+
     def propose(self, room: int, worth: Callable[[float, int], float] | None = None) -> list[int]:
         """This step's drafts: at most `room` (the caller's bound: tokens left, KV slots).
         `worth(expected_tokens, k)`: how much k more rows that are expected to give that
@@ -185,14 +218,19 @@ class Speculation:
         drafts = self.drafter.propose(k) if k > 0 else []
         if not drafts or worth is None:
             return drafts
-        a, best, best_worth, e, p = self.chance, 0, 1.0, 1.0, 1.0
-        for k in range(1, len(drafts) + 1):
+        best, self.expected = self._best(len(drafts), worth)
+        return drafts[:best]
+
+    def _best(self, n: int, worth: Callable[[float, int], float]) -> tuple[int, float]:
+        """The k <= n with the best worth (0: none is worth it) and the tokens it is expected to give."""
+        a, best, best_worth, expected, e, p = self.chance, 0, 1.0, 1.0, 1.0, 1.0
+        for k in range(1, n + 1):
             p *= a
             e += p  # expected tokens from k drafts: 1 + a + ... + a^k
             w = worth(e, k)
             if w > best_worth:
-                best, best_worth, self.expected = k, w, e
-        return drafts[:best]
+                best, best_worth, expected = k, w, e
+        return best, expected
 
     def accept(self, tokens: Sequence[int], drafted: int, accepted: int) -> None:
         """A step's outcome: `tokens` appended to the sequence; it tried `drafted` drafts,

@@ -269,11 +269,16 @@ def test_ctx_size_limit_is_checked_before_loading(argv):
     assert p.returncode == 2 and p.stderr.strip() == "panechat: error: --ctx-size must be at least 64", p.stderr
 
 
-def test_spec_draft_is_refused_in_one_line():
-    p = cli("--spec", "draft", "serve")
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.strip() == ("panechat: error: --spec draft (a draft model) is not built yet; "
-                                "use --spec ngram or --spec off"), p.stderr
+@pytest.mark.parametrize("argv, want", [
+    (["--spec", "draft", "serve"], "--spec draft needs --draft-model PATH|NAME (a small model with the same vocabulary)"),
+    (["serve", "--draft-model", "x.gguf"], "--draft-model drafts only with --spec draft (not --spec ngram)"),
+    (["run", "--spec", "off", "--draft-model", "x.gguf", "hi"], "--draft-model drafts only with --spec draft "
+                                                                "(not --spec off)"),
+], ids=["draft-without-model", "model-with-ngram", "run-model-with-off"])
+def test_spec_and_draft_model_mismatch_is_refused_in_one_line(argv, want):
+    """Before any model loads (x.gguf does not exist: a later check would name the file)."""
+    p = cli(*argv)
+    assert p.returncode == 2 and p.stderr.strip() == f"panechat: error: {want}", p.stderr
 
 
 def test_several_models_repeat_or_comma_list_the_first_the_default():
@@ -334,3 +339,16 @@ def test_web_connect_refuses_engine_options_it_would_ignore():
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "--ctx-size" in lines[0] and "--model" in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("which", ["tiny", "gemma"])
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(which, tiny, model_path, request):
+    """A tiny synthetic llama (259 tokens) or gemma-3-270m (262144) cannot draft for the
+    default model (49152)."""
+    draft = tiny("llama", "F32")[0] if which == "tiny" else request.getfixturevalue("gemma_path")
+    p = cli("run", "--model", str(model_path), "--spec", "draft", "--draft-model", str(draft), "hi", timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"panechat: error: --draft-model {draft.name} cannot draft for {model_path.name}: "
+                               "its vocabulary has "), lines[0]
+    assert "the target's 49152; use a draft model of the same family (the same tokenizer)" in lines[0], lines[0]

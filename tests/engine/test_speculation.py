@@ -144,8 +144,10 @@ def test_spec_off_engine_never_drafts(loaded_model, prompts):
 
 
 def test_config_refuses_draft_mode_in_one_line():
-    with pytest.raises(ValueError, match="--spec draft .* not built yet"):
+    with pytest.raises(ValueError, match="--spec draft needs --draft-model"):
         EngineConfig(spec="draft")
+    with pytest.raises(ValueError, match=r"--draft-model drafts only with --spec draft \(not --spec off\)"):
+        EngineConfig(spec="off", draft_model="x.gguf")
     with pytest.raises(ValueError, match="--spec must be one of"):
         EngineConfig(spec="eagle")
 
