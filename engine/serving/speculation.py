@@ -117,9 +117,9 @@ class StepCost:
     """This engine's seconds per forward step by its number of rows, as measured (a moving
     average each), so drafts are tried only where their rows cost less than the tokens
     they are expected to bring: on a GPU extra rows are nearly free, on a small CPU a
-    second row may cost as much as the first. Steps where some sequence has several rows
-    (drafts, prefill chunks) are kept apart from those of one row per sequence: they may
-    take another path (the CPU's one-call step takes only the latter). A row count never
+    second row may cost as much as the first. Steps with drafts (several rows of a sequence)
+    are kept apart from those of one row per sequence, since a backend may run them another
+    way; the engine records neither kind for steps with a prefill chunk. A row count never
     measured is assumed cheap (a tenth of a step per row), so it gets tried, and measured."""
 
     MAX_ROWS = 64
@@ -130,7 +130,7 @@ class StepCost:
 
     def record(self, rows: int, seconds: float, several: bool = False) -> None:
         """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored);
-        `several`: some sequence had several rows in it."""
+        `several`: some sequence had drafts (several rows) in it."""
         if 0 < rows <= self.MAX_ROWS:
             table = self._several if several else self._plain
             t = table[rows]
