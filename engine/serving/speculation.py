@@ -17,8 +17,10 @@ Its index (n-gram -> where its continuation starts) grows by a few dict writes p
 each time, while drafts keep failing; `StepCost` (the engine's measured step time by row
 count) and the request's acceptance estimate then take the k that speeds the step up most,
 or none, so prose without repeats, or a machine where extra rows are dear, costs nearly
-nothing. A grammar's mask and count penalties keep state of their own token by token, so
-a request with one decodes without drafts (`can_speculate`).
+nothing. Where no k up to the policy's pays for its rows, the policy allows one more draft
+next time, so a machine where only long runs pay (a CPU's second row costs nearly a
+step) still reaches them. A grammar's mask and count penalties keep state of their own
+token by token, so a request with one decodes without drafts (`can_speculate`).
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ class Speculation:
     back to it while the request does not draft, so a reply that turns repetitive later
     is tried again."""
 
-    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps", "expected", "_hits", "_misses")
+    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps", "expected", "_hits", "_misses",
+                 "_declined")
 
     PRIOR = (4.0, 1.0)  # (hits, misses): 0.8
     DECAY = 0.8  # of the old counts at each verify
@@ -169,6 +172,7 @@ class Speculation:
         self.steps = 0  # verify steps (those that tried at least one draft)
         self.expected = 1.0  # tokens the last proposal is expected to give (1: no drafts)
         self._hits, self._misses = self.PRIOR
+        self._declined = False  # the last proposal had drafts, none worth their rows
 
     @property
     def chance(self) -> float:
@@ -180,7 +184,7 @@ class Speculation:
         `worth(expected_tokens, k)`: how much k more rows that are expected to give that
         many tokens speed the step up (> 1: worth it); the k with the best worth is taken,
         none when no k is worth it. None: every candidate draft is taken."""
-        self.expected = 1.0
+        self.expected, self._declined = 1.0, False
         k = min(self.policy.next_k(), room, self.max_len - len(self.drafter.tokens) - 1)
         drafts = self.drafter.propose(k) if k > 0 else []
         if not drafts or worth is None:
@@ -192,6 +196,7 @@ class Speculation:
             w = worth(e, k)
             if w > best_worth:
                 best, best_worth, self.expected = k, w, e
+        self._declined = best == 0
         return drafts[:best]
 
     def accept(self, tokens: Sequence[int], drafted: int, accepted: int) -> None:
@@ -208,6 +213,8 @@ class Speculation:
             ph, pm = self.PRIOR
             self._hits += self.DRIFT * (ph - self._hits)
             self._misses += self.DRIFT * (pm - self._misses)
+            if self._declined:  # too few drafts to pay for their rows (a CPU's 2nd row is dear): allow more
+                self.policy.k = min(self.policy.k + 1, K_MAX)
         self.drafter.extend(tokens)
 
     @property
