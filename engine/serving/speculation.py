@@ -121,14 +121,18 @@ class StepCost:
     they are expected to bring: on a GPU extra rows are nearly free, on a small CPU a
     second row may cost as much as the first. Steps with drafts (several rows of a sequence)
     are kept apart from those of one row per sequence, since a backend may run them another
-    way; the engine records neither kind for steps with a prefill chunk. A row count never
-    measured is assumed cheap (a tenth of a step per row), so it gets tried, and measured."""
+    way; the engine records neither kind for steps with a prefill chunk. A draft step's
+    row count never measured is read off a line fitted to the draft steps measured (their
+    cost grows about linearly in rows), or, before two counts are known, assumed cheap (a
+    tenth of a step per row), so it gets tried, and measured."""
 
     MAX_ROWS = 64
+    FIT_DECAY = 0.95  # of the line's old points at each draft step
 
     def __init__(self):
         self._plain = [0.0] * (self.MAX_ROWS + 1)  # one row per sequence
         self._several = [0.0] * (self.MAX_ROWS + 1)  # some sequence with several rows
+        self._fit = [0.0] * 5  # decayed sums of 1, rows, seconds, rows^2, rows*seconds (draft steps)
 
     def record(self, rows: int, seconds: float, several: bool = False) -> None:
         """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored);
@@ -137,11 +141,28 @@ class StepCost:
             table = self._several if several else self._plain
             t = table[rows]
             table[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
+            if several:
+                d, f = self.FIT_DECAY, self._fit
+                for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+                    f[i] = d * f[i] + v
+
+    def _draft_step(self, rows: int) -> float:
+        """Seconds of a draft step of `rows` rows: measured, else on the fitted line (0.0:
+        no line yet)."""
+        t = self._several[min(rows, self.MAX_ROWS)]
+        if t > 0.0:
+            return t
+        n, x, y, xx, xy = self._fit
+        det = n * xx - x * x
+        if det <= 1e-9 * n * n:  # one row count so far: no slope
+            return 0.0
+        slope = max(0.0, (n * xy - x * y) / det)
+        return max((y - slope * x) / n + slope * rows, 1e-9)
 
     def ratio(self, rows: int, extra: int) -> float:
         """How much longer a step of rows + extra rows (drafts among them) takes than a
         plain one of `rows`."""
-        base, more = self._plain[min(rows, self.MAX_ROWS)], self._several[min(rows + extra, self.MAX_ROWS)]
+        base, more = self._plain[min(rows, self.MAX_ROWS)], self._draft_step(rows + extra)
         if base <= 0.0 or more <= 0.0:
             return 1.0 + 0.1 * extra
         return more / base

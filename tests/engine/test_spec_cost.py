@@ -66,3 +66,15 @@ def test_a_policy_too_short_to_pay_grows_to_the_runs_that_do():
     assert spec.propose(8, worth) == []
     spec.accept([3], 0, 0)  # the step ran without drafts, and gave the token after "1 2"
     assert spec.propose(8, worth) == PROMPT[3:3 + K_START + 1]
+
+
+def test_a_row_count_never_measured_is_read_off_the_draft_steps_line():
+    """Draft steps of 3 and 5 rows measured (20 and 30 ms): 9 rows is about 50 ms, not
+    'cheap'; before two counts are known it is assumed cheap, so it gets tried."""
+    cost = StepCost()
+    cost.record(1, 0.010)
+    cost.record(3, 0.020, several=True)
+    assert cost.ratio(1, 8) == 1.8  # one point: no line yet
+    cost.record(5, 0.030, several=True)
+    assert abs(cost.ratio(1, 8) - 5.0) < 0.3
+    assert cost.ratio(1, 2) == 2.0 and cost.ratio(1, 4) == 3.0  # measured counts as measured
