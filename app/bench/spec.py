@@ -7,7 +7,8 @@ change; `quote`, a passage to be repeated word for word; `chat`, an ordinary que
 (the cost side: few drafts). Each at B=1 and B=4 (B copies at once, each its own
 conversation), off and on in turn `--rounds` times. Reported: the median tokens/s off
 and on, the speed-up, the drafts' acceptance, and whether every reply was identical
-(they must be; the exit status says so).
+(they must be; the exit status says so). First, the cost of a verify step of 5 rows
+against a one-row step (`spec_cost`); `--workloads ""` reports only that.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import time
 
 from panechat.engine.serving.sampling import SamplingParams
+
+from .spec_cost import describe, verify_cost
 
 CODE = '''def parse_line(line):
     """Split a "key = value" line into a pair; None for blanks and comments."""
@@ -116,6 +119,7 @@ def run_spec(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"--workloads: unknown {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
     lm = load_model_from_args(args)
+    cost = verify_cost(lm.model)  # before the engine: nothing else runs on the model meanwhile
     draft = getattr(args, "draft_model", None)  # --spec draft --draft-model X: its drafts, else n-gram ones
     engine = Engine(lm, EngineConfig(max_concurrent=max(sizes), ctx_size=2048, prefix_caching=False,
                                      spec="draft" if draft else "ngram", draft_model=draft)).start()
@@ -129,10 +133,12 @@ def run_spec(args: argparse.Namespace) -> int:
     finally:
         engine.stop()
     if args.json:
-        print(json.dumps({"model": lm.name, "backend": lm.model.backend.describe(), "rows": rows, "draft": drafter}))
+        print(json.dumps({"model": lm.name, "backend": lm.model.backend.describe(), "verify_cost": cost,
+                          "rows": rows, "draft": drafter}))
         return 0
     print(f"model: {lm.name}  backend: {lm.model.backend.describe()}  tokens per reply: {args.max_tokens}  "
           f"drafts: {'draft model ' + engine.draft.lm.name if engine.draft else 'n-gram'}")
+    print(describe(cost))
     print(f"{'workload':>9} {'B':>3} {'tok/s off':>10} {'tok/s on':>9} {'speed-up':>9} {'accepted':>9} "
           f"{'drafts':>7} {'identical':>9}")
     for r in rows:

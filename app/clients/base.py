@@ -37,6 +37,7 @@ class GenParams:
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    spec: bool = True  # speculative drafts (the reply is the same either way; issue 27)
 
 
 @dataclass(frozen=True)

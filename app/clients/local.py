@@ -136,7 +136,7 @@ class LocalBackend(ChatBackend):
                             min_p=params.min_p, seed=params.seed, max_tokens=params.max_tokens,
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                             repeat_penalty=params.repeat_penalty, repeat_last_n=params.repeat_last_n,
-                            grammar=response_format_grammar(params.response_format))
+                            grammar=response_format_grammar(params.response_format), speculate=params.spec)
         models = self.models
         # found (or loaded on first use, or reloaded after an unload) in the worker thread
         return LocalStream(lambda: models.get(model or None), msgs, sp, conversation, stop=params.stop,

@@ -90,6 +90,8 @@ class OpenAIBackend(ChatBackend):
             body["min_p"] = params.min_p
         if params.stop:
             body["stop"] = list(params.stop)
+        if not params.spec:  # panechat's extension: sent only when off
+            body["spec"] = False
         for key, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),  # OpenAI's own
                              ("repeat_penalty", 1.0), ("repeat_last_n", 64)):  # llama.cpp's, sent only when set
             if getattr(params, key) != default:

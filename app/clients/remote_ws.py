@@ -401,11 +401,13 @@ class RemoteBackend(ChatBackend):
 
 
 def _extra_fields(params: GenParams) -> dict:
-    """Stop strings and penalties in a send frame's params, only those set away from the
-    defaults (the frame stays what an older server reads)."""
+    """Stop strings, penalties and drafts turned off in a send frame's params, only those
+    set away from the defaults (the frame stays what an older server reads)."""
     out = {k: getattr(params, k) for k, default in _PENALTY_DEFAULTS.items() if getattr(params, k) != default}
     if params.stop:
         out["stop"] = list(params.stop)
+    if not params.spec:
+        out["spec"] = False
     return out
 
 

@@ -21,7 +21,8 @@ NUMBERS: tuple[tuple[str, str, float | int], ...] = (
     ("repeat_penalty", "Repeat pen.", 1.0),
     ("repeat_last_n", "Repeat last n", 64),
 )
-DEFAULTS: dict[str, float | int] = {name: default for name, _, default in NUMBERS}
+DEFAULTS: dict[str, float | int | bool] = {name: default for name, _, default in NUMBERS}
+DEFAULTS["spec"] = True  # speculative drafts (issue 27): "on" or "off" in the dialog
 MAX_STOP, MAX_STOP_LEN = 16, 256  # the schema's stop limits (app/server/request_fields.py)
 
 
@@ -59,6 +60,14 @@ def read_stop(text: str) -> list[str]:
     if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in stops):
         raise ValueError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_LEN} characters")
     return [s for s in stops if s]
+
+
+def read_spec(text: str) -> bool:
+    """Speculative drafts from the dialog's text: on (also empty) or off."""
+    word = text.strip().lower()
+    if word not in ("", "on", "off"):
+        raise ValueError("drafts must be on or off (speculative decoding; the reply is the same either way)")
+    return word != "off"
 
 
 def show_stop(stops: list[str]) -> str:

@@ -336,22 +336,45 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, 
 
 
 @njit(**_JIT)
-def check_rows(tables, seqs, pos, n_blocks, B, max_pos):
-    """0 if a decode call can run: every row its own sequence, positions below max_pos and
-    within the table, table entries valid; else -1 (row out of range), -2 (table entry out
-    of range), 1 (a sequence with several rows: a prefill chunk)."""
+def check_rows(tables, seqs, pos, n_blocks, B, max_pos, max_run):
+    """0 if a decode call can run: every row's sequence and position in range (below
+    max_pos and within its table), its table entries valid, and each sequence's rows, in
+    any row order, at distinct consecutive positions, at most max_run of them (a decode
+    row and its drafts); else -1 (row out of range), -2 (table entry out of range), 1 (a
+    sequence with rows the call does not take: a prefill chunk, or positions with gaps or
+    repeats)."""
     S, MB = tables.shape
-    seen = np.zeros(S, np.bool_)
-    for r in range(seqs.shape[0]):
+    R = seqs.shape[0]
+    count = np.zeros(S, np.int64)
+    lo = np.full(S, MB * B, np.int64)
+    hi = np.full(S, -1, np.int64)
+    several = False
+    for r in range(R):
         s, p = seqs[r], pos[r]
         if s < 0 or s >= S or p < 0 or p >= MB * B or p >= max_pos:
             return -1
-        if seen[s]:
-            return 1
-        seen[s] = True
-        for b in range(p // B + 1):
+        count[s] += 1
+        several = several or count[s] > 1
+        lo[s], hi[s] = min(lo[s], p), max(hi[s], p)
+    for s in range(S):
+        for b in range(hi[s] // B + 1):  # hi -1 (no rows): none
             if tables[s, b] < 0 or tables[s, b] >= n_blocks:
                 return -2
+    if not several:
+        return 0
+    base = np.zeros(S, np.int64)  # where each sequence's positions start in `seen`
+    total = 0
+    for s in range(S):
+        if count[s] > max_run or (count[s] > 1 and hi[s] - lo[s] + 1 != count[s]):
+            return 1
+        base[s] = total
+        total += count[s]
+    seen = np.zeros(total, np.bool_)  # count == span, so a repeat is a seen position
+    for r in range(R):
+        i = base[seqs[r]] + pos[r] - lo[seqs[r]]
+        if seen[i]:
+            return 1
+        seen[i] = True
     return 0
 
 
@@ -360,7 +383,7 @@ def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window
             n):
     R, H, D = q.shape
     NB, G, B = k_blocks.shape[0], k_blocks.shape[1], k_blocks.shape[2]
-    status = check_rows(tables, row_seq, row_pos, NB, B, cos.shape[0] if rope_on else tables.shape[1] * B)
+    status = check_rows(tables, row_seq, row_pos, NB, B, cos.shape[0] if rope_on else tables.shape[1] * B, 1)
     if status:  # checked before anything is written
         return status
     qr = q

@@ -8,8 +8,10 @@ argument checks and a fork-join, which cost about 2 ms of an 11.6 ms step on 2 c
 barrier before the next one reads what it wrote:
 
   1. RMS norm of x (every thread its own copy: no barrier), then its columns of q, k, v
-  2. per (row, kv head): biases, q/k norms, RoPE, the K/V write, attention (a thread's
-     tasks in runs of whole rows where it can: `decode_attention.share_tasks`)
+  2. per (row, kv head): biases, q/k norms, RoPE and the K/V write, then (after a
+     barrier, so a row at p + 1 sees the K/V the row at p of its sequence writes in this
+     step) attention (a thread's tasks in runs of whole rows where it can:
+     `decode_attention.share_tasks`)
   3. its columns of the output product, added into x (or normed first, gemma3)
   4. norm, its columns of gate and up, act(gate) * up for those columns
   5. its columns of the down product, added into x
@@ -23,8 +25,12 @@ or on the thread count. A plan (`build_plan`) holds the model's weights, vectors
 tables by address. It reads the model's features from the same description the op-by-op
 path reads (`layer_spec.DecoderSpec`) and is built only when the step implements every
 one that is set (`IMPLEMENTS`); models it cannot hold (a feature it lacks, F16/BF16/F32
-matrices) keep the op-by-op path, as do steps where a sequence has several rows (prefill
-chunks).
+matrices) keep the op-by-op path. A sequence may have several rows in a step when they are
+at its consecutive positions, at most MAX_RUN of them (a decode row and its speculative
+drafts); each row's attention then reads the same K/V values, in the same order, as when
+its positions are decoded one step each. Prefill chunks run op by op (`Model.forward`
+takes this step only when every row's logits are wanted), where attention gathers such a
+sequence once for all its rows.
 
 `decode_step` calls code from decode_attention, norm_kernels, activation_kernels,
 step_threads and block_tasks; numba's cache folder is keyed on a hash of all of
@@ -67,6 +73,9 @@ ATTN_NORM, FFN_NORM, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, POST_ATTN_NORM, POS
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 Q, K, V, OUT, GATE, UP, DOWN = range(len(MATRICES))
 N_VECTORS, N_MATRICES = len(VECTORS), len(MATRICES)
+# the most rows one sequence may have in the step: a decode row and its drafts (n-gram
+# drafts: at most 8); longer runs gather the sequence's K/V once op by op
+MAX_RUN = 16
 _NO_SCALES = np.zeros((1, 1), np.float32)
 _NO_VECTOR = np.zeros(1, np.float32)
 
@@ -182,10 +191,11 @@ def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
 
 
 @njit(**_JIT)
-def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos):
-    """`decode_attention.check_rows`: 0 when the step can run these rows, 1 when a sequence
-    has several (op by op), negative when a row or table entry is out of range."""
-    return decode_check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos)
+def check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos, max_run):
+    """`decode_attention.check_rows`: 0 when the step can run these rows (a sequence's rows
+    at its consecutive positions, at most max_run of them), 1 when it cannot (op by op),
+    negative when a row or table entry is out of range."""
+    return decode_check_rows(tables, seqs, pos, n_blocks, block_tokens, max_pos, max_run)
 
 
 @njit(**_JIT)
@@ -255,7 +265,8 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
         kb, vb = k_all[i], v_all[i]
         c = numba.carray(f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
         s = numba.carray(f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
-        for task in share_tasks(pos, windows[i], n_kv, tid, n):
+        tasks = share_tasks(pos, windows[i], n_kv, tid, n)
+        for task in tasks:
             r, g0, g1 = task[0], task[1], task[2]
             pr = pos[r]
             blk = tables[seqs[r], pr // B]
@@ -281,7 +292,12 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
                     if has[Q_NORM]:
                         _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + Q_NORM), eps, qh.reshape((1, hd)))
                     _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
-            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, g0, g1, first_position(pr, windows[i]), pr, scale, att3)
+        barrier(sync, n)  # every row's K/V written: a sequence's later rows attend its earlier ones
+        for task in tasks:
+            r = task[0]
+            pr = pos[r]
+            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, task[1], task[2], first_position(pr, windows[i]), pr,
+                           scale, att3)
         barrier(sync, n)
         c0, c1 = _product(fns, mats, mi + OUT, att, p, tid, n)
         _residual(x, p, _vector(vectors, vi + POST_ATTN_NORM), has[POST_ATTN_NORM], eps, c0, c1, sync, tid, n)

@@ -184,7 +184,8 @@ class NumpyBackend(ArrayBackend):
 
     def run_decoder(self, plan, kv, x, slots, positions, tables):
         """The decode step on the crew (`cpu_decoder.decode_step`); None, having written
-        nothing, when a sequence has several rows, the store is not stacked or does not
+        nothing, when a sequence's rows are not at its consecutive positions or are more
+        than `cpu_decoder.MAX_RUN`, the store is not stacked or does not
         match the plan's shape, or the KV is float16 and the CPU lacks F16C."""
         spec = plan.spec
         if (kv.stacked is None or (kv.stacked[0].dtype == np.float16 and not self.decode_attention.HAS_F16C)
@@ -194,7 +195,8 @@ class NumpyBackend(ArrayBackend):
         c = np.ascontiguousarray
         t = c(kv.slot_table if tables is None else tables, np.int32)
         seqs, pos = c(slots, np.int32), c(positions, np.int32)
-        status = self.cpu_decoder.check_rows(t, seqs, pos, kv.n_blocks, BLOCK_TOKENS, plan.max_pos)
+        status = self.cpu_decoder.check_rows(t, seqs, pos, kv.n_blocks, BLOCK_TOKENS, plan.max_pos,
+                                             self.cpu_decoder.MAX_RUN)
         if status == 1:
             return None
         if status:

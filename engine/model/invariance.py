@@ -7,7 +7,8 @@ op-by-op path where a decode-only step may run in one call. The engine turns bat
 
 `check_speculation` proves what exact speculative decoding relies on: k+1 rows of one
 sequence (a decode row and its drafts, positions L..L+k) give the logits of k+1 single
-decode steps bit for bit, alone and beside another sequence's decode row.
+decode steps bit for bit, alone (in the one-call step where the model has one, and op by
+op) and beside another sequence's decode row.
 
 `check_one_call_step` compares the one-call decode step with op by op directly: a
 difference condemns that step, not batching, and the engine turns the step off.
@@ -59,7 +60,8 @@ def check_model_invariance(model: Model, kv: Any) -> str | None:
 def check_one_call_step(model: Model, kv: Any) -> str | None:
     """None when the model's one-call decode step (`Backend.run_decoder`) gives op by op's
     logits bit for bit, or it has none; else a one-line description. Uses KV blocks 0..2
-    of `kv` as `check_model_invariance` does."""
+    of `kv` as `check_model_invariance` does. (Its steps with several rows of a sequence
+    are speculation's verify steps: `check_speculation` proves those.)"""
     if model.decoder is None or kv.n_blocks < 3:
         return None
     rng = np.random.default_rng(1)
@@ -68,14 +70,19 @@ def check_one_call_step(model: Model, kv: Any) -> str | None:
     model.forward(kv, _rows([(0, prompts[0], 0), (1, prompts[1], 0)]))  # a prefill: op by op
     step = _rows([(s, rng.integers(0, vocab, 1).astype(np.int32), len(p)) for s, p in enumerate(prompts)])
     one_call = model.forward(kv, step)
-    plan, model.decoder = model.decoder, None
-    try:
-        ops = model.forward(kv, step)  # rewrites the step's K and V: the same bits when the step is right
-    finally:
-        model.decoder = plan
+    ops = _op_by_op(model, kv, step)  # rewrites the step's K and V: the same bits when the step is right
     if np.array_equal(one_call.view(np.uint32), ops.view(np.uint32)):
         return None
     return f"the one-call decode step's logits differ from op by op's (max |diff| {np.abs(one_call - ops).max():.3g})"
+
+
+def _op_by_op(model: Model, kv: Any, batch: Batch) -> np.ndarray:
+    """`model.forward` with its one-call decode step off."""
+    plan, model.decoder = model.decoder, None
+    try:
+        return model.forward(kv, batch)
+    finally:
+        model.decoder = plan
 
 
 def check_speculation(model: Model, kv: Any, k: int = 4) -> str | None:
@@ -90,13 +97,17 @@ def check_speculation(model: Model, kv: Any, k: int = 4) -> str | None:
     run = rng.integers(0, vocab, k + 1).astype(np.int32)  # the decode token, then k drafts
     model.forward(kv, _rows([(0, prompt, 0), (1, other, 0)]))
     single = np.stack([model.forward(kv, _rows([(0, run[j:j + 1], len(prompt) + j)]))[0] for j in range(k + 1)])
-    every = np.arange(k + 1, dtype=np.int64)
-    alone = model.forward(kv, replace(_rows([(0, run, len(prompt))]), logit_rows=every))
+    verify = _every_row(_rows([(0, run, len(prompt))]))
+    alone = model.forward(kv, verify)  # the one-call step, where the model has one
     if not np.array_equal(single.view(np.uint32), alone.view(np.uint32)):
         return (f"{k + 1} rows of one sequence differ from {k + 1} single decode steps "
                 f"(max |diff| {np.abs(single - alone).max():.3g})")
-    beside = _rows([(1, other[:1], len(other)), (0, run, len(prompt))])
-    beside = model.forward(kv, replace(beside, logit_rows=np.arange(k + 2, dtype=np.int64)))[1:]
+    if model.decoder is not None:  # a verify step beside another's prefill chunk runs op by op
+        ops = _op_by_op(model, kv, verify)
+        if not np.array_equal(single.view(np.uint32), ops.view(np.uint32)):
+            return (f"{k + 1} rows of one sequence op by op differ from {k + 1} single decode steps "
+                    f"(max |diff| {np.abs(single - ops).max():.3g})")
+    beside = model.forward(kv, _every_row(_rows([(1, other[:1], len(other)), (0, run, len(prompt))])))[1:]
     if not np.array_equal(single.view(np.uint32), beside.view(np.uint32)):
         return (f"{k + 1} rows of one sequence beside another's decode row differ from single steps "
                 f"(max |diff| {np.abs(single - beside).max():.3g})")
@@ -104,6 +115,11 @@ def check_speculation(model: Model, kv: Any, k: int = 4) -> str | None:
 
 
 _TABLES = np.array([[2], [0], [1]], np.int32)  # sequence i's one block: not block i
+
+
+def _every_row(batch: Batch) -> Batch:
+    """`batch` with every row's logits wanted, in row order (a decode-shaped step)."""
+    return replace(batch, logit_rows=np.arange(len(batch.tokens), dtype=np.int64))
 
 
 def _rows(parts: list[tuple[int, np.ndarray, int]]) -> Batch:

@@ -557,9 +557,12 @@ class Engine:
         batch = Batch(np.asarray(tokens, np.int32), np.asarray(seqs, np.int32),
                       np.asarray(positions, np.int32), np.asarray(logit_rows + extra, np.int64), tables)
         rows = [(r, j) for r in sampled for j in range(len(r.drafts) + 1)]
+        drafting = len(rows) > len(sampled)
+        prefill = any(n > len(r.drafts) + 1 for r, n in zip(plan.requests, plan.n_tokens))
         t0 = time.perf_counter()
         logits, picks, procs, lp, extra_logits = self._forward(batch, rows, len(extra))
-        self.scheduler.step_cost.record(batch.tokens.size, time.perf_counter() - t0, max(plan.n_tokens) > 1)
+        if not prefill:  # a prefill chunk's step may take another path (op by op): not a decode step's cost
+            self.scheduler.step_cost.record(batch.tokens.size, time.perf_counter() - t0, drafting)
         if prompt_rows:
             _keep_prompt_logprobs(prompt_rows, extra_logits)
         now = time.perf_counter()

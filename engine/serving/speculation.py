@@ -17,8 +17,10 @@ Its index (n-gram -> where its continuation starts) grows by a few dict writes p
 each time, while drafts keep failing; `StepCost` (the engine's measured step time by row
 count) and the request's acceptance estimate then take the k that speeds the step up most,
 or none, so prose without repeats, or a machine where extra rows are dear, costs nearly
-nothing. A grammar's mask and count penalties keep state of their own token by token, so
-a request with one decodes without drafts (`can_speculate`).
+nothing. Where no k up to the policy's pays for its rows, the policy allows one more draft
+next time, so a machine where only long runs pay (a CPU's second row costs nearly a
+step) still reaches them. A grammar's mask and count penalties keep state of their own
+token by token, so a request with one decodes without drafts (`can_speculate`).
 
 A `Drafter` proposes one sequence's drafts: `NgramDrafter`, or with `--spec draft` a draft
 model's (draft_model.py), which computes them for all sequences before the step is planned
@@ -139,24 +141,45 @@ class StepCost:
     """This engine's seconds per forward step by its number of rows, as measured (a moving
     average each), so drafts are tried only where their rows cost less than the tokens
     they are expected to bring: on a GPU extra rows are nearly free, on a small CPU a
-    second row may cost as much as the first. Steps where some sequence has several rows
-    (drafts, prefill chunks) are kept apart from those of one row per sequence: they may
-    take another path (the CPU's one-call step takes only the latter). A row count never
-    measured is assumed cheap (a tenth of a step per row), so it gets tried, and measured."""
+    second row may cost as much as the first. Steps with drafts (several rows of a sequence)
+    are kept apart from those of one row per sequence, since a backend may run them another
+    way; the engine records neither kind for steps with a prefill chunk. A draft step's
+    row count never measured is read off a line fitted to the draft steps measured (their
+    cost grows about linearly in rows), or, before two counts are known, assumed cheap (a
+    tenth of a step per row), so it gets tried, and measured."""
 
     MAX_ROWS = 64
+    FIT_DECAY = 0.95  # of the line's old points at each draft step
 
     def __init__(self):
         self._plain = [0.0] * (self.MAX_ROWS + 1)  # one row per sequence
         self._several = [0.0] * (self.MAX_ROWS + 1)  # some sequence with several rows
+        self._fit = [0.0] * 5  # decayed sums of 1, rows, seconds, rows^2, rows*seconds (draft steps)
 
     def record(self, rows: int, seconds: float, several: bool = False) -> None:
         """One forward step of `rows` rows took `seconds` (steps past MAX_ROWS: ignored);
-        `several`: some sequence had several rows in it."""
+        `several`: some sequence had drafts (several rows) in it."""
         if 0 < rows <= self.MAX_ROWS:
             table = self._several if several else self._plain
             t = table[rows]
             table[rows] = seconds if t == 0.0 else 0.8 * t + 0.2 * seconds
+            if several:
+                d, f = self.FIT_DECAY, self._fit
+                for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+                    f[i] = d * f[i] + v
+
+    def _draft_step(self, rows: int) -> float:
+        """Seconds of a draft step of `rows` rows: measured, else on the fitted line (0.0:
+        no line yet)."""
+        t = self._several[min(rows, self.MAX_ROWS)]
+        if t > 0.0:
+            return t
+        n, x, y, xx, xy = self._fit
+        det = n * xx - x * x
+        if det <= 1e-9 * n * n:  # one row count so far: no slope
+            return 0.0
+        slope = max(0.0, (n * xy - x * y) / det)
+        return max((y - slope * x) / n + slope * rows, 1e-9)
 
     def seconds(self, rows: int) -> float:
         """The measured time of a plain step of `rows` rows (0.0: not measured yet)."""
@@ -165,7 +188,7 @@ class StepCost:
     def ratio(self, rows: int, extra: int) -> float:
         """How much longer a step of rows + extra rows (drafts among them) takes than a
         plain one of `rows`."""
-        base, more = self._plain[min(rows, self.MAX_ROWS)], self._several[min(rows + extra, self.MAX_ROWS)]
+        base, more = self._plain[min(rows, self.MAX_ROWS)], self._draft_step(rows + extra)
         if base <= 0.0 or more <= 0.0:
             return 1.0 + 0.1 * extra
         return more / base
@@ -180,7 +203,8 @@ class Speculation:
     back to it while the request does not draft, so a reply that turns repetitive later
     is tried again."""
 
-    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps", "expected", "_hits", "_misses")
+    __slots__ = ("drafter", "policy", "max_len", "drafted", "accepted", "steps", "expected", "_hits", "_misses",
+                 "_declined")
 
     PRIOR = (4.0, 1.0)  # (hits, misses): 0.8
     DECAY = 0.8  # of the old counts at each verify
@@ -195,6 +219,7 @@ class Speculation:
         self.steps = 0  # verify steps (those that tried at least one draft)
         self.expected = 1.0  # tokens the last proposal is expected to give (1: no drafts)
         self._hits, self._misses = self.PRIOR
+        self._declined = False  # the last proposal had drafts, none worth their rows
 
     @property
     def chance(self) -> float:
@@ -213,12 +238,13 @@ class Speculation:
         `worth(expected_tokens, k)`: how much k more rows that are expected to give that
         many tokens speed the step up (> 1: worth it); the k with the best worth is taken,
         none when no k is worth it. None: every candidate draft is taken."""
-        self.expected = 1.0
+        self.expected, self._declined = 1.0, False
         k = min(self.policy.next_k(), room, self.max_len - len(self.drafter.tokens) - 1)
         drafts = self.drafter.propose(k) if k > 0 else []
         if not drafts or worth is None:
             return drafts
         best, self.expected = self._best(len(drafts), worth)
+        self._declined = best == 0
         return drafts[:best]
 
     def _best(self, n: int, worth: Callable[[float, int], float]) -> tuple[int, float]:
@@ -246,6 +272,8 @@ class Speculation:
             ph, pm = self.PRIOR
             self._hits += self.DRIFT * (ph - self._hits)
             self._misses += self.DRIFT * (pm - self._misses)
+            if self._declined:  # too few drafts to pay for their rows (a CPU's 2nd row is dear): allow more
+                self.policy.k = min(self.policy.k + 1, K_MAX)
         self.drafter.extend(tokens)
 
     @property

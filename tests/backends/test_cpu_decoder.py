@@ -2,7 +2,8 @@
 bit for bit: logits and every layer's stored K and V, on the default model, a K-quant
 copy of it and tiny models of every architecture (biases, q/k norms, post norms, gelu,
 sliding windows, fused QKV), at 1..5 rows with shuffled block tables, f16 and f32 KV,
-on one thread and on two. Both paths read one description of the layers
+on one thread and on two; also steps where a sequence has several rows (a decode row and
+its speculative drafts), which the step takes in one call. Both paths read one description of the layers
 (`layer_spec.DecoderSpec`): the step takes each family's, and declines one with a feature
 it does not implement."""
 
@@ -22,6 +23,9 @@ from panechat.engine.gguf.file import GGUFFile, ModelFileError
 from panechat.engine.model import forward
 from panechat.engine.model.decoder_spec import decoder_spec
 from panechat.engine.model.forward import Batch, Model
+from panechat.engine.serving.engine import Engine, EngineConfig
+from panechat.engine.serving.sampling import SamplingParams
+from panechat.engine.serving.speculation import StepCost
 
 from .kquant_model import write_kquant_copy
 
@@ -185,16 +189,126 @@ def test_kquant_model(model_path, tmp_path):
     _assert_same(*_step_both_ways(model, [30, 8], "f16", seed=3))
 
 
-def test_a_sequence_with_two_rows_runs_op_by_op(loaded_model):
-    """run_decoder declines (None) when a sequence has two rows, having written nothing."""
+@pytest.mark.parametrize("positions", [[6, 8], [7, 6, 7], list(range(6, 7 + cpu_decoder.MAX_RUN))],
+                         ids=["gap", "repeat", "longer-than-MAX_RUN"])
+def test_a_sequence_with_rows_the_step_does_not_take_runs_op_by_op(loaded_model, positions):
+    """run_decoder declines (None) when a sequence's rows are not at distinct consecutive
+    positions, or are more than MAX_RUN, having written nothing."""
     model = loaded_model.model
     kv, tables, pos = _prefilled(model, [6], "f16", seed=1)
     before = [a.copy() for a in kv.stacked]
-    x = np.zeros((2, model.args.n_embd), np.float32)
-    out = model.backend.run_decoder(model.decoder, kv, x, np.array([0, 0], np.int32), np.array([6, 7], np.int32),
-                                    tables)
+    x = np.zeros((len(positions), model.args.n_embd), np.float32)
+    out = model.backend.run_decoder(model.decoder, kv, x, np.zeros(len(positions), np.int32),
+                                    np.array(positions, np.int32), tables)
     assert out is None
     assert all(np.array_equal(b, a) for b, a in zip(before, kv.stacked))
+
+
+def _runs_both_ways(model: Model, lengths: list[int], runs: list[int], kv_dtype: str, seed: int):
+    """(one-call logits, op-by-op logits, one-call KV, op-by-op KV) of one step in which
+    sequence s has runs[s] rows at its next positions (a decode row and its drafts), the
+    rows shuffled; the one-call logits straight from `run_decoder`, so a step it declined
+    fails here rather than passing op by op."""
+    kv, tables, pos = _prefilled(model, lengths, kv_dtype, seed)
+    twin = _copy(model.backend, kv, model)
+    seqs = np.repeat(np.arange(len(runs)), runs).astype(np.int32)
+    positions = np.concatenate([np.arange(p, p + m) for p, m in zip(pos, runs)]).astype(np.int32)
+    order = np.random.default_rng(seed + 1).permutation(len(seqs))  # a sequence's rows in any order too
+    seqs, positions = seqs[order], positions[order]
+    toks = np.random.default_rng(seed + 2).integers(0, model.args.vocab_size, len(seqs)).astype(np.int32)
+    be = model.backend
+    x = be.embed(model.token_embd, toks)
+    if model.spec.embed_scale != 1.0:
+        x = x * np.float32(model.spec.embed_scale)
+    fused = be.run_decoder(model.decoder, kv, x, seqs, positions, tables)
+    assert fused is not None, "the one-call step declined a sequence's consecutive rows"
+    ops = model.layers_and_head(twin, x, seqs, positions, None, tables)
+    return fused, ops, kv, twin
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_several_rows_of_a_sequence_one_call_equals_ops(loaded_model, threads):
+    """Runs of 5, 1, 3 and 1 rows (a block edge inside the 5: positions 30..34), shuffled:
+    op by op's logits and stored K/V bit for bit."""
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("one core")
+    was = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        _assert_same(*_runs_both_ways(loaded_model.model, [30, 9, 17, 40], [5, 1, 3, 1], "f16", seed=11))
+        _assert_same(*_runs_both_ways(loaded_model.model, [12], [cpu_decoder.MAX_RUN], "f16", seed=12))
+    finally:
+        numba.set_num_threads(was)
+
+
+def test_several_rows_f32_store(loaded_model):
+    _assert_same(*_runs_both_ways(loaded_model.model, [5, 20], [2, 4], "f32", seed=13))
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen2", "Q4_1"), ("gemma3", "Q8_0")])
+def test_tiny_architectures_several_rows(tiny, arch, qtype):
+    """Biases (qwen2); q/k norms, post norms and a 5-position sliding window that the
+    later rows of a run move past (gemma3)."""
+    model = _tiny_model(tiny, arch, qtype)
+    _assert_same(*_runs_both_ways(model, [7, 3, 12], [4, 1, 6], "f16", seed=14))
+
+
+def test_check_rows_takes_consecutive_runs_only():
+    """0: each sequence's rows at distinct consecutive positions in any order, at most
+    max_run; 1: gaps, repeats or longer runs; negative: out of range."""
+    tables = np.arange(8, dtype=np.int32).reshape(2, 4)  # 2 sequences x 4 blocks of BLOCK_TOKENS
+
+    def check(seqs, pos, max_run=4):
+        return cpu_decoder.check_rows(tables, np.array(seqs, np.int32), np.array(pos, np.int32), 8, BLOCK_TOKENS,
+                                      4 * BLOCK_TOKENS, max_run)
+
+    assert check([0, 1], [5, 9]) == 0
+    assert check([0, 1, 0, 0], [7, 3, 5, 6]) == 0
+    assert check([0, 0, 0, 0], [15, 16, 17, 18]) == 0  # across a block edge
+    assert check([0, 0], [5, 7]) == 1
+    assert check([0, 0, 0], [5, 6, 5]) == 1
+    assert check([0, 0, 0, 0, 1], [5, 6, 7, 6, 1]) == 1  # count == span, but a repeat
+    assert check([0] * 5, [1, 2, 3, 4, 5]) == 1
+    assert check([0] * 5, [1, 2, 3, 4, 5], max_run=5) == 0
+    assert check([0, 2], [1, 1]) == -1
+    assert check([0, 0], [63, 64]) == -1
+    bad = tables.copy()
+    bad[1, 2] = 99
+    assert cpu_decoder.check_rows(bad, np.array([1], np.int32), np.array([40], np.int32), 8, BLOCK_TOKENS,
+                                  64, 4) == -2
+
+
+class _FreeRows(StepCost):
+    """Extra rows cost nothing: every draft the n-grams offer is tried."""
+
+    def ratio(self, rows: int, extra: int) -> float:
+        return 1.0
+
+
+def test_an_engine_verifies_drafts_in_the_one_call_step(loaded_model, monkeypatch):
+    """Every step where a sequence has several rows (the start-up self-check's k+1 rows,
+    the verify steps of a repetitive reply) runs in one call, not op by op."""
+    be, taken = loaded_model.model.backend, []
+    real = be.run_decoder
+
+    def spy(plan, kv, x, slots, positions, tables):
+        out = real(plan, kv, x, slots, positions, tables)
+        if len(np.unique(slots)) < len(slots):
+            taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(be, "run_decoder", spy)
+    e = Engine(loaded_model, EngineConfig(max_concurrent=2, ctx_size=256)).start()
+    try:
+        assert e.spec_problem is None and taken and all(taken)  # the self-check's
+        checks = len(taken)
+        e.scheduler.step_cost = _FreeRows()
+        ids = e.completion_ids("1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2")
+        fin = e.submit(prompt_ids=ids, params=SamplingParams(max_tokens=16)).result()
+        assert fin.reason in ("stop", "length"), fin.error
+        assert e.stats().spec_accepted > 0 and len(taken) > checks and all(taken)
+    finally:
+        e.stop()
 
 
 def test_out_of_range_rows_are_refused(loaded_model):

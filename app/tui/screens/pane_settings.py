@@ -1,5 +1,6 @@
 """The per-pane settings dialog: title, system prompt, temperature, max tokens, seed, JSON
-output, and the request schema's other per-pane fields (top p/k, min p, stop, penalties)."""
+output, and the request schema's other per-pane fields (top p/k, min p, stop, penalties,
+speculative drafts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from textual.widgets import Button, Input, Label, TextArea
 
 from ...store import Conversation
 from ..json_output import response_format_of
-from ..sampling_fields import NUMBERS, changed, read_number, read_stop, show_stop
+from ..sampling_fields import NUMBERS, changed, read_number, read_spec, read_stop, show_stop
 
 
 @dataclass
@@ -78,6 +79,9 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
                     yield Label(label)
                     yield Input(f"{c.sampling.get(name, default):g}", id=name, placeholder=f"{default:g}",
                                 compact=True)
+                yield Label("Drafts")  # speculative decoding: the same reply, sooner where it repeats
+                yield Input("on" if c.sampling.get("spec", True) else "off", id="spec", placeholder="on",
+                            compact=True)
             yield Label("", id="error")
             with Horizontal():
                 yield Button("Cancel", id="cancel", compact=True)
@@ -127,6 +131,6 @@ class PaneSettingsScreen(ModalScreen[PaneSettings | None]):
             raise ValueError("seed must be a whole number, or empty for random") from None
         response_format_of(val["json_output"])  # a schema file that cannot be used is said now
         sampling = changed({**{name: read_number(name, val[name]) for name, _, _ in NUMBERS},
-                            "stop": read_stop(val["stop"])})
+                            "stop": read_stop(val["stop"]), "spec": read_spec(val["spec"])})
         return PaneSettings(val["title"] or self.conversation.title, self.query_one("#system", TextArea).text,
                             temperature, max_tokens, seed, val["json_output"], sampling)

@@ -1,4 +1,5 @@
-"""The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV blocks, streams.
+"""The always-visible batch dashboard: backend, occupancy, tok/s, queue, KV blocks, streams
+(with each speculating stream's draft acceptance).
 
 It pulls `backend.stats()` (an `EngineStats`: the engine's snapshot, the server's pushed
 stats, or what an OpenAI API lets us measure) a few times a second and shows it with
@@ -89,9 +90,12 @@ def kv_words(s: EngineStats) -> str:
 
 
 def state_words(s: StreamStats) -> str:
-    """How the streams table words a stream's state."""
+    """How the streams table words a stream's state; a decoding stream that has tried
+    speculative drafts shows the share of them that stood ("drafts 72%")."""
     if s.state == StreamState.PREFILLING:
         return f"prefill {100 * s.prefill_done // max(1, s.prefill_total)}%"
+    if s.state == StreamState.DECODING and s.spec_acceptance is not None:
+        return f"drafts {round(100 * s.spec_acceptance)}%"
     return s.state.value  # queued, decoding, waiting
 
 
