@@ -5,6 +5,7 @@ models (engine/serving/model_set.py) each pane's model has its own Engine and ba
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import AsyncIterator, Callable
 
 from panechat.engine.serving.engine import Engine, Generation
@@ -102,6 +103,7 @@ class LocalBackend(ChatBackend):
         self.info = BackendInfo(kind="local")
         self.terminals: Callable[[], int | None] = lambda: None  # set by --share: the server's count
         self._listed_base: set[str] = set()  # base models among those model_choices listed unloaded
+        self._streams: weakref.WeakSet[LocalStream] = weakref.WeakSet()  # those not yet collected, for close()
 
     def _hold(self, engine: Engine | ModelSet) -> None:
         self.models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
@@ -124,6 +126,10 @@ class LocalBackend(ChatBackend):
         return self.info
 
     async def close(self) -> None:
+        """Cancel this backend's streams (an engine it was given goes on serving others, and
+        must not go on generating for an app that quit), then stop an engine it owns."""
+        for stream in list(self._streams):
+            stream.cancel()
         if self.models is not None and self._own:
             await asyncio.to_thread(self.models.stop)
 
@@ -139,8 +145,10 @@ class LocalBackend(ChatBackend):
                             grammar=response_format_grammar(params.response_format), speculate=params.spec)
         models = self.models
         # found (or loaded on first use, or reloaded after an unload) in the worker thread
-        return LocalStream(lambda: models.get(model or None), msgs, sp, conversation, stop=params.stop,
-                           complete_base=complete_base)
+        stream = LocalStream(lambda: models.get(model or None), msgs, sp, conversation, stop=params.stop,
+                             complete_base=complete_base)
+        self._streams.add(stream)
+        return stream
 
     def respond(self, conversation: str, messages: list[dict], params: GenParams, system: str = "",
                 model: str = "") -> ChatStream:

@@ -103,6 +103,7 @@ async def test_a_prompt_too_long_alone_is_refused_and_not_kept(kind, small_engin
 @pytest.mark.parametrize("kind", ["local", "remote"])
 async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engine, server, store):
     store.set_setting("default_max_tokens", "800")
+    cancelled = tui_engine.metrics.requests_finished["cancelled"]
     app = make_app(_backend(kind, tui_engine, server), store)
     async with app.run_test(size=SIZE) as pilot:
         pane = await _ready(pilot)
@@ -116,6 +117,8 @@ async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engin
             assert time.monotonic() - t0 < 30, server.state.conversations.get(cid).messages
             await asyncio.sleep(0.05)
     wait_engine_idle(tui_engine)
+    # quitting cancelled the reply (an engine the app was given must not go on generating for it)
+    assert tui_engine.metrics.requests_finished["cancelled"] == cancelled + 1
     reopened = Store.open()  # the same data folder, as a new process would find it
     try:
         kept = reopened.messages(cid)
