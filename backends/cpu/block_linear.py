@@ -12,9 +12,9 @@ block), the fixed halving tree, no K tail (K is a multiple of 32). Only *where* 
 floats come from depends on M, never how an element is computed, so a row's bits are the
 same at every batch size and position:
 
-* M <= REG_MAX_ROWS (decode): register tiles (1 row x 6 columns, or 4 rows x 3 columns:
-  a 4 x 6 tile with its 8 x vectors spills and measured 1.7x slower) take each pair
-  straight from the loader; weights stream from memory once per step, in their stored
+* M <= REG_MAX_ROWS (decode): register tiles (1 row x 6 columns; 2 x 6, 3 x 3 or 4 x 3
+  for 2, 3 or 4 rows, so a decoded pair serves every row: a 4 x 6 tile with its 8 x
+  vectors spills and measured 1.7x slower) take each pair straight from the loader; weights stream from memory once per step, in their stored
   bytes (a Q4_x weight is 4.5-5 bits), prefetched a tile ahead.
 * larger M (batched decode, prefill): each task dequantizes its panel of output columns
   once into a float32 scratch (a few KB, in L1/L2, freed after the task) and runs the
@@ -117,6 +117,54 @@ def _rtile_1x6(x, w, wd, wdm, out, m, n, load2, pf, bpp):
 
 
 @njit(inline="always", **_JIT)
+def _rtile_2x6(x, w, wd, wdm, out, m, n, load2, pf, bpp):
+    """out[m:m+2, n:n+6]: each pair used by 2 rows (12 accumulators, 4 x vectors)."""
+    K = x.shape[1]
+    x0, x1 = m * K, (m + 1) * K
+    a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vzero()
+    for k in range(0, K, PAIR):
+        _prefetch_next_tile(w, n, k, pf, bpp)
+        k2 = k + LANES
+        l0, h0, l1, h1 = vload(x, x0 + k), vload(x, x0 + k2), vload(x, x1 + k), vload(x, x1 + k2)
+        p = load2(w, wd, wdm, n, k)
+        a0, b0 = _mac2(a0, l0, h0, p), _mac2(b0, l1, h1, p)
+        p = load2(w, wd, wdm, n + 1, k)
+        a1, b1 = _mac2(a1, l0, h0, p), _mac2(b1, l1, h1, p)
+        p = load2(w, wd, wdm, n + 2, k)
+        a2, b2 = _mac2(a2, l0, h0, p), _mac2(b2, l1, h1, p)
+        p = load2(w, wd, wdm, n + 3, k)
+        a3, b3 = _mac2(a3, l0, h0, p), _mac2(b3, l1, h1, p)
+        p = load2(w, wd, wdm, n + 4, k)
+        a4, b4 = _mac2(a4, l0, h0, p), _mac2(b4, l1, h1, p)
+        p = load2(w, wd, wdm, n + 5, k)
+        a5, b5 = _mac2(a5, l0, h0, p), _mac2(b5, l1, h1, p)
+    _store6(out, m, n, a0, a1, a2, a3, a4, a5)
+    _store6(out, m + 1, n, b0, b1, b2, b3, b4, b5)
+
+
+@njit(inline="always", **_JIT)
+def _rtile_3x3(x, w, wd, wdm, out, m, n, load2, pf, bpp):
+    """out[m:m+3, n:n+3]: each pair used by 3 rows (9 accumulators, 6 x vectors)."""
+    K = x.shape[1]
+    x0, x1, x2 = m * K, (m + 1) * K, (m + 2) * K
+    a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = vzero()
+    for k in range(0, K, PAIR):
+        _prefetch_next_tile(w, n, k, pf, bpp)
+        k2 = k + LANES
+        l0, h0, l1, h1 = vload(x, x0 + k), vload(x, x0 + k2), vload(x, x1 + k), vload(x, x1 + k2)
+        l2, h2 = vload(x, x2 + k), vload(x, x2 + k2)
+        p = load2(w, wd, wdm, n, k)
+        a00, a10, a20 = _mac2(a00, l0, h0, p), _mac2(a10, l1, h1, p), _mac2(a20, l2, h2, p)
+        p = load2(w, wd, wdm, n + 1, k)
+        a01, a11, a21 = _mac2(a01, l0, h0, p), _mac2(a11, l1, h1, p), _mac2(a21, l2, h2, p)
+        p = load2(w, wd, wdm, n + 2, k)
+        a02, a12, a22 = _mac2(a02, l0, h0, p), _mac2(a12, l1, h1, p), _mac2(a22, l2, h2, p)
+    _store3(out, m, n, a00, a01, a02)
+    _store3(out, m + 1, n, a10, a11, a12)
+    _store3(out, m + 2, n, a20, a21, a22)
+
+
+@njit(inline="always", **_JIT)
 def _rtile_1x1(x, w, wd, wdm, out, m, n, load2):
     """out[m, n] alone (leftover columns when N % 6 != 0)."""
     K = x.shape[1]
@@ -138,6 +186,15 @@ def _register_panel(x, w, wd, wdm, out, n0, n1, load2, bpp):
             _rtile_4x3(x, w, wd, wdm, out, 0, n, load2, True, bpp)
             _rtile_4x3(x, w, wd, wdm, out, 0, n + 3, load2, False, bpp)
         m = 4
+    elif _WIDE and M == 3:
+        for n in range(n0, n6, TILE_N):
+            _rtile_3x3(x, w, wd, wdm, out, 0, n, load2, True, bpp)
+            _rtile_3x3(x, w, wd, wdm, out, 0, n + 3, load2, False, bpp)
+        m = 3
+    elif _WIDE and M == 2:
+        for n in range(n0, n6, TILE_N):
+            _rtile_2x6(x, w, wd, wdm, out, 0, n, load2, True, bpp)
+        m = 2
     for mr in range(m, M):
         for n in range(n0, n6, TILE_N):
             _rtile_1x6(x, w, wd, wdm, out, mr, n, load2, mr == 0, bpp)
