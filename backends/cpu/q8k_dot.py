@@ -4,10 +4,13 @@ A float32 product over dequantized Q4_K weights costs more in arithmetic than it
 cost in memory (a weight decoded, scaled and multiplied per lane). llama.cpp instead
 rounds each activation row to int8 in blocks of 256 (its Q8_K: one float scale a block,
 `quantize_row_q8_K_ref`), and multiplies integer codes by integer activations: exact
-integer sums, one float multiply-add per super-block. So does this module, with VNNI
-(`vpdpbusd`: 64 u8 x s8 products a instruction, `vpdpwssd` for the sub-block scales)
-where the CPU has it and plain LLVM integer vectors elsewhere. Integer sums are exact,
-so both give the same integers and the same floats.
+integer sums, one float multiply-add per super-block. So does this module, in the form
+the compile target's instruction set allows (`target_form`, chosen when numba compiles:
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES pick another target): VNNI (`vpdpbusd`: 64 u8 x s8
+products a instruction, `vpdpwssd` for the sub-block scales), AVX-512 BW without VNNI or
+AVX2 (`vpmaddubsw` / `vpmaddwd`, as llama.cpp's AVX2 code; codes below 64 never reach
+its saturation), and plain LLVM integer vectors anywhere else (ARM servers). Integer sums
+are exact, so every form gives the same integers and the same floats.
 
 Per output element (row m, column n), super-block s in increasing order:
 
@@ -19,7 +22,10 @@ with dx the row's block scale, d and dmin the super-block's; lane l < 8 holds th
 weights 4l..4l+3 of sub-blocks 0, 1, 4, 5 (bytes 4l.. of qs' two 64-byte halves, low
 and high nibbles), lane l >= 8 those of sub-blocks 2, 3, 6, 7. The result is
 `numpy_kernels.vsum(acc)`, the fixed halving tree. Nothing in it depends on other rows
-or on how many there are: a row's bits are the same alone or in any batch.
+or on how many there are: a row's bits are the same alone or in any batch. The column
+products compute four weight rows against four activation rows at a time (each block
+decoded once for the four), in chunks of 64 rows that stay in L2; the tiles choose only
+which elements are computed together.
 `reference_q4_k` is the same arithmetic in numpy (the tests' exact reference).
 """
 
@@ -177,6 +183,19 @@ def _splat_f32(builder, s):
 _Q5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))  # qh bits of each code vector's two 32-byte halves
 
 
+def _bits_to(builder, qh, bits, to, mask):
+    """A 64-byte vector whose first 32 bytes hold bit(s) bits[0].. of the 32 bytes at qh
+    moved to bit `to` (then masked by the byte `mask`), the last 32 bytes bits[1]..: one
+    variable shift of 32-bit words on the bytes loaded twice (a bit moved within its byte
+    never meets its neighbours' bits under the mask)."""
+    half = _load(builder, qh, 0, _B32)
+    both = builder.bitcast(builder.shuffle_vector(half, half, ir.Constant(ir.VectorType(_I32, 64), list(range(64)))), _V16)
+    left = bits[0] < to  # the pairs here shift both halves the same way
+    counts = ir.Constant(_V16, [abs(to - b) for b in bits for _ in range(8)])
+    moved = builder.shl(both, counts) if left else builder.lshr(both, counts)
+    return builder.and_(builder.bitcast(moved, _B64), _splat(builder, _B64, mask))
+
+
 def _q4k_codes(builder, wp, q5):
     """The four 64-byte code vectors of a Q4_K (q5: Q5_K) block, in `_q4k_block`'s lane order."""
     lo4 = _splat(builder, _B64, 0x0F)
@@ -185,13 +204,9 @@ def _q4k_codes(builder, wp, q5):
         q = _load(builder, wp, (48 if q5 else 16) + half, _B64)
         codes += [builder.and_(q, lo4), builder.and_(builder.lshr(q, _splat(builder, _B64, 4)), lo4)]
     if q5:
-        cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
-        qh = _load(builder, wp, 16, _B32)
-        for i, (b0, b1) in enumerate(_Q5_BITS):
-            two = builder.shuffle_vector(builder.lshr(qh, _splat(builder, _B32, b0)) if b0 else qh,
-                                         builder.lshr(qh, _splat(builder, _B32, b1)), cat)
-            fifth = builder.shl(builder.and_(two, _splat(builder, _B64, 1)), _splat(builder, _B64, 4))
-            codes[i] = builder.or_(codes[i], fifth)
+        qh = builder.gep(wp, [ir.Constant(ir.IntType(64), 16)])
+        for i, bits in enumerate(_Q5_BITS):
+            codes[i] = builder.or_(codes[i], _bits_to(builder, qh, bits, 4, 0x10))
     return codes
 
 
@@ -221,20 +236,18 @@ def _q6k_block(builder, acc, wp, xp, bp, dd, dm):
     """acc after one Q6_K super-block (module docstring): wp its 210 bytes, xp the row's
     256 int8 activations, bp their 16 int16 sums of 16 (dm unused). Codes are taken unsigned
     (0..63) and the offset 32 subtracted as 32 * sc[g] * (sum of group g's activations)."""
-    lo4, three = _splat(builder, _B64, 0x0F), _splat(builder, _B64, 3)
-    cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+    lo4 = _splat(builder, _B64, 0x0F)
     sc = _load(builder, wp, 192, _B16)
     sc16 = builder.zext(builder.sext(sc, ir.VectorType(_I16, 16)), _V16)  # signed scale in the low half
     zero = ir.Constant(_V16, None)
     part = [zero, zero]  # one chain of integer adds per half (exact in any order)
     for h in (0, 1):
         ql = _load(builder, wp, 64 * h, _B64)
-        qh = _load(builder, wp, 128 + 32 * h, _B32)
-        hv = [builder.lshr(qh, _splat(builder, _B32, s)) if s else qh for s in (0, 2, 4, 6)]
-        highs = (builder.shuffle_vector(hv[0], hv[1], cat), builder.shuffle_vector(hv[2], hv[3], cat))
+        qh = builder.gep(wp, [ir.Constant(ir.IntType(64), 128 + 32 * h)])
+        highs = (_bits_to(builder, qh, (0, 2), 4, 0x30), _bits_to(builder, qh, (4, 6), 4, 0x30))  # bits 2q, 2q+1 at 4, 5
         lows = (builder.and_(ql, lo4), builder.and_(builder.lshr(ql, _splat(builder, _B64, 4)), lo4))
         for c in (0, 1):  # weights 128h + 64c + b for byte b
-            code = builder.or_(lows[c], builder.shl(builder.and_(highs[c], three), _splat(builder, _B64, 4)))
+            code = builder.or_(lows[c], highs[c])
             x = _load(builder, xp, 128 * h + 64 * c, _B64)
             picks = [8 * h + 4 * c + l // 4 for l in range(16)]
             part[h] = _scaled_dot(builder, part[h], code, x, builder.shuffle_vector(sc16, sc16, ir.Constant(_V16, picks)))
