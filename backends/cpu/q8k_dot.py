@@ -4,10 +4,13 @@ A float32 product over dequantized Q4_K weights costs more in arithmetic than it
 cost in memory (a weight decoded, scaled and multiplied per lane). llama.cpp instead
 rounds each activation row to int8 in blocks of 256 (its Q8_K: one float scale a block,
 `quantize_row_q8_K_ref`), and multiplies integer codes by integer activations: exact
-integer sums, one float multiply-add per super-block. So does this module, with VNNI
-(`vpdpbusd`: 64 u8 x s8 products a instruction, `vpdpwssd` for the sub-block scales)
-where the CPU has it and plain LLVM integer vectors elsewhere. Integer sums are exact,
-so both give the same integers and the same floats.
+integer sums, one float multiply-add per super-block. So does this module, in the form
+the compile target's instruction set allows (`target_form`, chosen when numba compiles:
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES pick another target): VNNI (`vpdpbusd`: 64 u8 x s8
+products a instruction, `vpdpwssd` for the sub-block scales), AVX-512 BW without VNNI or
+AVX2 (`vpmaddubsw` / `vpmaddwd`, as llama.cpp's AVX2 code; codes below 64 never reach
+its saturation), and plain LLVM integer vectors anywhere else (ARM servers). Integer sums
+are exact, so every form gives the same integers and the same floats.
 
 Per output element (row m, column n), super-block s in increasing order:
 
@@ -19,7 +22,10 @@ with dx the row's block scale, d and dmin the super-block's; lane l < 8 holds th
 weights 4l..4l+3 of sub-blocks 0, 1, 4, 5 (bytes 4l.. of qs' two 64-byte halves, low
 and high nibbles), lane l >= 8 those of sub-blocks 2, 3, 6, 7. The result is
 `numpy_kernels.vsum(acc)`, the fixed halving tree. Nothing in it depends on other rows
-or on how many there are: a row's bits are the same alone or in any batch.
+or on how many there are: a row's bits are the same alone or in any batch. The column
+products compute four weight rows against four activation rows at a time (each block
+decoded once for the four), in chunks of 64 rows that stay in L2; the tiles choose only
+which elements are computed together.
 `reference_q4_k` is the same arithmetic in numpy (the tests' exact reference).
 """
 
@@ -41,21 +47,37 @@ _B64 = ir.VectorType(_I8, 64)
 _B32 = ir.VectorType(_I8, 32)
 _B16 = ir.VectorType(_I8, 16)
 _V16 = ir.VectorType(_I32, 16)
+_V8 = ir.VectorType(_I32, 8)
 _H16 = ir.VectorType(_I16, 16)
+_H32 = ir.VectorType(_I16, 32)
 _F16V = ir.VectorType(ir.FloatType(), 16)
 
 
-def _target_has_vnni() -> bool:
-    """Whether numba compiles for a CPU with AVX-512 VNNI (honours NUMBA_CPU_NAME / FEATURES)."""
-    feats = config.CPU_FEATURES
-    if feats is None:
-        if config.CPU_NAME not in (None, "host"):
-            return False  # a named target: assume its baseline, the generic integer form
-        feats = llvm.get_host_cpu_features().flatten()
-    return "+avx512vnni" in feats.split(",") and "+avx512bw" in feats.split(",")
+FORMS = ("vnni", "avx512", "avx2", "generic")  # the integer-product forms, fastest first
 
 
-HAS_VNNI = _target_has_vnni()
+def target_form(features: str | None = None) -> str:
+    """The form of the integer products for a compile target's LLVM feature string
+    ("+avx2,-avx512f,..."): "vnni" (AVX-512 VNNI and BW: vpdpbusd / vpdpwssd), "avx512"
+    (AVX-512 BW: vpmaddubsw / vpmaddwd on 64 bytes), "avx2" (the same on 32-byte halves)
+    or "generic" (plain LLVM integer vectors, any CPU). None: numba's target, which honours
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (a named CPU without features: "generic"). Every form
+    computes the same exact integers, so the same bits."""
+    if features is None:
+        features = config.CPU_FEATURES
+        if features is None:
+            if config.CPU_NAME not in (None, "host"):
+                return "generic"  # a named target: assume only its baseline
+            features = llvm.get_host_cpu_features().flatten()
+    have = set(features.split(","))
+    if {"+avx512bw", "+avx512vnni"} <= have:
+        return "vnni"
+    if "+avx512bw" in have:
+        return "avx512"
+    return "avx2" if "+avx2" in have else "generic"
+
+
+FORM = target_form()  # read at code generation: a kernel compiled for one target keeps its form
 
 
 def _splat(builder, ty, value):
@@ -67,26 +89,71 @@ def _load(builder, ptr, offset, ty):
     return builder.load(builder.bitcast(p, ty.as_pointer()), align=1, typ=ty)
 
 
-def _dpbusd(builder, acc, u8, s8):
-    """acc[l] + sum_{i<4} u8[4l+i] * s8[4l+i] (unsigned times signed bytes; exact here)."""
-    if HAS_VNNI:
-        fnty = ir.FunctionType(_V16, [_V16, _V16, _V16])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
-        return builder.call(fn, [acc, builder.bitcast(u8, _V16), builder.bitcast(s8, _V16)])
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, list(args))
+
+
+def _halves(builder, v, lanes):
+    """v's low and high halves (each `lanes` elements)."""
+    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, lanes), list(range(h, h + lanes))))
+            for h in (0, lanes)]
+
+
+def _join(builder, lo, hi):
+    n = lo.type.count
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+
+def _madd_words(builder, a, b):
+    """Lane l (int32): a16[2l] * b16[2l] + a16[2l + 1] * b16[2l + 1], the int16 halves of
+    a and b (vpmaddwd; LLVM's integer vectors in the generic form)."""
+    if FORM in ("vnni", "avx512"):
+        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _V16, builder.bitcast(a, _H32), builder.bitcast(b, _H32))
+    if FORM == "avx2":
+        pa, pb = _halves(builder, builder.bitcast(a, _H32), 16), _halves(builder, builder.bitcast(b, _H32), 16)
+        return _join(builder, *[_call(builder, "llvm.x86.avx2.pmadd.wd", _V8, x, y) for x, y in zip(pa, pb)])
+    wide = ir.VectorType(_I32, 32)
+    prod = builder.mul(builder.sext(builder.bitcast(a, _H32), wide), builder.sext(builder.bitcast(b, _H32), wide))
+    even, odd = ([builder.shuffle_vector(prod, prod, ir.Constant(_V16, [2 * l + i for l in range(16)]))
+                  for i in (0, 1)])
+    return builder.add(even, odd)
+
+
+def _pair_sums(builder, u8, s8):
+    """int16 [32]: u8[2j] * s8[2j] + u8[2j + 1] * s8[2j + 1] (vpmaddubsw; exact for codes
+    below 64, which never reach its saturation)."""
+    if FORM == "avx2":
+        hu, hs = _halves(builder, u8, 32), _halves(builder, s8, 32)
+        return _join(builder, *[_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, x, y) for x, y in zip(hu, hs)])
+    return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _H32, u8, s8)
+
+
+def _scaled_dot(builder, acc, u8, s8, sc):
+    """acc[l] + sc[l] * sum_{i<4} u8[4l+i] * s8[4l+i] (u8 below 64, sc int32 lanes with
+    their signed int16 scale in the low half and 0 in the high half; exact)."""
+    if FORM == "vnni":
+        zero = ir.Constant(_V16, None)
+        dot = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16, zero, builder.bitcast(u8, _V16),
+                    builder.bitcast(s8, _V16))
+        # vpdpwssd: dot's high int16 is its sign, times sc's high half 0
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", _V16, acc, dot, sc)
+    if FORM in ("avx512", "avx2"):
+        both = builder.or_(sc, builder.shl(sc, _splat(builder, _V16, 16)))  # the scale in each int16 half
+        return builder.add(acc, _madd_words(builder, _pair_sums(builder, u8, s8), both))
     prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
+    dot = ir.Constant(_V16, None)
     for i in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
-    return acc
+        dot = builder.add(dot, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
+    return builder.add(acc, builder.mul(dot, builder.sext(builder.trunc(sc, ir.VectorType(_I16, 16)), _V16)))
 
 
-def _dpwssd(builder, acc, a, b):
-    """acc + a * int16(b) lane by lane, for a in int16 range and b's high half 0 (vpdpwssd
-    on the low halves, signed; b's zero high half makes a's sign half add nothing)."""
-    if HAS_VNNI:
-        fnty = ir.FunctionType(_V16, [_V16, _V16, _V16])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpwssd.512")
-        return builder.call(fn, [acc, a, b])
-    return builder.add(acc, builder.mul(a, builder.sext(builder.trunc(b, ir.VectorType(_I16, 16)), _V16)))
+def _times_small(builder, a, b):
+    """a * b lane by lane, for a int32 in int16 range and b with its signed int16 value in the
+    low half and 0 in the high half (one vpmaddwd: a's sign half meets b's zero half)."""
+    if FORM == "generic":
+        return builder.mul(a, builder.sext(builder.trunc(b, ir.VectorType(_I16, 16)), _V16))
+    return _madd_words(builder, a, b)
 
 
 def _scales_mins(builder, wp):
@@ -116,23 +183,39 @@ def _splat_f32(builder, s):
 _Q5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))  # qh bits of each code vector's two 32-byte halves
 
 
-def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
-    """acc after one Q4_K super-block (module docstring): wp its 144 bytes, xp the row's
-    256 int8 activations, bp their 16 int16 sums of 16. q5: a Q5_K block (176 bytes: qh[32]
-    at 16, qs at 48; weight 32j + l has bit j of qh[l] as its fifth bit)."""
+def _bits_to(builder, qh, bits, to, mask):
+    """A 64-byte vector whose first 32 bytes hold bit(s) bits[0].. of the 32 bytes at qh
+    moved to bit `to` (then masked by the byte `mask`), the last 32 bytes bits[1]..: one
+    variable shift of 32-bit words on the bytes loaded twice (a bit moved within its byte
+    never meets its neighbours' bits under the mask)."""
+    half = _load(builder, qh, 0, _B32)
+    both = builder.bitcast(builder.shuffle_vector(half, half, ir.Constant(ir.VectorType(_I32, 64), list(range(64)))), _V16)
+    left = bits[0] < to  # the pairs here shift both halves the same way
+    counts = ir.Constant(_V16, [abs(to - b) for b in bits for _ in range(8)])
+    moved = builder.shl(both, counts) if left else builder.lshr(both, counts)
+    return builder.and_(builder.bitcast(moved, _B64), _splat(builder, _B64, mask))
+
+
+def _q4k_codes(builder, wp, q5):
+    """The four 64-byte code vectors of a Q4_K (q5: Q5_K) block, in `_q4k_block`'s lane order."""
     lo4 = _splat(builder, _B64, 0x0F)
-    cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
     codes = []
     for half in (0, 64):
         q = _load(builder, wp, (48 if q5 else 16) + half, _B64)
         codes += [builder.and_(q, lo4), builder.and_(builder.lshr(q, _splat(builder, _B64, 4)), lo4)]
     if q5:
-        qh = _load(builder, wp, 16, _B32)
-        for i, (b0, b1) in enumerate(_Q5_BITS):
-            two = builder.shuffle_vector(builder.lshr(qh, _splat(builder, _B32, b0)) if b0 else qh,
-                                         builder.lshr(qh, _splat(builder, _B32, b1)), cat)
-            fifth = builder.shl(builder.and_(two, _splat(builder, _B64, 1)), _splat(builder, _B64, 4))
-            codes[i] = builder.or_(codes[i], fifth)
+        qh = builder.gep(wp, [ir.Constant(ir.IntType(64), 16)])
+        for i, bits in enumerate(_Q5_BITS):
+            codes[i] = builder.or_(codes[i], _bits_to(builder, qh, bits, 4, 0x10))
+    return codes
+
+
+def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
+    """acc after one Q4_K super-block (module docstring): wp its 144 bytes, xp the row's
+    256 int8 activations, bp their 16 int16 sums of 16. q5: a Q5_K block (176 bytes: qh[32]
+    at 16, qs at 48; weight 32j + l has bit j of qh[l] as its fifth bit)."""
+    cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+    codes = _q4k_codes(builder, wp, q5)
     xs = []
     for a, b in ((0, 64), (32, 96), (128, 192), (160, 224)):  # the weights of each code vector
         xs.append(builder.shuffle_vector(_load(builder, xp, a, _B32), _load(builder, xp, b, _B32), cat))
@@ -140,98 +223,69 @@ def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
     zero = ir.Constant(_V16, None)
     part = [zero, zero]  # two chains of integer adds (exact: their order cannot matter), half the latency
     for i, (c, x, picks) in enumerate(zip(codes, xs, _S_PICKS)):
-        part[i & 1] = _dpwssd(builder, part[i & 1], _dpbusd(builder, zero, c, x),
-                              builder.shuffle_vector(sm, sm, ir.Constant(_V16, picks)))
+        part[i & 1] = _scaled_dot(builder, part[i & 1], c, x, builder.shuffle_vector(sm, sm, ir.Constant(_V16, picks)))
     isum = builder.add(part[0], part[1])
     # msum[l] = m[l // 2] * (sum of activation group l): the mins' part, exact
     bs = builder.sext(_load(builder, bp, 0, _H16), _V16)
-    msum = builder.mul(bs, builder.shuffle_vector(sm, sm, ir.Constant(_V16, _M_PICKS)))
+    msum = _times_small(builder, bs, builder.shuffle_vector(sm, sm, ir.Constant(_V16, _M_PICKS)))
     acc = builder.fadd(acc, builder.fmul(_splat_f32(builder, dd), builder.sitofp(isum, _F16V)))
     return builder.fsub(acc, builder.fmul(_splat_f32(builder, dm), builder.sitofp(msum, _F16V)))
 
 
-@intrinsic
-def q4k_block(typingctx, acc, w, wo, xq, xo, bs, bo, dd, dm):
-    """acc after the Q4_K super-block at byte wo of the uint8 C-array w, against the int8
-    activations xq.flat[xo : xo + 256] (C-array) with their int16 sums of 16 at
-    bs.flat[bo : bo + 16]; dd = dx * d and dm = dx * dmin (float32)."""
-    if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
-            and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
-            and dd == types.float32 and dm == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, wv, wov, xv, xov, bv, bov, ddv, dmv = args
-        wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
-        xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
-        bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
-        return _q4k_block(builder, a, wp, xp, bp, ddv, dmv)
-
-    return f32vec(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
-
-def _q6k_block(builder, acc, wp, xp, bp, dd):
+def _q6k_block(builder, acc, wp, xp, bp, dd, dm):
     """acc after one Q6_K super-block (module docstring): wp its 210 bytes, xp the row's
-    256 int8 activations, bp their 16 int16 sums of 16. Codes are taken unsigned (0..63)
-    and the offset 32 subtracted as 32 * sc[g] * (sum of group g's activations)."""
-    lo4, three = _splat(builder, _B64, 0x0F), _splat(builder, _B64, 3)
-    cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+    256 int8 activations, bp their 16 int16 sums of 16 (dm unused). Codes are taken unsigned
+    (0..63) and the offset 32 subtracted as 32 * sc[g] * (sum of group g's activations)."""
+    lo4 = _splat(builder, _B64, 0x0F)
     sc = _load(builder, wp, 192, _B16)
+    sc16 = builder.zext(builder.sext(sc, ir.VectorType(_I16, 16)), _V16)  # signed scale in the low half
     zero = ir.Constant(_V16, None)
     part = [zero, zero]  # one chain of integer adds per half (exact in any order)
     for h in (0, 1):
         ql = _load(builder, wp, 64 * h, _B64)
-        qh = _load(builder, wp, 128 + 32 * h, _B32)
-        hv = [builder.lshr(qh, _splat(builder, _B32, s)) if s else qh for s in (0, 2, 4, 6)]
-        highs = (builder.shuffle_vector(hv[0], hv[1], cat), builder.shuffle_vector(hv[2], hv[3], cat))
+        qh = builder.gep(wp, [ir.Constant(ir.IntType(64), 128 + 32 * h)])
+        highs = (_bits_to(builder, qh, (0, 2), 4, 0x30), _bits_to(builder, qh, (4, 6), 4, 0x30))  # bits 2q, 2q+1 at 4, 5
         lows = (builder.and_(ql, lo4), builder.and_(builder.lshr(ql, _splat(builder, _B64, 4)), lo4))
         for c in (0, 1):  # weights 128h + 64c + b for byte b
-            code = builder.or_(lows[c], builder.shl(builder.and_(highs[c], three), _splat(builder, _B64, 4)))
+            code = builder.or_(lows[c], highs[c])
             x = _load(builder, xp, 128 * h + 64 * c, _B64)
             picks = [8 * h + 4 * c + l // 4 for l in range(16)]
-            s16 = builder.zext(builder.sext(builder.shuffle_vector(sc, sc, ir.Constant(_V16, picks)),
-                                            ir.VectorType(_I16, 16)), _V16)
-            part[h] = _dpwssd(builder, part[h], _dpbusd(builder, zero, code, x), s16)
+            part[h] = _scaled_dot(builder, part[h], code, x, builder.shuffle_vector(sc16, sc16, ir.Constant(_V16, picks)))
     isum = builder.add(part[0], part[1])
     bs = builder.sext(_load(builder, bp, 0, _H16), _V16)
-    corr = builder.mul(bs, builder.sext(sc, _V16))  # lane g: sc[g] * (sum of group g)
+    corr = _times_small(builder, bs, sc16)  # lane g: sc[g] * (sum of group g)
     tot = builder.sub(isum, builder.shl(corr, _splat(builder, _V16, 5)))
     return builder.fadd(acc, builder.fmul(_splat_f32(builder, dd), builder.sitofp(tot, _F16V)))
 
 
-@intrinsic
-def q5k_block(typingctx, acc, w, wo, xq, xo, bs, bo, dd, dm):
-    """acc after the Q5_K super-block at byte wo of w (as `q4k_block`)."""
-    if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
-            and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
-            and dd == types.float32 and dm == types.float32):
-        return None
+def _block_product(name, emit):
+    """An intrinsic (acc, w, wo, xq, xo, bs, bo, dd, dm) -> acc after the super-block at byte
+    wo of the uint8 C-array w, against the int8 activations xq.flat[xo : xo + 256] (C-array)
+    with their int16 sums of 16 at bs.flat[bo : bo + 16]; dd = dx * d and dm = dx * dmin
+    (float32). `emit(builder, acc, wp, xp, bp, dd, dm)` writes the block's arithmetic."""
 
-    def codegen(context, builder, sig, args):
-        a, wv, wov, xv, xov, bv, bov, ddv, dmv = args
-        wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
-        xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
-        bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
-        return _q4k_block(builder, a, wp, xp, bp, ddv, dmv, q5=True)
+    def typer(typingctx, acc, w, wo, xq, xo, bs, bo, dd, dm):
+        if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+                and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
+                and dd == types.float32 and dm == types.float32):
+            return None
 
-    return f32vec(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
+        def codegen(context, builder, sig, args):
+            a, wv, wov, xv, xov, bv, bov, ddv, dmv = args
+            wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
+            xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
+            bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
+            return emit(builder, a, wp, xp, bp, ddv, dmv)
+
+        return f32vec(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
 
 
-@intrinsic
-def q6k_block(typingctx, acc, w, wo, xq, xo, bs, bo, dd):
-    """acc after the Q6_K super-block at byte wo of w (as `q4k_block`; dd = dx * d)."""
-    if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
-            and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
-            and dd == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, wv, wov, xv, xov, bv, bov, ddv = args
-        wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
-        xp = _element_ptr(context, builder, sig.args[3], xv, sig.args[4], xov)
-        bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
-        return _q6k_block(builder, a, wp, xp, bp, ddv)
-
-    return f32vec(acc, w, wo, xq, xo, bs, bo, dd), codegen
+q4k_block = _block_product("q4k_block", _q4k_block)  # a Q4_K block (144 bytes)
+q5k_block = _block_product("q5k_block", lambda *a: _q4k_block(*a, q5=True))  # a Q5_K block (176 bytes)
+q6k_block = _block_product("q6k_block", _q6k_block)  # a Q6_K block (210 bytes; dm unused)
 
 
 @njit(inline="always", **_JIT)
@@ -352,7 +406,7 @@ def _q6k_sb(acc, w, wd, wdm, xq, xd, xs, m, n, s):
     """acc after super-block s of Q6_K weight row n against activation row m."""
     K = xq.shape[1]
     return q6k_block(acc, w, n * w.shape[1] + s * 210, xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
-                     xd[m, s] * wd[n, s])
+                     xd[m, s] * wd[n, s], np.float32(0.0))
 
 
 @njit(inline="always", **_JIT)
@@ -397,6 +451,30 @@ def _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb):
 
 
 @njit(inline="always", **_JIT)
+def _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+    """out[m:m+4, n:n+4]: `_cols4x2` for four activation rows (each block decoded once for
+    four rows: what prefill and large batches are bound by)."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
+    c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = vzero()
+    rb, step = w.shape[1], w.shape[1] // wd.shape[1]
+    for s in range(wd.shape[1]):
+        if m == 0:
+            _prefetch_next(w, n, rb, s, step)
+        a0, b0 = sb(a0, w, wd, wdm, xq, xd, xs, m, n, s), sb(b0, w, wd, wdm, xq, xd, xs, m + 1, n, s)
+        c0, e0 = sb(c0, w, wd, wdm, xq, xd, xs, m + 2, n, s), sb(e0, w, wd, wdm, xq, xd, xs, m + 3, n, s)
+        a1, b1 = sb(a1, w, wd, wdm, xq, xd, xs, m, n + 1, s), sb(b1, w, wd, wdm, xq, xd, xs, m + 1, n + 1, s)
+        c1, e1 = sb(c1, w, wd, wdm, xq, xd, xs, m + 2, n + 1, s), sb(e1, w, wd, wdm, xq, xd, xs, m + 3, n + 1, s)
+        a2, b2 = sb(a2, w, wd, wdm, xq, xd, xs, m, n + 2, s), sb(b2, w, wd, wdm, xq, xd, xs, m + 1, n + 2, s)
+        c2, e2 = sb(c2, w, wd, wdm, xq, xd, xs, m + 2, n + 2, s), sb(e2, w, wd, wdm, xq, xd, xs, m + 3, n + 2, s)
+        a3, b3 = sb(a3, w, wd, wdm, xq, xd, xs, m, n + 3, s), sb(b3, w, wd, wdm, xq, xd, xs, m + 1, n + 3, s)
+        c3, e3 = sb(c3, w, wd, wdm, xq, xd, xs, m + 2, n + 3, s), sb(e3, w, wd, wdm, xq, xd, xs, m + 3, n + 3, s)
+    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
+    out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2], out[m + 1, n + 3] = vsum(b0), vsum(b1), vsum(b2), vsum(b3)
+    out[m + 2, n], out[m + 2, n + 1], out[m + 2, n + 2], out[m + 2, n + 3] = vsum(c0), vsum(c1), vsum(c2), vsum(c3)
+    out[m + 3, n], out[m + 3, n + 1], out[m + 3, n + 2], out[m + 3, n + 3] = vsum(e0), vsum(e1), vsum(e2), vsum(e3)
+
+
+@njit(inline="always", **_JIT)
 def _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb):
     """out[m, n] alone (the columns past the last whole 4)."""
     a = vzero()
@@ -405,22 +483,31 @@ def _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb):
     out[m, n] = vsum(a)
 
 
+ROW_CHUNK = 64  # activation rows a column range passes at a time: their int8 rows stay in L2
+
+
 @njit(inline="always", **_JIT)
 def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb):
+    """out[:, c0:c1]: chunks of ROW_CHUNK rows; in each, every four columns against four
+    rows at a time, then two, then one. The tiles choose only which elements are computed
+    together, never an element's arithmetic: a row's bits do not depend on M."""
     M = out.shape[0]
     c4 = c0 + (c1 - c0) // 4 * 4
-    M2 = M // 2 * 2 if M > 1 else 0
-    for n in range(c0, c4, 4):
-        if M == 1:
-            _cols4(w, wd, wdm, xq, xd, xs, out, 0, n, sb)
-            continue
-        for m in range(0, M2, 2):
-            _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb)
-        if M2 < M:
-            _cols4(w, wd, wdm, xq, xd, xs, out, M - 1, n, sb)
-    for n in range(c4, c1):
-        for m in range(M):
-            _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+    for m0 in range(0, M, ROW_CHUNK):
+        m1 = min(M, m0 + ROW_CHUNK)
+        for n in range(c0, c4, 4):
+            m = m0
+            while m + 4 <= m1:
+                _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+                m += 4
+            if m + 2 <= m1:
+                _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+                m += 2
+            if m < m1:
+                _cols4(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+        for n in range(c4, c1):
+            for m in range(m0, m1):
+                _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb)
 
 
 @njit(inline="always", **_JIT)
@@ -460,8 +547,12 @@ Q8K_COLS = 16  # output columns a parallel task computes (a multiple of the 4-co
 def q8k_linear_driver(x, ws, wds, wdms, outs, count, columns):
     """outs[j] = x @ W_j.T for the first `count` (1..3) weights of the 3-tuples (as
     `block_linear.block_linear_driver`), by `columns` (a type's column-range product over
-    Q8_K activations): x quantized once, then one parallel region over column tasks."""
-    xq, xd, xs = quantized_rows(x)
+    Q8_K activations): x quantized once (rows in parallel), then one parallel region over
+    column tasks."""
+    M, K = x.shape
+    xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // QK), np.float32), np.empty((M, K // 16), np.int16)
+    for m in prange(M):
+        quantize_row_q8k(x, m, xq, xd, xs)
     cols = Q8K_COLS
     t1 = (outs[0].shape[1] + cols - 1) // cols
     t2 = t1 + ((outs[1].shape[1] + cols - 1) // cols if count > 1 else 0)

@@ -1,15 +1,21 @@
 """The int8-activation K-quant products (backends/cpu/q8k_dot.py): activations rounded as
-llama.cpp's quantize_row_q8_K_ref, the VNNI form and the plain integer form (what a CPU
-without AVX-512 VNNI compiles) giving the numpy reference's bits, and that reference
-being gguf's product when the activations are exact int8 values.
+llama.cpp's quantize_row_q8_K_ref, every instruction-set form (VNNI, AVX-512 without VNNI,
+AVX2, generic) and every tile giving the numpy reference's bits, and that reference being
+gguf's product when the activations are exact int8 values.
 
 The products through the backend (rows 1..33, threads, the one-call step) are checked
 with every other type's, from the registry (test_registry_types.py, test_block_linear.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from numba import njit
 
+from panechat.backends.cpu import numpy_kernels as nk
 from panechat.backends.cpu import q8k_dot as q
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.quant import registry
@@ -24,8 +30,8 @@ def test_the_shipped_kquants_round_activations():
 
 
 def _products_source():
-    """A test kernel computing x @ W.T for each q8k type by code (0: Q4_K, 1: Q5_K, 2: Q6_K),
-    compiled fresh (cache off), so the module's HAS_VNNI at compile time picks the form."""
+    """A test kernel computing x @ W.T for each q8k type by code (0: Q4_K, 1: Q5_K, 2: Q6_K)
+    through the tiled column products (every tile at M = 9), compiled fresh (cache off)."""
 
     def run(x, w, d, dm, out, code):
         xq, xd, xs = q.quantized_rows(x)
@@ -40,19 +46,35 @@ def _products_source():
     return run
 
 
+def _blocks_source():
+    """A small test kernel: each output element by the block products alone (no tiles), so a
+    form compiles in seconds; the module's FORM at compile time picks the form."""
+
+    def run(x, w, d, dm, out, code):
+        xq, xd, xs = q.quantized_rows(x)
+        for m in range(out.shape[0]):
+            for n in range(out.shape[1]):
+                a = nk.vzero()
+                for s in range(d.shape[1]):
+                    if code == 0:
+                        a = q._q4k_sb(a, w, d, dm, xq, xd, xs, m, n, s)
+                    elif code == 1:
+                        a = q._q5k_sb(a, w, d, dm, xq, xd, xs, m, n, s)
+                    else:
+                        a = q._q6k_sb(a, w, d, dm, xq, xd, xs, m, n, s)
+                out[m, n] = nk.vsum(a)
+        return xq, xd, xs
+
+    return run
+
+
 CODES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
 
 
-@pytest.mark.parametrize("vnni", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: the form
-# for CPUs without VNNI, compiled only for this check (~25 s cold): `make test-slow`
-def test_both_forms_give_the_reference_bits(vnni, monkeypatch):
-    if vnni and not q.HAS_VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setattr(q, "HAS_VNNI", vnni)
-    run = njit(cache=False)(_products_source())
+def _check_reference_bits(run, shapes=((1, 9), (3, 6), (9, 8))):
     rng = np.random.default_rng(5)
     for qtype in CODES:
-        for M, N in ((1, 9), (3, 6)):
+        for M, N in shapes:
             K = 512
             x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
             x[0, 256:] = 0  # an all-zero block: scale 0, codes 0
@@ -63,7 +85,54 @@ def test_both_forms_give_the_reference_bits(vnni, monkeypatch):
             rq, rd, rs = q.reference_q8k(x)
             assert np.array_equal(xq, rq) and np.array_equal(xd, rd) and np.array_equal(xs, rs)
             assert xd[0, 1] == 0 and not xq[0, 256:].any()
-            assert np.array_equal(out, q.reference(qtype, x, w, d, dm)), (qtype, vnni, M)
+            assert np.array_equal(out, q.reference(qtype, x, w, d, dm)), (qtype, q.FORM, M)
+
+
+@pytest.mark.parametrize("form", q.FORMS)
+def test_every_form_gives_the_reference_bits(form, monkeypatch):
+    """vnni, avx512 (no VNNI), avx2 and generic: the same exact integers, so the same bits.
+    This CPU runs each form whose instructions it has (an AVX-512 VNNI machine: all four)."""
+    need = {"vnni": "vnni", "avx512": "avx512", "avx2": "avx2"}.get(form)
+    if need is not None and q.FORMS.index(q.target_form()) > q.FORMS.index(need):
+        pytest.skip(f"this CPU cannot run the {form} form")
+    monkeypatch.setattr(q, "FORM", form)
+    _check_reference_bits(njit(cache=False)(_blocks_source()))
+
+
+def test_the_tiles_give_the_reference_bits():
+    """The column products at 1, 3, 9 and 70 rows (the 4x4, 4x2 and one-row tiles, and a
+    second chunk of rows) in this CPU's form."""
+    _check_reference_bits(njit(cache=False)(_products_source()), ((1, 9), (3, 6), (9, 8), (70, 5)))
+
+
+def test_the_form_follows_the_target_features():
+    assert q.target_form("+avx2,+avx512f,+avx512bw,+avx512vnni") == "vnni"
+    assert q.target_form("+avx2,+avx512f,+avx512bw,-avx512vnni") == "avx512"
+    assert q.target_form("+avx2,-avx512f,-avx512bw") == "avx2"
+    assert q.target_form("+neon,+dotprod") == "generic"
+
+
+_AVX2_TARGET = """
+import numpy as np
+from numba import njit
+from panechat.backends.cpu import q8k_dot as q
+from tests.backends import test_q8k_dot as t
+assert q.FORM == "avx2", q.FORM
+t._check_reference_bits(njit(cache=False)(t._blocks_source()), ((3, 6),))
+print("ok")
+"""
+
+
+def test_an_avx2_target_compiles_the_avx2_form():
+    """numba compiling for a Haswell (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, as on a CPU without
+    AVX-512) picks the avx2 form, and LLVM lowers it for that CPU: the reference bits."""
+    feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
+             "+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _AVX2_TARGET], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("qtype", list(CODES))
