@@ -18,8 +18,10 @@ from panechat.engine.serving.stats import StreamState, StreamStats
 
 
 def test_a_decoding_stream_with_drafts_shows_their_acceptance():
-    assert state_words(StreamStats("r", "c", StreamState.DECODING, spec_acceptance=0.716)) == "drafts 72%"
-    assert state_words(StreamStats("r", "c", StreamState.DECODING, spec_acceptance=1.0)) == "drafts 100%"
+    assert state_words(StreamStats("r", "c", StreamState.DECODING, spec_acceptance=0.716)) == "spec 71%"
+    assert state_words(StreamStats("r", "c", StreamState.DECODING, spec_acceptance=1.0)) == "spec all"
+    assert state_words(StreamStats("r", "c", StreamState.DECODING, spec_acceptance=0.996)) == "spec 99%"
+    assert len(state_words(StreamStats("r", "c", StreamState.DECODING, spec_acceptance=0.99))) <= len("decoding")
     assert state_words(StreamStats("r", "c", StreamState.DECODING)) == "decoding"  # no draft tried yet
     assert state_words(StreamStats("r", "c", StreamState.QUEUED, spec_acceptance=0.5)) == "queued"
 
@@ -51,11 +53,11 @@ async def test_the_dashboard_shows_a_live_streams_acceptance(tui_engine):
             ids = tui_engine.completion_ids("1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2")
             gen = tui_engine.submit(prompt_ids=ids, params=SamplingParams(max_tokens=120))
             table, seen, deadline = app.query_one(DataTable), set(), time.monotonic() + 60
-            while time.monotonic() < deadline and not any(w.startswith("drafts ") for w in seen):
+            while time.monotonic() < deadline and not any(w.startswith("spec ") for w in seen):
                 await pilot.pause(0.1)
                 seen |= {str(table.get_row_at(i)[1]) for i in range(table.row_count)}
             gen.cancel()
             await asyncio.to_thread(gen.result)
-        assert any(w.startswith("drafts ") and w.endswith("%") for w in seen), seen
+        assert any(w.startswith("spec ") for w in seen), seen
     finally:
         tui_engine.scheduler.step_cost = was

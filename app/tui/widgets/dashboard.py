@@ -91,11 +91,13 @@ def kv_words(s: EngineStats) -> str:
 
 def state_words(s: StreamStats) -> str:
     """How the streams table words a stream's state; a decoding stream that has tried
-    speculative drafts shows the share of them that stood ("drafts 72%")."""
+    speculative drafts shows the share of them that stood ("spec 71%", "spec all"): as
+    wide as "decoding", so the names keep their width while streams start drafting."""
     if s.state == StreamState.PREFILLING:
         return f"prefill {100 * s.prefill_done // max(1, s.prefill_total)}%"
     if s.state == StreamState.DECODING and s.spec_acceptance is not None:
-        return f"drafts {round(100 * s.spec_acceptance)}%"
+        pct = int(100 * s.spec_acceptance)  # rounded down: "all" only when every draft stood
+        return "spec all" if pct >= 100 else f"spec {pct}%"
     return s.state.value  # queued, decoding, waiting
 
 
