@@ -105,3 +105,20 @@ def test_a_cancelled_stream_gives_its_draft_kv_back(draft_live):
 def test_startup_line_names_the_draft_model(draft_live, model_path):
     lines = [s for s in draft_live.engine.startup_lines() if s.startswith("speculative decoding:")]
     assert len(lines) == 1 and f"draft model {model_path.name}" in lines[0], lines
+
+
+def test_panechat_serve_takes_the_draft_model_and_replies_as_plain_decoding(live, model_path, tmp_path):
+    """`panechat serve --spec draft --draft-model X` as users run it: the start-up names the
+    draft model (the option is not dropped on the way to the engine) and a greedy reply is
+    the one plain decoding gives (the engine's own cost model decides which drafts run)."""
+    from .serve_process import ServeProcess, private_env
+
+    srv = ServeProcess(model_path, private_env(tmp_path), "--spec", "draft", "--draft-model", str(model_path),
+                       "--kv-snapshots", "off").wait_ready()
+    try:
+        line = next((s for s in srv.lines if "speculative decoding:" in s), "")
+        assert f"draft model {model_path.name}" in line, srv.err
+        params = {"temperature": 0, "max_tokens": 16}
+        assert _chat(srv.url, PROMPTS[1], params) == _chat(live.url, PROMPTS[1], {**params, "spec": False})
+    finally:
+        assert srv.stop() == 0, srv.err
