@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sized
 from dataclasses import replace
 from numbers import Integral
 from pathlib import Path
@@ -327,6 +328,8 @@ class Engine:
         if prompt_ids is None:
             prompt_ids = self.prompt_ids(messages)
         else:
+            if isinstance(prompt_ids, Sized):
+                self._check_length(len(prompt_ids))  # too long: refused before its ids are read
             prompt_ids = _validated_ids(prompt_ids, self.lm.model.args.vocab_size)
         self._check_fits(prompt_ids, params)
         reqs, gens = [], []
@@ -353,17 +356,21 @@ class Engine:
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """PromptTooLong / KVBudgetTooSmall unless the prompt and its reply can ever run."""
-        if not prompt_ids:
-            raise InvalidRequest("empty prompt")
-        if len(prompt_ids) >= self.ctx:
-            raise PromptTooLong(f"prompt is {len(prompt_ids)} tokens but the context holds {self.ctx}; "
-                                "shorten the conversation or raise --ctx-size")
+        self._check_length(len(prompt_ids))
         need = blocks_for(min(len(prompt_ids) + params.max_tokens, self.ctx))
         if need > self.pool.n_blocks:
             raise KVBudgetTooSmall(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"{format_size(need * self.kv.bytes_per_block)} of KV but the budget is "
                 f"{format_size(self.kv.nbytes)}; lower max_tokens or raise --kv-memory")
+
+    def _check_length(self, n: int) -> None:
+        """InvalidRequest for an empty prompt, PromptTooLong for one of `ctx` tokens or more."""
+        if not n:
+            raise InvalidRequest("empty prompt")
+        if n >= self.ctx:
+            raise PromptTooLong(f"prompt is {n} tokens but the context holds {self.ctx}; "
+                                "shorten the conversation or raise --ctx-size")
 
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, conversation: str | None,
                      stop, client: str) -> tuple[Generation, Request]:

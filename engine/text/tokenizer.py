@@ -442,8 +442,10 @@ class Tokenizer:
         else:
             hf = self._hf if parse_special else self._plain_hf()
             # encode_batch releases the GIL (encode holds it: seconds for a 1 MB prompt, during
-            # which a server's event loop could answer nothing); one input, the same ids
-            ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
+            # which a server's event loop could answer nothing); one input, the same ids. The
+            # _fast form (tokenizers >= 0.20) keeps no offsets: freeing a 280k-token encoding,
+            # which holds the GIL, takes 2 ms instead of 30-40 ms
+            ids = getattr(hf, "encode_batch_fast", hf.encode_batch)([text], add_special_tokens=False)[0].ids
         if self._add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
                 raise ValueError("cannot add BOS: this model has no BOS token")

@@ -192,6 +192,15 @@ def test_request_headers_over_16_kib_get_400_even_when_sent_whole(server_engine)
         assert not log.bad(), log.bad()
 
 
+#: /health's worst time while a 1 MB prompt is tokenized. The event loop held for the
+#: tokenization is 1.5-3 s here. On a quiet machine the worst probe takes ~12 ms; on a 2-core
+#: machine that another test process keeps busy, one probe in a run takes 0.15-0.3 s (the
+#: server's threads wait for a core while one of them holds the GIL in a short C call: the
+#: encoding's ids, 10-40 ms). A machine so busy that probes were slow before: the bound grows.
+HEALTH_BOUND_S = 0.5
+HEALTH_NOISE_FACTOR = 2.5
+
+
 def test_health_stays_fast_while_a_1_mb_prompt_is_tokenized(model_path):
     """Tokenizing a 1 MB prompt takes seconds and must not hold the event loop (nor the GIL
     it needs). The server is a `panechat serve` subprocess, so the probe's timing is its own."""
@@ -199,25 +208,34 @@ def test_health_stays_fast_while_a_1_mb_prompt_is_tokenized(model_path):
     try:
         srv.wait_ready()
         port = int(srv.url.rsplit(":", 1)[1])
+        # the client's own GIL-holding work (its TLS context, the 1 MB body's JSON) is done
+        # before the probe starts: the probe runs in this process, so it would time that too
+        body = json.dumps({"prompt": "a word " * 140_000, "max_tokens": 1}).encode()
+        client = httpx.Client(timeout=60)
         probe = _HealthProbe(port)
         probe.start()
         try:
-            time.sleep(0.3)
+            time.sleep(1.0)
+            n_before = len(probe.results)
             t0 = time.monotonic()
-            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a word " * 140_000, "max_tokens": 1},
-                           timeout=60)
+            r = client.post(srv.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
             took = time.monotonic() - t0
             time.sleep(0.2)
         finally:
             probe.stop.set()
             probe.join(10)
+            client.close()
     finally:
         srv.close()
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    during = [t for t, _ in probe.results]
-    print(f"1 MB prompt refused after {took:.2f} s; /health worst {max(during) * 1000:.0f} ms over {len(during)}")
+    before = [t for t, _ in probe.results[:n_before]]
+    during = [t for t, _ in probe.results[n_before:]]
+    report = (f"1 MB prompt refused after {took:.2f} s; /health worst {max(during) * 1000:.0f} ms over "
+              f"{len(during)} (before it {max(before) * 1000:.0f} ms); slowest {sorted(during)[-5:]}")
+    print(report)
     assert {st for _, st in probe.results} == {"HTTP/1.1 200 OK"}, probe.results
-    assert len(during) >= 5 and max(during) < 0.1, sorted(during)[-5:]
+    assert len(before) >= 5 and len(during) >= 5, report
+    assert max(during) < max(HEALTH_BOUND_S, HEALTH_NOISE_FACTOR * max(before)), report
 
 
 def _post_head(length: int) -> bytes:
