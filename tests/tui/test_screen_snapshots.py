@@ -39,10 +39,18 @@ def _store_only(store) -> None:
 
 
 async def _steady(pilot) -> None:
-    """Text cursors blink on a timer: make every one on the screen steady, then let it draw."""
+    """Text cursors blink on a timer: make every one on the screen steady, then let it draw
+    until two screenshots 0.1 s apart are the same (a loaded machine draws a dialog's text
+    area in more than one refresh)."""
     for box in pilot.app.screen.query("PromptInput, Input, TextArea"):
         box.cursor_blink = False
-    await pilot.pause(0.1)
+    last = None
+    for _ in range(50):
+        await pilot.pause(0.1)
+        shot = pilot.app.export_screenshot()
+        if shot == last:
+            return
+        last = shot
 
 
 def _keys(*keys: str, pane: int = 0):
