@@ -106,6 +106,8 @@ def engine_families(stats: "dict[str, EngineStats]"):
                   lambda s: s.spec_draft_tokens)
     yield counter("panechat_spec_accepted", "Draft tokens accepted (each a token without a step of its own)",
                   lambda s: s.spec_accepted)
+    yield counter("panechat_spec_steps", "A sequence's steps that checked drafts (tokens per such step: "
+                  "1 + accepted / steps)", lambda s: s.spec_steps)
     yield gauge("panechat_batch_size", "Sequences in the latest forward step", lambda s: s.batch_now or 0)
     yield gauge("panechat_generated_tokens_per_second", "Tokens generated over the last second", lambda s: s.tok_s)
     yield gauge("panechat_context_tokens", "Context per conversation (tokens)", lambda s: s.ctx or 0)

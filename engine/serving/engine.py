@@ -588,7 +588,7 @@ class Engine:
     def _spec_outcomes(self, sampled: list[Request], before: dict[str, int]) -> None:
         """Give each speculating request's drafter the tokens it accepted this step, and
         count its drafts and the accepted ones."""
-        drafted = accepted = 0
+        drafted = accepted = steps = 0
         for r in sampled:
             if r.spec is None or r.state == RequestState.FINISHED:
                 continue
@@ -596,10 +596,10 @@ class Engine:
             got = r.output_ids[before[r.id]:]
             n_ok = min(k, max(0, len(got) - 1))
             r.spec.accept(got, k, n_ok)
-            drafted, accepted = drafted + k, accepted + n_ok
+            drafted, accepted, steps = drafted + k, accepted + n_ok, steps + (k > 0)
             r.drafts = []
         if drafted:
-            self.metrics.record_spec(drafted, accepted)
+            self.metrics.record_spec(drafted, accepted, steps)
 
     def _forward(self, batch: Batch, rows: list[tuple[Request, int]], n_extra: int):
         """The forward pass with each sampled row's processors applied: (host logits or None,
@@ -734,6 +734,7 @@ class Engine:
                 ttft_ms=1000 * (r.t_first - r.t_submit) if r.t_first else None,
                 prefill_done=min(r.computed, n_prompt), prefill_total=n_prompt,
                 spec_acceptance=r.spec.acceptance if r.spec is not None else None,
+                spec_tokens_per_step=r.spec.tokens_per_step if r.spec is not None else None,
             ))
         running = {r.conversation for r in self.scheduler.running}
         idle = tuple(IdleConversation(conv, block, n) for conv, block, n in self._idle_conversations()

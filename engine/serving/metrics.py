@@ -65,6 +65,7 @@ class EngineMetrics:
         self.kv_snapshots_restored = 0  # admitted requests whose prefix came from a snapshot
         self.spec_draft_tokens = 0  # draft tokens checked by speculative decoding (speculation.py)
         self.spec_accepted = 0  # ... and accepted (each saved a step)
+        self.spec_steps = 0  # a sequence's steps that checked drafts
 
     def record_snapshots(self, written: int = 0, restored: int = 0) -> None:
         """Called by the snapshot writer thread (written) and the engine thread (restored)."""
@@ -82,11 +83,13 @@ class EngineMetrics:
             while self._recent and now - self._recent[0][0] > self.window_s:
                 self._recent.popleft()
 
-    def record_spec(self, drafted: int, accepted: int) -> None:
-        """One step's draft tokens checked and accepted, over all its requests."""
+    def record_spec(self, drafted: int, accepted: int, steps: int) -> None:
+        """One step's draft tokens checked and accepted, over all its requests, and how many
+        of its requests checked drafts."""
         with self._lock:
             self.spec_draft_tokens += drafted
             self.spec_accepted += accepted
+            self.spec_steps += steps
 
     def set_state(self, streams: tuple[StreamStats, ...], idle: tuple[IdleConversation, ...], queue_depth: int,
                   kv_in_use: int,
@@ -161,4 +164,5 @@ class EngineMetrics:
                 kv_snapshots_restored=self.kv_snapshots_restored,
                 spec_draft_tokens=self.spec_draft_tokens,
                 spec_accepted=self.spec_accepted,
+                spec_steps=self.spec_steps,
             )

@@ -281,6 +281,12 @@ class Speculation:
         """Accepted drafts over drafted ones (None before any draft)."""
         return self.accepted / self.drafted if self.drafted else None
 
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens each verify step gave (its accepted drafts plus the target's own token;
+        None before any): what one read of the weights yields for this sequence."""
+        return (self.steps + self.accepted) / self.steps if self.steps else None
+
 
 def can_speculate(processors: Sequence[object], wanted: bool) -> bool:
     """Whether a request may decode with drafts: it did not turn them off and every

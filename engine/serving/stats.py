@@ -38,6 +38,7 @@ class StreamStats:
     prefill_total: int = 0  # prompt tokens
     client: str = ""  # who it is attributed to ("" unknown or the engine's own)
     spec_acceptance: float | None = None  # accepted / drafted tokens of its speculation (None: no drafts yet)
+    spec_tokens_per_step: float | None = None  # tokens per verify step of its speculation (None: no drafts yet)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -52,7 +53,9 @@ class StreamStats:
                    ttft_ms=None if d.get("ttft_ms") is None else float(d["ttft_ms"]),
                    prefill_done=int(d.get("prefill_done") or 0), prefill_total=int(d.get("prefill_total") or 0),
                    client=str(d.get("client") or ""),
-                   spec_acceptance=None if d.get("spec_acceptance") is None else float(d["spec_acceptance"]))
+                   spec_acceptance=None if d.get("spec_acceptance") is None else float(d["spec_acceptance"]),
+                   spec_tokens_per_step=None if d.get("spec_tokens_per_step") is None
+                   else float(d["spec_tokens_per_step"]))
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class EngineStats:
     kv_snapshots_restored: int = 0  # ... and read back instead of prefilled
     spec_draft_tokens: int = 0  # draft tokens checked by speculative decoding
     spec_accepted: int = 0  # of those, accepted (each one a token without a step of its own)
+    spec_steps: int = 0  # a sequence's steps that checked drafts: (spec_steps + spec_accepted) / spec_steps tokens each
     streams: tuple[StreamStats, ...] = ()  # running, then queued
     idle: tuple[IdleConversation, ...] = ()
     requests_total: int = 0  # admitted to a KV slot

@@ -101,6 +101,15 @@ def state_words(s: StreamStats) -> str:
     return s.state.value  # queued, decoding, waiting
 
 
+def spec_words(s: EngineStats) -> str:
+    """'spec 2.4 tok/step': the tokens one verify step gives, averaged over the decoding
+    streams that speculate ("" when none does): how many tokens a read of the weights
+    yields for them."""
+    rates = [x.spec_tokens_per_step for x in s.streams
+             if x.state == StreamState.DECODING and x.spec_tokens_per_step is not None]
+    return f"spec {sum(rates) / len(rates):.1f} tok/step" if rates else ""
+
+
 class Dashboard(Vertical, can_focus=False):
     """Give it the `backend` at construction; from above, call `set_status`, `set_share`
     and `set_pane_names` (conversation id -> label). It samples `backend.stats()` itself
@@ -275,6 +284,8 @@ class Dashboard(Vertical, can_focus=False):
         parts = [f"batch [b]{now}{cap_text}[/b]"]
         if s.queue_depth is not None:
             parts.append(f"queue {s.queue_depth}")
+        if spec := spec_words(s):
+            parts.append(spec)
         self._show("dash-batch", "  ".join(parts), markup=True)
         self._show("dash-models", "\n".join(self.model_lines(width)))
         terminals = f"terminals {s.terminals if s.terminals is not None else 1}  "
