@@ -85,7 +85,8 @@ def _cell(engine, workload: str, b: int, n: int, spec: bool) -> dict:
     decode_s = max((f.timings["total_ms"] - (f.timings["ttft_ms"] or 0)) / 1000 for f in fins)
     drafted, accepted = s1.spec_draft_tokens - s0.spec_draft_tokens, s1.spec_accepted - s0.spec_accepted
     return {"tok_s": (tokens - b) / decode_s if decode_s > 0 else 0.0, "tokens": tokens, "wall_s": wall,
-            "drafted": drafted, "accepted": accepted, "replies": [f.token_ids for f in fins]}
+            "drafted": drafted, "accepted": accepted, "verify_steps": s1.spec_steps - s0.spec_steps,
+            "replies": [f.token_ids for f in fins]}
 
 
 def _compare(engine, workload: str, b: int, n: int, rounds: int) -> dict:
@@ -97,9 +98,11 @@ def _compare(engine, workload: str, b: int, n: int, rounds: int) -> dict:
         ons.append(_cell(engine, workload, b, n, True))
     off, on = _median(offs), _median(ons)
     drafted, accepted = sum(c["drafted"] for c in ons), sum(c["accepted"] for c in ons)
+    steps = sum(c["verify_steps"] for c in ons)
     return {"workload": workload, "B": b, "tok_s_off": off, "tok_s_on": on,
             "speedup": on / off if off else 0.0, "acceptance": accepted / drafted if drafted else 0.0,
             "drafted": drafted, "accepted": accepted, "tokens_per_run": ons[0]["tokens"],
+            "tokens_per_verify_step": (steps + accepted) / steps if steps else None,
             "identical": all(c["replies"] == offs[0]["replies"] for c in offs + ons)}
 
 
@@ -140,10 +143,12 @@ def run_spec(args: argparse.Namespace) -> int:
           f"drafts: {'draft model ' + engine.draft.lm.name if engine.draft else 'n-gram'}")
     print(describe(cost))
     print(f"{'workload':>9} {'B':>3} {'tok/s off':>10} {'tok/s on':>9} {'speed-up':>9} {'accepted':>9} "
-          f"{'drafts':>7} {'identical':>9}")
+          f"{'drafts':>7} {'tok/step':>8} {'identical':>9}")
     for r in rows:
         print(f"{r['workload']:>9} {r['B']:>3} {r['tok_s_off']:>10.1f} {r['tok_s_on']:>9.1f} {r['speedup']:>8.2f}x "
-              f"{r['acceptance']:>8.0%} {r['drafted']:>7} {'yes' if r['identical'] else 'NO':>9}")
+              f"{r['acceptance']:>8.0%} {r['drafted']:>7} "
+              f"{'-' if r['tokens_per_verify_step'] is None else format(r['tokens_per_verify_step'], '.2f'):>8} "
+              f"{'yes' if r['identical'] else 'NO':>9}")
     if drafter:
         print(f"draft model {drafter['model']}: {drafter['runs']} drafting runs, {drafter['ms_per_run']:.1f} ms each, "
               f"{drafter['ms_per_forward']:.1f} ms per forward pass")

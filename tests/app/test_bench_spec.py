@@ -21,3 +21,5 @@ def test_bench_spec_reports_identical_replies_and_the_drafts():
     (row,) = out["rows"]
     assert row["workload"] == "quote" and row["B"] == 1 and row["identical"] is True
     assert row["tok_s_off"] > 0 and row["tok_s_on"] > 0 and 0 <= row["accepted"] <= row["drafted"]
+    tps = row["tokens_per_verify_step"]  # None only when no step checked a draft
+    assert tps is None if row["drafted"] == 0 else 1.0 <= tps <= 1 + row["drafted"]
