@@ -55,7 +55,7 @@ class _Held:
 
 def engine_bytes(engine: Engine) -> int:
     """Resident bytes of a started Engine: its weights and its paged KV cache (the KV
-    budget's blocks, `PagedKV.nbytes`)."""
+    budget's blocks, `PagedKV.nbytes`), and those of its draft model (--spec draft)."""
     kv = getattr(engine, "kv", None)
     kv_bytes = getattr(kv, "nbytes", None)
     if not isinstance(kv_bytes, int):  # a stand-in engine without a PagedKV: blocks x bytes per block
@@ -63,23 +63,43 @@ def engine_bytes(engine: Engine) -> int:
         if kv is not None:
             stats = engine.stats()
             kv_bytes = int(stats.kv_bytes_per_block or 0) * int(stats.kv_total or 0)
-    return int(getattr(getattr(engine.lm, "model", None), "weight_bytes", 0)) + kv_bytes
+    total = int(getattr(getattr(engine.lm, "model", None), "weight_bytes", 0)) + kv_bytes
+    draft = getattr(engine, "draft", None)
+    if draft is not None:
+        total += int(draft.lm.model.weight_bytes) + int(draft.kv.nbytes)
+    return total
 
 
 def estimate_bytes(path: Path, cfg: EngineConfig) -> int:
     """What loading `path` will hold at least, from its header alone: the tensor data as
-    stored (weights stay in their block format) and the KV cache the config asks for."""
+    stored (weights stay in their block format) and the KV cache the config asks for; with
+    --spec draft, the draft model's too (its file, and its KV blocks beside the target's)."""
     header = read_gguf_header(path)
-    weights = header.file_size
+    draft_file, draft_block = _draft_sizes(cfg)
+    weights = header.file_size + draft_file
     try:
         a = ModelArgs.from_metadata(header.metadata)
     except Exception:  # the loader will say what is wrong; the weights are estimate enough
         return weights
-    if cfg.kv_memory is not None:
+    if cfg.kv_memory is not None:  # the budget holds the draft's blocks too
         return weights + cfg.kv_memory
     ctx = min(cfg.ctx_size, a.context_length)
     contexts = cfg.kv_sessions or 2 * cfg.max_concurrent  # (the default budget is known only at start)
-    return weights + contexts * blocks_for(ctx) * bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, cfg.kv_dtype)
+    per_block = bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, cfg.kv_dtype) + draft_block
+    return weights + contexts * blocks_for(ctx) * per_block
+
+
+def _draft_sizes(cfg: EngineConfig) -> tuple[int, int]:
+    """(file bytes, KV bytes per block) of the config's draft model; (0, 0) without one, or
+    when it cannot be read (loading it then says why)."""
+    if cfg.spec != "draft" or not cfg.draft_model:
+        return 0, 0
+    try:
+        header = read_gguf_header(resolve_model_path(cfg.draft_model))
+        a = ModelArgs.from_metadata(header.metadata)
+    except Exception:
+        return 0, 0
+    return header.file_size, bytes_per_block(a.n_layer, a.n_kv_head, a.head_dim, cfg.kv_dtype)
 
 
 def _on_cpu(engine: Engine) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from panechat.engine.serving.config import EngineConfig
-from panechat.engine.serving.model_set import ModelDoesNotFit, ModelSet, UnknownModel, parse_model_list
+from panechat.engine.serving.model_set import ModelDoesNotFit, ModelSet, UnknownModel, estimate_bytes, parse_model_list
 from panechat.engine.serving.sampling import SamplingParams
 
 GEMMA = "tiny-gemma3-Q8_0-True"  # tests/conftest.py two_models
@@ -107,6 +107,30 @@ def test_a_model_larger_than_the_budget_is_refused_before_loading(tiny):
                        match=r"needs about [\d.]+ [KM]iB but --models-memory is 1 KiB; raise --models-memory$"):
         models.get(str(tiny("llama", "F32")[0]))
     assert loaded == [] and models.names() == []
+
+
+def test_the_memory_budget_counts_a_draft_models_weights_and_kv(tiny):
+    """--spec draft: a model's bytes are its own and its draft model's (weights and KV
+    blocks), in the estimate before loading and in what is held after."""
+    target, draft = tiny("llama", "F32")[0], tiny("llama", "Q8_0")[0]  # one synthetic vocabulary
+    base = EngineConfig(max_concurrent=1, ctx_size=64, kv_sessions=2, verify_invariance=False)
+    with_draft = EngineConfig(max_concurrent=1, ctx_size=64, kv_sessions=2, verify_invariance=False,
+                              spec="draft", draft_model=str(draft))
+    assert estimate_bytes(target, with_draft) - estimate_bytes(target, base) > draft.stat().st_size
+    held = []
+    for cfg in (base, with_draft):
+        models = ModelSet(cfg, backend="numpy", memory=None)
+        try:
+            e = models.get(str(target))
+            held.append((models.used_bytes(), e))
+            if cfg is with_draft:
+                assert e.draft is not None
+                d = e.draft
+                assert models.used_bytes() == (e.lm.model.weight_bytes + e.kv.nbytes
+                                               + d.lm.model.weight_bytes + d.kv.nbytes)
+        finally:
+            models.stop()
+    assert held[1][0] > held[0][0] + held[1][1].draft.lm.model.weight_bytes // 2
 
 
 def test_the_real_gemma3_beside_the_default_model_replies_as_alone(loaded_model, gemma):
