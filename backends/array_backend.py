@@ -6,12 +6,13 @@ array module; the subclasses supply `linear` and `attend`, where the kernel poli
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from panechat.backends.base import Array, Backend
 from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
+from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.self_check import CheckPlan, check_batch_invariance
 
 
@@ -84,5 +85,5 @@ class ArrayBackend(Backend):
             out.append(xp.ascontiguousarray(g.astype(xp.float32)))
         return out[0], out[1]
 
-    def self_check(self) -> str | None:
-        return check_batch_invariance(self, self.check_plan)
+    def self_check(self, weights: Sequence[GGUFTensor] = ()) -> str | None:
+        return check_batch_invariance(self, self.check_plan, weights=weights)

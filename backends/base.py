@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -259,7 +259,9 @@ class Backend(ABC):
                 self.asarray((np.sin(angles) * mscale).astype(np.float32)))
 
     @abstractmethod
-    def self_check(self) -> str | None:
+    def self_check(self, weights: Sequence[GGUFTensor] = ()) -> str | None:
         """None when rows are batch-invariant on this device, else what differed: every
         backend runs the one check, `self_check.check_batch_invariance`, with its own
-        `CheckPlan` of the shapes that cross its kernel choices."""
+        `CheckPlan` of the shapes that cross its kernel choices. `weights`: a loaded model's
+        (`Model.weight_samples`): its own matrices are multiplied, and the plan's only for
+        the types it uses, so the check runs (and compiles) the kernels the model runs."""

@@ -13,7 +13,7 @@ model on top.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -57,12 +57,16 @@ class CheckPlan:
     wide_batches: tuple[int, ...] | None = None  # for weights of N > 1000 rows; None: `batches`
 
 
-def check_batch_invariance(be: Backend, plan: CheckPlan, seed: int = 1234) -> str | None:
+def check_batch_invariance(be: Backend, plan: CheckPlan, seed: int = 1234,
+                           weights: Sequence[GGUFTensor] = ()) -> str | None:
     """None when every row of every probe is bit-identical alone and batched on `be`,
-    else the first difference in one line (an exception counts as a failed check)."""
+    else the first difference in one line (an exception counts as a failed check).
+    `weights` (a model's `weight_samples`): multiplied too, and then the plan's made-up
+    weights only of the types among them."""
     rng = np.random.default_rng(seed)
     try:
-        return _check_linear(be, plan, rng) or _check_norm(be, plan, rng) or _check_attention(be, plan, rng)
+        return (_check_linear(be, plan, rng, weights) or _check_norm(be, plan, rng)
+                or _check_attention(be, plan, rng))
     except Exception as e:  # a kernel that cannot run is a failed check, not a crash
         return f"{be.name} self-check raised {one_line(e, with_type=True)}"
 
@@ -81,14 +85,19 @@ def _rows_agree(name: str, run: Callable[[np.ndarray], np.ndarray], x: np.ndarra
     return None
 
 
-def _check_linear(be: Backend, plan: CheckPlan, rng: np.random.Generator) -> str | None:
-    for qtype, n, k in plan.linear:
-        w = be.linear_weight(GGUFTensor.from_array(rng.standard_normal((n, k), dtype=np.float32)
-                                                   / np.float32(np.sqrt(k)), qtype))
+def _check_linear(be: Backend, plan: CheckPlan, rng: np.random.Generator,
+                  weights: Sequence[GGUFTensor] = ()) -> str | None:
+    used = {t.qtype for t in weights}
+    probes = [(f"linear {qtype} {n}x{k}", GGUFTensor.from_array(
+        rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), qtype))
+        for qtype, n, k in plan.linear if not weights or qtype in used]
+    probes += [(f"linear {t.qtype} {t.shape[0]}x{t.shape[1]} ({t.name})", t) for t in weights]
+    for name, t in probes:
+        n, k = t.shape
+        w = be.linear_weight(t)
         batches = plan.wide_batches if n > 1000 and plan.wide_batches else plan.batches
         x = rng.standard_normal((max(batches), k), dtype=np.float32)
-        err = _rows_agree(f"linear {qtype} {n}x{k}", lambda r, w=w: be.to_numpy(be.linear(be.asarray(r), w)),
-                          x, batches)
+        err = _rows_agree(name, lambda r, w=w: be.to_numpy(be.linear(be.asarray(r), w)), x, batches)
         if err:
             return err
     return None

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -279,8 +279,8 @@ class MLXBackend(Backend):
         self._plan = (positions, slots, ctx, groups)  # holds the arrays: `is` stays valid
         return groups
 
-    def self_check(self) -> str | None:
-        return check_batch_invariance(self, self.check_plan)
+    def self_check(self, weights: Sequence[GGUFTensor] = ()) -> str | None:
+        return check_batch_invariance(self, self.check_plan, weights=weights)
 
     def copy_blocks(self, kv: PagedKV, src: list[int], dst: list[int]) -> None:
         super().copy_blocks(kv, src, dst)

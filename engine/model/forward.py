@@ -78,6 +78,10 @@ class Batch:
     block_tables: np.ndarray | None = None  # (S, max_blocks) int32
 
 
+#: Rows of each `Model.weight_samples` matrix: past the widest column tile (6), with a leftover.
+SAMPLE_ROWS = 70
+
+
 @dataclass
 class Model:
     """Weights on a backend plus the forward pass."""
@@ -93,6 +97,9 @@ class Model:
     weight_bytes: int = 0
     spec: DecoderSpec | None = None  # what the layers and head compute: both paths read it
     decoder: Any = None  # the backend's whole-decode-step plan (`Backend.prepare_decoder`), if any
+    #: the first SAMPLE_ROWS rows of one weight matrix per stored type (views of the file):
+    #: what the backend's self-check multiplies, so it runs the kernels this model does
+    weight_samples: tuple[GGUFTensor, ...] = ()
     decoder_off: str | None = None  # why the one-call step was turned off after load (`turn_off_decoder`)
 
     @classmethod
@@ -112,6 +119,7 @@ class Model:
         if why:
             raise ModelFileError(f"{gf.path}: {why}")
         nbytes = 0
+        samples: dict[str, GGUFTensor] = {}
 
         def tensor(name: str, required: bool = True) -> GGUFTensor | None:
             if not gf.has(name):
@@ -126,6 +134,8 @@ class Model:
 
         def prepared(t: GGUFTensor):
             nonlocal nbytes
+            if t.qtype not in samples and len(t.shape) == 2:
+                samples[t.qtype] = t.row_range(0, min(SAMPLE_ROWS, t.shape[0]))
             w = backend.linear_weight(t)
             nbytes += backend.nbytes(w)
             return w
@@ -186,7 +196,8 @@ class Model:
             raise ModelFileError(f"{gf.path}: the forward pass cannot run this model: {why}")
         decoder = backend.prepare_decoder(spec, _layer_dicts(layers), output_norm, output, rope)
         return cls(args, backend, embd, output_norm, output, layers, rope=rope,
-                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, spec=spec, decoder=decoder)
+                   load_seconds=time.perf_counter() - t0, weight_bytes=nbytes, spec=spec, decoder=decoder,
+                   weight_samples=tuple(samples.values()))
 
     def with_args(self, args: ModelArgs) -> "Model":
         """These weights and RoPE tables under other `args` (a test's shorter window): the

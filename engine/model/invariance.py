@@ -28,7 +28,7 @@ def check_model_invariance(model: Model, kv: Any) -> str | None:
     """None when rows are batch-invariant; else a one-line description. Uses KV blocks
     0..2 of the paged store `kv` (in a shuffled block table), whose contents it leaves
     undefined (callers run it before serving)."""
-    problem = model.backend.self_check()
+    problem = model.backend.self_check(model.weight_samples)
     if problem:
         return problem
     if kv.n_blocks < 3:

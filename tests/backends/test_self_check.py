@@ -75,3 +75,32 @@ def test_the_model_check_reports_the_backend_check_first(tiny):
     a = model.args
     problem = check_model_invariance(model, model.backend.new_kv(3, a.n_layer, a.n_kv_head, 64, a.head_dim))
     assert problem and problem.startswith("rms_norm")
+
+
+def test_a_models_own_weights_are_checked_and_only_its_types_of_the_plan(gemma_path):
+    """The start-up check multiplies a few rows of the model's own matrices, one per stored
+    type (gemma3: Q5_0, Q4_K, Q6_K, Q8_0; the plan has none of the K-quants), and the plan's
+    made-up weights only of those types: a Q6_K kernel whose batched rows drift is found, and a
+    broken kernel of a type the model does not use (Q4_0) is never run."""
+    from panechat.engine.gguf.file import GGUFFile
+    from panechat.engine.model.forward import Model
+
+    class Drifting(NumpyBackend):
+        def linear(self, x, w):
+            if getattr(w, "qtype", None) == "Q4_0":
+                raise RuntimeError("the Q4_0 kernel is broken")
+            y = super().linear(x, w)
+            drifts = self.drift is not None and self.drift == getattr(w, "qtype", None) and x.shape[0] > 4
+            return y * np.float32(1 + 1e-6) if drifts else y
+
+    model = Model.load(GGUFFile.open(gemma_path), NumpyBackend(), max_positions=64)
+    samples = model.weight_samples
+    assert sorted(t.qtype for t in samples) == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+    assert all(t.shape[0] == 70 for t in samples)  # each a view of its tensor's first rows
+    be = Drifting()
+    be.drift = None
+    assert be.self_check(samples) is None  # Q4_0 is in the plan but not in the model: never run
+    assert be.self_check().startswith("numpy self-check raised RuntimeError: the Q4_0 kernel")
+    be.drift = "Q6_K"
+    problem = be.self_check(samples)
+    assert problem and problem.startswith("linear Q6_K 70x") and "differs" in problem, problem
