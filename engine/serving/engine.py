@@ -503,11 +503,10 @@ class Engine:
         requests give their draft KV back."""
         decoding = [r for r in self.scheduler.running if r.state == RequestState.DECODING]
         running = [r for r in decoding if r.spec is not None]
-        wants, n, cost = [], len(decoding), self.scheduler.step_cost
-        plain, per = cost.seconds(n), self.draft.forward_s
+        wants, n, cost, per = [], len(decoding), self.scheduler.step_cost, self.draft.forward_s
 
         def worth(expected: float, k: int) -> float:  # the step's tokens per second, relative
-            return (n + expected - 1) / n / (cost.ratio(n, k) + (k * per / plain if plain > 0 else 0.0))
+            return cost.speedup(n, expected, n, k, draft_s=k * per)
 
         if self.scheduler.speculate:
             for r in running:

@@ -79,6 +79,16 @@ class StepPlan:
     # one as rows of their own (speculation.py); set here, read by the engine
 
 
+@dataclass
+class _PlannedRows:
+    """While a step is planned: its rows so far, the tokens they are expected to give, and
+    how many are plain (one a decoding request; the rest are drafts)."""
+
+    rows: int = 0
+    tokens: float = 0.0
+    plain: int = 0
+
+
 class Scheduler:
     """Owns the waiting queue and the running set; asks the `KVManager` for blocks.
 
@@ -104,7 +114,7 @@ class Scheduler:
         self.max_queue_per_client = max_queue_per_client
         self.speculate = True  # requests with a Speculation get drafts (the engine's self-check may say no)
         self.step_cost = StepCost()  # the engine records each step's time; drafts are weighed by it
-        self._plan = [0, 0.0, 0]  # while planning: rows so far, the tokens they are expected to give, plain rows
+        self._plan = _PlannedRows()  # while planning: the rows so far and what they are expected to give
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -152,7 +162,7 @@ class Scheduler:
         budget = self.prefill_chunk
         limit = self.max_seqs_per_step or len(self.running)
         n_decoding = sum(r.state == RequestState.DECODING for r in self.running[:limit])
-        self._plan = [n_decoding, float(n_decoding), n_decoding]
+        self._plan = _PlannedRows(n_decoding, float(n_decoding), n_decoding)
         for r in list(self.running):
             if len(reqs) >= limit:
                 break
@@ -229,21 +239,20 @@ class Scheduler:
         room = r.params.max_tokens - len(r.output_ids) - 1
         if room <= 0:
             return []
-        rows, tokens, plain = self._plan
-        cost = self.step_cost
+        p, cost = self._plan, self.step_cost
         # the step as planned so far against a plain one (other requests' drafts in it)
-        planned = cost.ratio(plain, rows - plain) if rows > plain else 1.0
+        planned = cost.ratio(p.plain, p.rows - p.plain) if p.rows > p.plain else 1.0
 
         def worth(expected: float, k: int) -> float:  # the step's tokens per second, relative
-            return (tokens + expected - 1) / tokens / (cost.ratio(plain, rows - plain + k) / planned)
+            return cost.speedup(p.tokens, expected, p.plain, p.rows - p.plain + k, planned)
 
-        drafts = r.spec.propose(room, worth if tokens > 0 else None)
+        drafts = r.spec.propose(room, worth if p.tokens > 0 else None)
         if drafts:
             slots = self.kv.slots(r.id)
             if r.computed + 1 + len(drafts) > slots and self.kv.grow(r.id):
                 slots = self.kv.slots(r.id)
             drafts = drafts[:slots - r.computed - 1]
-            self._plan = [rows + len(drafts), tokens + r.spec.expected - 1, plain]
+            p.rows, p.tokens = p.rows + len(drafts), p.tokens + r.spec.expected - 1
         return drafts
 
     def _grow(self, r: Request) -> bool:

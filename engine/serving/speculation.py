@@ -193,6 +193,16 @@ class StepCost:
             return 1.0 + 0.1 * extra
         return more / base
 
+    def speedup(self, tokens: float, expected: float, plain: int, extra: int, planned: float = 1.0,
+                draft_s: float = 0.0) -> float:
+        """How many times the tokens per second of a step grow (> 1: the drafts pay) when
+        drafts expected to give `expected` tokens (1 + the accepted ones) join it: a step of
+        `plain` plain rows expected to give `tokens`, taking `planned` times a plain one so
+        far, with `extra` draft rows then, and `draft_s` seconds of a draft model's passes."""
+        base = self.seconds(plain)
+        slower = self.ratio(plain, extra) / planned + (draft_s / base if base > 0 else 0.0)
+        return (tokens + expected - 1) / tokens / slower
+
 
 class Speculation:
     """One request's speculation: its drafter, its k, its acceptance estimate, and its
