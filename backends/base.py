@@ -8,6 +8,8 @@ the call or where the row sits. `self_check()` verifies that on the running devi
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
@@ -67,6 +69,13 @@ class Backend(ABC):
     def begin_step(self) -> None:
         """Called once at the start of every forward pass, on the thread that runs it
         (the CPU backend adapts its thread count here)."""
+
+    def background(self) -> contextlib.AbstractContextManager:
+        """Inside, the calling thread's work on this backend gives way to other work in the
+        process (the CPU backend: one thread, the lowest priority where it can be undone):
+        what a model loading beside serving ones runs its start-up check in. Nothing
+        elsewhere."""
+        return contextlib.nullcontext()
 
     samples_on_device = False  # True: `sample_rows` picks tokens where the logits are
 

@@ -20,6 +20,7 @@ comparison in benchmarks; `PANECHAT_NUMPY_KERNELS=gemv` selects it (`cpu_backend
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from panechat.backends.array_backend import ArrayBackend
-from panechat.backends.cpu.threads import ThreadGovernor
+from panechat.backends.cpu.threads import ThreadGovernor, lower_thread_priority
 from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
@@ -91,6 +92,7 @@ class NumpyBackend(ArrayBackend):
         import numba
 
         self._threads = numba.get_num_threads
+        self._background = False  # inside `background()`: one thread, whatever the governor says
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
             self.governor = ThreadGovernor(numba.get_num_threads(), numba.set_num_threads)
@@ -106,8 +108,25 @@ class NumpyBackend(ArrayBackend):
                 f"{stored} read as stored, F16/BF16 in 16 bits")
 
     def begin_step(self) -> None:
-        if self.governor is not None:
+        if self.governor is not None and not self._background:
             self.governor.tick()
+
+    @contextlib.contextmanager
+    def background(self):
+        """One numba thread (no crew, no OpenMP team beside the serving engines' spinning
+        ones: 2 x 2 spinning threads on 2 cores stalled a serving stream for 0.2 s) and, on
+        Linux where the thread may raise its priority again, the lowest CPU priority."""
+        import numba
+
+        was, self._background = self._background, True
+        numba.set_num_threads(1)
+        undo = lower_thread_priority()
+        try:
+            yield
+        finally:
+            undo()
+            self._background = was
+            numba.set_num_threads(self.governor.threads if self.governor is not None else numba.config.NUMBA_NUM_THREADS)
 
     def linear_weight(self, t: GGUFTensor) -> np.ndarray | KQuantWeight | StoredWeight:
         kind = registry.get(t.qtype)

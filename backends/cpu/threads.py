@@ -15,9 +15,11 @@ computed by one task in a fixed order, whichever thread runs it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def read_proc_stat() -> tuple[float, int] | None:
@@ -45,6 +47,28 @@ def read_proc_stat() -> tuple[float, int] | None:
     return ticks / os.sysconf("SC_CLK_TCK"), cores
 
 
+_reserved = 0  # cores held by work of this process that the counters cannot tell apart
+_reserved_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def reserve_core() -> Iterator[None]:
+    """Inside, every governor of this process runs one thread fewer (at least one) from its
+    next step on: for work of this process beside the serving engines, such as a model
+    loading (its Python, then its start-up check on one thread). The counters subtract this
+    process's own CPU time, so they cannot see it, and an engine's crew on every core then
+    waits at its spinning barriers for a thread the OS parked behind that work (a stream
+    stalled 0.3-0.5 s while a model loaded beside it on 2 cores)."""
+    global _reserved
+    with _reserved_lock:
+        _reserved += 1
+    try:
+        yield
+    finally:
+        with _reserved_lock:
+            _reserved -= 1
+
+
 class ThreadGovernor:
     """Call `tick()` once per step on the thread that runs the kernels (numba's thread
     count belongs to the calling thread); it returns the thread count in force."""
@@ -70,6 +94,10 @@ class ThreadGovernor:
 
     def tick(self) -> int:
         now = self._clock()
+        cap = max(1, self.max_threads - _reserved)
+        if self.threads > cap:  # a core was reserved since the last look: give it up now
+            self.threads = cap
+            self._set_threads(cap)
         if now < self._next:
             return self.threads
         self._next = now + self.interval_s
@@ -82,6 +110,39 @@ class ThreadGovernor:
         if last is None or now <= last[0]:
             return self.threads
         others = max(0.0, (busy - last[1]) - (own - last[2])) / (now - last[0])  # cores in use elsewhere
-        self.threads = max(1, min(self.max_threads, int(cores - others + 0.5)))
+        self.threads = max(1, min(cap, int(cores - others + 0.5)))
         self._set_threads(self.threads)  # every time: the count is per calling thread
         return self.threads
+
+
+#: The nice value `lower_thread_priority` gives the calling thread.
+BACKGROUND_NICE = 19
+
+
+def lower_thread_priority() -> Callable[[], None]:
+    """Give the calling thread the lowest CPU priority (Linux: each thread has its own nice
+    value) and return what restores it. Only where it can be restored: raising a nice
+    value back needs CAP_SYS_NICE or an RLIMIT_NICE that allows it, so elsewhere (and on
+    other systems) nothing changes."""
+    import resource
+    import sys
+    import threading
+
+    if not sys.platform.startswith("linux"):  # PRIO_PROCESS with a thread id means the process there
+        return lambda: None
+    tid = threading.get_native_id()
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+        if os.geteuid() != 0 and (soft != resource.RLIM_INFINITY and 20 - soft > before):
+            return lambda: None  # could not come back: keep the priority it has
+        os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+    except (OSError, ValueError, AttributeError):
+        return lambda: None
+
+    def undo() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, before)
+        except OSError:
+            pass
+    return undo

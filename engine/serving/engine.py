@@ -15,6 +15,7 @@ forward pass) fails the requests of the step; the engine thread itself never die
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -187,6 +188,7 @@ class Engine:
         self.spec_problem: str | None = None  # why speculation is off after the self-check
         self.batching = True
         self._checked = threading.Event()
+        self._check_in_background = False  # start(beside_others=True)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
@@ -248,12 +250,16 @@ class Engine:
                          f"per step) because the invariance self-check failed: {self.invariance_problem}")
         return lines
 
-    def start(self) -> "Engine":
+    def start(self, beside_others: bool = False) -> "Engine":
         """Start the compute thread; returns once its invariance self-check has run.
+        `beside_others`: other engines of this process are serving, so the self-check runs
+        in the backend's `background()` (on the CPU: one thread at the lowest priority),
+        giving way to their streams.
 
         Every kernel call, the self-check's too, happens on that one thread: numba's
         OpenMP kernels run about 2x slower when a second thread has used them."""
         if self._thread is None:
+            self._check_in_background = beside_others
             self._stop = False
             self._thread = threading.Thread(target=self._run, name="panechat-engine", daemon=True)
             self._thread.start()
@@ -456,7 +462,8 @@ class Engine:
             log.warning("one-call decode step turned off, decode runs op by op: %s", problem)
 
     def _run(self) -> None:
-        self._self_check()
+        with (self.lm.model.backend.background() if self._check_in_background else contextlib.nullcontext()):
+            self._self_check()
         be = self.lm.model.backend
         while not self._stop:
             plan, copied = None, False

@@ -15,6 +15,8 @@ Engine, and nothing about that Engine differs.
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -25,6 +27,7 @@ from panechat.backends.paged_kv import bytes_per_block
 from panechat.engine.serving.config import EngineConfig
 from panechat.engine.default_model import resolve_model_path
 from panechat.engine.serving.engine import Engine
+from panechat.backends.cpu.threads import reserve_core
 from panechat.engine.serving.gil_friendly import gil_friendly
 from panechat.engine.serving.kernel_warmup import warm_kernels
 from panechat.engine.gguf.header import read_gguf_header
@@ -267,11 +270,14 @@ class ModelSet:
         # Beside serving models, what holds the GIL for long happens in child processes, so
         # their streams keep flowing: numba's compiling of kernels not yet cached, and the
         # tokenizer's seconds of one Rust call (and its encoding after).
-        if any(_on_cpu(e) for e in serving):
+        # and the load's own work on the CPUs (its Python, then its self-check on one thread
+        # at the lowest priority) has a core of its own: the CPU engines run one thread fewer
+        on_cpu = any(_on_cpu(e) for e in serving)
+        if on_cpu:
             warm_kernels(path, self.config.kv_dtype)
-        with gil_friendly():
+        with gil_friendly(), (reserve_core() if on_cpu else contextlib.nullcontext()):
             lm = load_model(path, self.backend, max_positions=self.config.ctx_size, tokenizer_in_process=False)
-            return Engine(lm, self.config).start()
+            return Engine(lm, self.config).start(beside_others=True)
 
     def _busy(self, held: _Held, now: float) -> bool:
         s = held.engine.stats()

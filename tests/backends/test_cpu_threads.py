@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from panechat.backends.cpu.threads import ThreadGovernor, read_proc_stat
+from panechat.backends.cpu.threads import ThreadGovernor, read_proc_stat, reserve_core
 
 
 class Counters:
@@ -50,6 +50,26 @@ def test_the_counters_are_read_at_most_every_interval():
     assert g.tick() == 2 and applied == []  # too soon to look again
     c.advance(0.4, others=2.0, own=0.0)
     assert g.tick() == 1 and applied == [1]
+
+
+def test_a_reserved_core_is_given_up_at_the_next_step_and_taken_back_after():
+    """A model loading beside a serving engine reserves a core (its work is this process's
+    own, so the counters cannot see it): the engine runs one thread fewer at once, not at
+    the next look, and all of them again once the reservation ends and a look finds the
+    cores idle."""
+    c, applied = Counters(cores=2), []
+    g = governor_on(c, 2, applied)
+    g.tick()
+    with reserve_core():
+        c.advance(0.1, others=0.0, own=2.0)  # too soon for a look: the cap applies anyway
+        assert g.tick() == 1 and applied == [1]
+        c.advance(1.0, others=0.0, own=1.0)  # a look with idle cores: still within the cap
+        assert g.tick() == 1
+    c.advance(1.0, others=0.0, own=1.0)
+    assert g.tick() == 2 and applied[-1] == 2
+    one = governor_on(c, 1, [])
+    with reserve_core():
+        assert one.tick() == 1  # never below one thread
 
 
 def test_a_primed_governor_knows_the_load_at_the_first_step():
