@@ -72,7 +72,7 @@ class Backend(ABC):
 
     def background(self) -> contextlib.AbstractContextManager:
         """Inside, the calling thread's work on this backend gives way to other work in the
-        process (the CPU backend: one thread, the lowest priority where it can be undone):
+        process (the CPU backend: one thread):
         what a model loading beside serving ones runs its start-up check in. Nothing
         elsewhere."""
         return contextlib.nullcontext()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from panechat.backends.array_backend import ArrayBackend
-from panechat.backends.cpu.threads import ThreadGovernor, lower_thread_priority
+from panechat.backends.cpu.threads import ThreadGovernor
 from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.paged_kv import BLOCK_TOKENS, PagedKV, kv_dtype_bytes
@@ -113,18 +113,17 @@ class NumpyBackend(ArrayBackend):
 
     @contextlib.contextmanager
     def background(self):
-        """One numba thread (no crew, no OpenMP team beside the serving engines' spinning
-        ones: 2 x 2 spinning threads on 2 cores stalled a serving stream for 0.2 s) and, on
-        Linux where the thread may raise its priority again, the lowest CPU priority."""
+        """One numba thread: no crew and no OpenMP team beside the serving engines' spinning
+        ones (2 x 2 spinning threads on 2 cores stalled a serving stream for 0.2 s). Not a
+        lower priority too: on a machine busy with other processes a nice-19 thread got so
+        little CPU that a 6 s load took 55 s."""
         import numba
 
         was, self._background = self._background, True
         numba.set_num_threads(1)
-        undo = lower_thread_priority()
         try:
             yield
         finally:
-            undo()
             self._background = was
             numba.set_num_threads(self.governor.threads if self.governor is not None else numba.config.NUMBA_NUM_THREADS)
 

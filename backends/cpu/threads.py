@@ -114,35 +114,3 @@ class ThreadGovernor:
         self._set_threads(self.threads)  # every time: the count is per calling thread
         return self.threads
 
-
-#: The nice value `lower_thread_priority` gives the calling thread.
-BACKGROUND_NICE = 19
-
-
-def lower_thread_priority() -> Callable[[], None]:
-    """Give the calling thread the lowest CPU priority (Linux: each thread has its own nice
-    value) and return what restores it. Only where it can be restored: raising a nice
-    value back needs CAP_SYS_NICE or an RLIMIT_NICE that allows it, so elsewhere (and on
-    other systems) nothing changes."""
-    import resource
-    import sys
-    import threading
-
-    if not sys.platform.startswith("linux"):  # PRIO_PROCESS with a thread id means the process there
-        return lambda: None
-    tid = threading.get_native_id()
-    try:
-        before = os.getpriority(os.PRIO_PROCESS, tid)
-        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-        if os.geteuid() != 0 and (soft != resource.RLIM_INFINITY and 20 - soft > before):
-            return lambda: None  # could not come back: keep the priority it has
-        os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
-    except (OSError, ValueError, AttributeError):
-        return lambda: None
-
-    def undo() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, before)
-        except OSError:
-            pass
-    return undo

@@ -253,7 +253,7 @@ class Engine:
     def start(self, beside_others: bool = False) -> "Engine":
         """Start the compute thread; returns once its invariance self-check has run.
         `beside_others`: other engines of this process are serving, so the self-check runs
-        in the backend's `background()` (on the CPU: one thread at the lowest priority),
+        in the backend's `background()` (on the CPU: one thread),
         giving way to their streams.
 
         Every kernel call, the self-check's too, happens on that one thread: numba's

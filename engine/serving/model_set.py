@@ -270,8 +270,8 @@ class ModelSet:
         # Beside serving models, what holds the GIL for long happens in child processes, so
         # their streams keep flowing: numba's compiling of kernels not yet cached, and the
         # tokenizer's seconds of one Rust call (and its encoding after).
-        # and the load's own work on the CPUs (its Python, then its self-check on one thread
-        # at the lowest priority) has a core of its own: the CPU engines run one thread fewer
+        # and the load's own work on the CPUs (its Python, then its self-check on one thread)
+        # has a core of its own: the CPU engines run one thread fewer
         on_cpu = any(_on_cpu(e) for e in serving)
         if on_cpu:
             warm_kernels(path, self.config.kv_dtype)
