@@ -9,7 +9,6 @@ the call or where the row sits. `self_check()` verifies that on the running devi
 from __future__ import annotations
 
 import contextlib
-
 import os
 from abc import ABC, abstractmethod
 from typing import Any, Sequence

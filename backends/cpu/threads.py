@@ -113,4 +113,3 @@ class ThreadGovernor:
         self.threads = max(1, min(cap, int(cores - others + 0.5)))
         self._set_threads(self.threads)  # every time: the count is per calling thread
         return self.threads
-
