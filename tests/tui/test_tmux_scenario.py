@@ -70,6 +70,9 @@ def test_small_terminal_paste_refusal_and_quit_mid_reply(tmp_path, model_path, t
     tmux("send-keys", "-t", s, "Enter")
     screen = tmux.poll(s, lambda x: f"context holds {CTX}" in x and "New chat" in x and BACK.search(x), 30,
                        "the refusal, the prompt back in the box and the pane's name given back")
+    # the refusal's toast covers the right of the status line, where the token count is: a fast
+    # CPU finishes the 600-token reply (3 s) before the toast's 8 s are up
+    tmux.poll(s, lambda x: "pane 1: " not in x, 15, "the refusal's toast to go", step=0.1)
     tmux("send-keys", "-t", s, "C-u")  # clear the box
     tmux.poll(s, lambda x: BACK.search(x) is None, 10, "the box to clear", step=0.05)
     tmux("send-keys", "-t", s, "-l", "Write a long story about a dragon")
