@@ -77,7 +77,9 @@ async def test_every_figure_and_name_shows_whole_at_160x45(store):
 
 
 async def test_a_pane_is_listed_by_its_title_during_its_first_reply(tui_engine, store):
-    store.set_setting("default_max_tokens", "900")  # long enough to be sampled while it runs (200 took 1 s on a fast CPU)
+    # long enough to be sampled while it runs: Pilot's Enter returns only once the app is idle
+    # enough, which a streaming pane delays (472 tokens were out by then at 240 tok/s; 200 ended first)
+    store.set_setting("default_max_tokens", "900")
     app = make_app(tui_engine, store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, app.backend_ready.is_set, what="the model")
