@@ -3,7 +3,7 @@ x @ W.T, for the crew threads of the one-call decode step (`decoder`).
 
 The columns are computed by `block_linear`'s own paths (register tiles up to
 REG_MAX_ROWS rows, dequantized float32 panels above; a type with a `cpu_q8k` product by
-`q8k_dot`, the row quantized by each thread), so every output element has the
+`q8k_panel`'s, the rows quantized by each thread), so every output element has the
 bits `quant_kernels.linear_block32` / `linear_kquant` give it: which thread computes a
 column, and with which neighbours, never changes its arithmetic. Each block type is its
 own C-callable function (`range_function`, made from the type's registry entry by

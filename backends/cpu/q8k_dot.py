@@ -14,18 +14,19 @@ are exact, so every form gives the same integers and the same floats.
 
 Per output element (row m, column n), super-block s in increasing order:
 
-  isum[l] = sum over the weights k of lane l of sc[j(k)] * q[k] * xq[k]     (exact int32)
-  msum[l] = m[l // 2] * (xq sum of the l-th 16 activations)                    (exact int32)
-  acc[l]  = (acc[l] + (dx * d) * f32(isum[l])) - (dx * dmin) * f32(msum[l])   (float32)
+  isum = sum over the 256 weights k of sc[j(k)] * q[k] * xq[k]               (exact int32)
+  msum = sum over the 8 sub-blocks j of m[j] * (xq sum of sub-block j)        (exact int32)
+  acc  = (acc + (dx * d) * f32(isum)) - (dx * dmin) * f32(msum)               (float32)
 
-with dx the row's block scale, d and dmin the super-block's; lane l < 8 holds the
-weights 4l..4l+3 of sub-blocks 0, 1, 4, 5 (bytes 4l.. of qs' two 64-byte halves, low
-and high nibbles), lane l >= 8 those of sub-blocks 2, 3, 6, 7. The result is
-`numpy_kernels.vsum(acc)`, the fixed halving tree. Nothing in it depends on other rows
-or on how many there are: a row's bits are the same alone or in any batch. The column
-products compute four weight rows against four activation rows at a time (each block
-decoded once for the four), in chunks of 64 rows that stay in L2; the tiles choose only
-which elements are computed together.
+with dx the row's block scale, d and dmin the super-block's; out = acc after the last
+super-block (Q6_K: one integer, isum - 32 * sum_g sc[g] * (xq sum of group g), and
+acc + (dx * d) * f32(it)). Integer sums are exact, so how they are formed is free: here
+16 lanes of partial sums per element, reduced at each super-block (few rows); in
+`q8k_panel` 16 columns per vector against codes decoded once (many rows). Nothing in it
+depends on other rows or on how many there are: a row's bits are the same alone or in any
+batch, and by either path. The column products compute four weight rows against four
+activation rows at a time (each block decoded once for the four), in chunks of 64 rows
+that stay in L2; the tiles choose only which elements are computed together.
 `reference_q4_k` is the same arithmetic in numpy (the tests' exact reference).
 """
 
@@ -38,7 +39,7 @@ from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import _JIT, LANES, _element_ptr, _is_c_array, f32vec, prefetch, vsum, vzero
+from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, prefetch
 
 QK = 256  # weights (and activations) a super-block
 
@@ -129,6 +130,27 @@ def _pair_sums(builder, u8, s8):
     return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _H32, u8, s8)
 
 
+def _dot4(builder, acc, u8, s8):
+    """acc[l] + sum_{i<4} u8[4l+i] * s8[4l+i] for 16 int32 lanes (u8 below 64; exact)."""
+    u8, s8 = builder.bitcast(u8, _B64), builder.bitcast(s8, _B64)
+    if FORM == "vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16, acc, builder.bitcast(u8, _V16),
+                     builder.bitcast(s8, _V16))
+    if FORM in ("avx512", "avx2"):
+        return builder.add(acc, _madd_words(builder, _pair_sums(builder, u8, s8), _splat(builder, _H32, 1)))
+    prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
+    for i in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
+    return acc
+
+
+def _dot2(builder, acc, a, b):
+    """acc[l] + a16[2l] * b16[2l] + a16[2l+1] * b16[2l+1], the signed int16 halves of a, b."""
+    if FORM == "vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", _V16, acc, a, b)
+    return builder.add(acc, _madd_words(builder, a, b))
+
+
 def _scaled_dot(builder, acc, u8, s8, sc):
     """acc[l] + sc[l] * sum_{i<4} u8[4l+i] * s8[4l+i] (u8 below 64, sc int32 lanes with
     their signed int16 scale in the low half and 0 in the high half; exact)."""
@@ -210,10 +232,29 @@ def _q4k_codes(builder, wp, q5):
     return codes
 
 
-def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
-    """acc after one Q4_K super-block (module docstring): wp its 144 bytes, xp the row's
-    256 int8 activations, bp their 16 int16 sums of 16. q5: a Q5_K block (176 bytes: qh[32]
-    at 16, qs at 48; weight 32j + l has bit j of qh[l] as its fifth bit)."""
+def _reduce_pair(builder, a, b):
+    """The sums of the 16 int32 lanes of a and of b (exact in any order): one shuffle tree
+    for both, a's lanes in the low half and b's in the high half."""
+    v = builder.add(builder.shuffle_vector(a, b, ir.Constant(_V16, list(range(8)) + list(range(16, 24)))),
+                    builder.shuffle_vector(a, b, ir.Constant(_V16, list(range(8, 16)) + list(range(24, 32)))))
+    for h in (4, 2, 1):
+        v = builder.add(v, builder.shuffle_vector(v, v, ir.Constant(_V16, [i + h if i % 8 < h else i for i in range(16)])))
+    return builder.extract_element(v, ir.Constant(_I32, 0)), builder.extract_element(v, ir.Constant(_I32, 8))
+
+
+def _float_step(builder, acc, dd, isum, dm, msum):
+    """The contract's float step: (acc + dd * f32(isum)) - dm * f32(msum), each a plain IEEE
+    operation (the panels do the same on 16 columns' lanes)."""
+    f32 = acc.type
+    acc = builder.fadd(acc, builder.fmul(dd, builder.sitofp(isum, f32)))
+    return builder.fsub(acc, builder.fmul(dm, builder.sitofp(msum, f32)))
+
+
+def _q4k_ints(builder, wp, xp, bp, q5=False):
+    """isum and msum of one Q4_K super-block (module docstring) as 16 int32 lanes of partial
+    sums each: wp its 144 bytes, xp the row's 256 int8 activations, bp their 16 int16 sums
+    of 16. q5: a Q5_K block (176 bytes: qh[32] at 16, qs at 48; weight 32j + l has bit j of
+    qh[l] as its fifth bit)."""
     cat = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
     codes = _q4k_codes(builder, wp, q5)
     xs = []
@@ -227,15 +268,20 @@ def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
     isum = builder.add(part[0], part[1])
     # msum[l] = m[l // 2] * (sum of activation group l): the mins' part, exact
     bs = builder.sext(_load(builder, bp, 0, _H16), _V16)
-    msum = _times_small(builder, bs, builder.shuffle_vector(sm, sm, ir.Constant(_V16, _M_PICKS)))
-    acc = builder.fadd(acc, builder.fmul(_splat_f32(builder, dd), builder.sitofp(isum, _F16V)))
-    return builder.fsub(acc, builder.fmul(_splat_f32(builder, dm), builder.sitofp(msum, _F16V)))
+    return isum, _times_small(builder, bs, builder.shuffle_vector(sm, sm, ir.Constant(_V16, _M_PICKS)))
 
 
-def _q6k_block(builder, acc, wp, xp, bp, dd, dm):
-    """acc after one Q6_K super-block (module docstring): wp its 210 bytes, xp the row's
-    256 int8 activations, bp their 16 int16 sums of 16 (dm unused). Codes are taken unsigned
-    (0..63) and the offset 32 subtracted as 32 * sc[g] * (sum of group g's activations)."""
+def _q4k_block(builder, acc, wp, xp, bp, dd, dm, q5=False):
+    """acc (float32) after one Q4_K (q5: Q5_K) super-block against one activation row."""
+    isum, msum = _reduce_pair(builder, *_q4k_ints(builder, wp, xp, bp, q5))
+    return _float_step(builder, acc, dd, isum, dm, msum)
+
+
+def _q6k_ints(builder, wp, xp, bp):
+    """The one integer of a Q6_K super-block (module docstring) as 16 int32 lanes of partial
+    sums, and a zero msum: wp its 210 bytes, xp the row's 256 int8 activations, bp their 16
+    int16 sums of 16. Codes are taken unsigned (0..63) and the offset 32 subtracted as
+    32 * sc[g] * (sum of group g's activations)."""
     lo4 = _splat(builder, _B64, 0x0F)
     sc = _load(builder, wp, 192, _B16)
     sc16 = builder.zext(builder.sext(sc, ir.VectorType(_I16, 16)), _V16)  # signed scale in the low half
@@ -254,8 +300,34 @@ def _q6k_block(builder, acc, wp, xp, bp, dd, dm):
     isum = builder.add(part[0], part[1])
     bs = builder.sext(_load(builder, bp, 0, _H16), _V16)
     corr = _times_small(builder, bs, sc16)  # lane g: sc[g] * (sum of group g)
-    tot = builder.sub(isum, builder.shl(corr, _splat(builder, _V16, 5)))
-    return builder.fadd(acc, builder.fmul(_splat_f32(builder, dd), builder.sitofp(tot, _F16V)))
+    return builder.sub(isum, builder.shl(corr, _splat(builder, _V16, 5))), zero
+
+
+def _q6k_block(builder, acc, wp, xp, bp, dd, dm):
+    """acc (float32) after one Q6_K super-block against one activation row (dm unused)."""
+    tot, _ = _reduce_pair(builder, *_q6k_ints(builder, wp, xp, bp))
+    return builder.fadd(acc, builder.fmul(dd, builder.sitofp(tot, ir.FloatType())))
+
+
+def _reduce_quad(builder, isums, msums):
+    """The lane sums of four isum and four msum vectors (four elements' partial sums), as two
+    <4 x i32>: one shuffle tree for all eight (exact in any order)."""
+    def combine(a, b, lo, step):
+        return builder.add(builder.shuffle_vector(a, b, ir.Constant(_V16, lo)),
+                           builder.shuffle_vector(a, b, ir.Constant(_V16, [i + step for i in lo])))
+
+    halves = list(range(8)) + list(range(16, 24))
+    v = [combine(isums[0], isums[1], halves, 8), combine(isums[2], isums[3], halves, 8),
+         combine(msums[0], msums[1], halves, 8), combine(msums[2], msums[3], halves, 8)]
+    quarters = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+    w = [combine(v[0], v[1], quarters, 4), combine(v[2], v[3], quarters, 4)]
+    u = combine(w[0], w[1], [0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29], 2)
+    v8 = ir.VectorType(_I32, 8)
+    t = builder.add(builder.shuffle_vector(u, u, ir.Constant(v8, list(range(0, 16, 2)))),
+                    builder.shuffle_vector(u, u, ir.Constant(v8, list(range(1, 16, 2)))))
+    v4 = ir.VectorType(_I32, 4)
+    return (builder.shuffle_vector(t, t, ir.Constant(v4, [0, 1, 2, 3])),
+            builder.shuffle_vector(t, t, ir.Constant(v4, [4, 5, 6, 7])))
 
 
 def _block_product(name, emit):
@@ -265,7 +337,7 @@ def _block_product(name, emit):
     (float32). `emit(builder, acc, wp, xp, bp, dd, dm)` writes the block's arithmetic."""
 
     def typer(typingctx, acc, w, wo, xq, xo, bs, bo, dd, dm):
-        if not (acc == f32vec and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+        if not (acc == types.float32 and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
                 and _is_c_array(bs, types.int16) and all(isinstance(a, types.Integer) for a in (wo, xo, bo))
                 and dd == types.float32 and dm == types.float32):
             return None
@@ -277,12 +349,61 @@ def _block_product(name, emit):
             bp = _element_ptr(context, builder, sig.args[5], bv, sig.args[6], bov)
             return emit(builder, a, wp, xp, bp, ddv, dmv)
 
-        return f32vec(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
+        return types.float32(acc, w, wo, xq, xo, bs, bo, dd, dm), codegen
 
     typer.__name__ = typer.__qualname__ = name
     return intrinsic(typer)
 
 
+def _block_product4(name, ints, q6):
+    """An intrinsic (acc, w, wo, rb, xq, xo, bs, bo, dd, dm) -> acc, for four columns at once
+    (acc, dd, dm: 4-tuples of float32): the super-blocks at bytes wo, wo + rb, wo + 2 rb,
+    wo + 3 rb of w against one activation row, as `_block_product` (the same integers and
+    float steps; the four elements' lanes reduced together, their float steps in 4 lanes)."""
+    quad = types.UniTuple(types.float32, 4)
+
+    def typer(typingctx, acc, w, wo, rb, xq, xo, bs, bo, dd, dm):
+        if not (acc == quad and dd == quad and dm == quad and _is_c_array(w, types.uint8)
+                and _is_c_array(xq, types.int8) and _is_c_array(bs, types.int16)
+                and all(isinstance(a, types.Integer) for a in (wo, rb, xo, bo))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a, wv, wov, rbv, xv, xov, bv, bov, ddv, dmv = args
+            xp = _element_ptr(context, builder, sig.args[4], xv, sig.args[5], xov)
+            bp = _element_ptr(context, builder, sig.args[6], bv, sig.args[7], bov)
+            base = context.cast(builder, wov, sig.args[2], types.intp)
+            step = context.cast(builder, rbv, sig.args[3], types.intp)
+            parts = []
+            for i in range(4):
+                off = builder.add(base, builder.mul(step, ir.Constant(step.type, i)))
+                parts.append(ints(builder, _element_ptr(context, builder, sig.args[1], wv, types.intp, off), xp, bp))
+            isum, msum = _reduce_quad(builder, [p[0] for p in parts], [p[1] for p in parts])
+            f4 = ir.VectorType(ir.FloatType(), 4)
+
+            def vec(t):
+                v = ir.Constant(f4, None)
+                for i in range(4):
+                    v = builder.insert_element(v, builder.extract_value(t, i), ir.Constant(_I32, i))
+                return v
+
+            acc, dd = vec(a), vec(ddv)
+            if q6:
+                acc = builder.fadd(acc, builder.fmul(dd, builder.sitofp(isum, f4)))
+            else:
+                acc = _float_step(builder, acc, dd, isum, vec(dmv), msum)
+            return context.make_tuple(builder, quad, [builder.extract_element(acc, ir.Constant(_I32, i))
+                                                      for i in range(4)])
+
+        return quad(acc, w, wo, rb, xq, xo, bs, bo, dd, dm), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+q4k_block4 = _block_product4("q4k_block4", _q4k_ints, False)  # four Q4_K columns
+q5k_block4 = _block_product4("q5k_block4", lambda *a: _q4k_ints(*a, q5=True), False)  # four Q5_K columns
+q6k_block4 = _block_product4("q6k_block4", _q6k_ints, True)  # four Q6_K columns
 q4k_block = _block_product("q4k_block", _q4k_block)  # a Q4_K block (144 bytes)
 q5k_block = _block_product("q5k_block", lambda *a: _q4k_block(*a, q5=True))  # a Q5_K block (176 bytes)
 q6k_block = _block_product("q6k_block", _q6k_block)  # a Q6_K block (210 bytes; dm unused)
@@ -333,24 +454,9 @@ def reference_q8k(x: np.ndarray):
     return q, d, q.reshape(M, K // 16, 16).astype(np.int32).sum(-1).astype(np.int16)
 
 
-def _q4k_lanes() -> np.ndarray:
-    """int [256]: the lane of each weight of a Q4_K super-block in `_q4k_block`."""
-    lane = np.empty(QK, np.int64)
-    for half, base in ((0, 0), (64, 128)):
-        for nib in (0, 1):
-            for b in range(64):  # byte b of the half: low nibble weight base + b (b < 32) ...
-                k = base + (b if b < 32 else 64 + b - 32) + 32 * nib
-                lane[k] = b // 4
-    return lane
-
-
-def reference_q4_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray, q5=False) -> np.ndarray:
-    """The module's arithmetic in numpy: x float32 [M, K] times Q4_K `blocks` [N, K/256*144]
-    (d, dmin float32 [N, K/256]) -> float32 [M, N], bit for bit what the kernels give.
-    q5: Q5_K blocks (176 bytes)."""
-    M, K = x.shape
-    N, nsb = d.shape
-    xq, xd, xs = reference_q8k(x)
+def _q4k_codes_scales(blocks: np.ndarray, N: int, nsb: int, q5=False):
+    """The codes int64 [N, nsb, 256] (weight order), scales and mins int64 [N, nsb, 8] of
+    Q4_K (q5: Q5_K) blocks, as gguf dequantizes them."""
     b = blocks.reshape(N, nsb, 176 if q5 else 144)
     qs = b[..., 48 if q5 else 16:]
     codes = np.empty((N, nsb, QK), np.int64)
@@ -364,25 +470,34 @@ def reference_q4_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.nd
     s = b[..., 4:16].astype(np.int64)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    by_lane = np.argsort(_q4k_lanes(), kind="stable")  # the 16 weights of lane 0, then lane 1, ...
-    weighted = (codes * np.repeat(sc, 32, -1))[..., by_lane]  # [N, nsb, 256]
-    xqs = xq.reshape(M, nsb, QK).astype(np.int64)[..., by_lane]
-    groups = xs.reshape(M, nsb, 16).astype(np.int64)
-    out = np.empty((M, N), np.float32)
-    for m in range(M):
-        isum = (weighted * xqs[m][None]).reshape(N, nsb, LANES, QK // LANES).sum(-1)  # exact
-        msum = np.repeat(mn, 2, -1) * groups[m][None]
-        acc = np.zeros((N, LANES), np.float32)
-        for sb in range(nsb):
-            dd = (xd[m, sb] * d[:, sb]).astype(np.float32)[:, None]
-            dm = (xd[m, sb] * dmin[:, sb]).astype(np.float32)[:, None]
-            acc = (acc + dd * isum[:, sb].astype(np.float32)) - dm * msum[:, sb].astype(np.float32)
-        h = LANES // 2
-        while h >= 1:
-            acc = acc[:, :h] + acc[:, h:2 * h]
-            h //= 2
-        out[m] = acc[:, 0]
-    return out
+    return codes, sc, mn
+
+
+def _integer_sums(xq: np.ndarray, weighted: np.ndarray) -> np.ndarray:
+    """int64 [M, N, nsb]: sum over each super-block's 256 weights of weighted * xq (exact)."""
+    M, K = xq.shape
+    N, nsb, _ = weighted.shape
+    xb = xq.reshape(M, nsb, QK).astype(np.int64)
+    return np.stack([xb[:, s] @ weighted[:, s].T for s in range(nsb)], -1)
+
+
+def reference_q4_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray, q5=False) -> np.ndarray:
+    """The module's arithmetic in numpy: x float32 [M, K] times Q4_K `blocks` [N, K/256*144]
+    (d, dmin float32 [N, K/256]) -> float32 [M, N], bit for bit what the kernels give.
+    q5: Q5_K blocks (176 bytes)."""
+    M, K = x.shape
+    N, nsb = d.shape
+    xq, xd, xs = reference_q8k(x)
+    codes, sc, mn = _q4k_codes_scales(blocks, N, nsb, q5)
+    isum = _integer_sums(xq, codes * np.repeat(sc, 32, -1))
+    x32 = xs.reshape(M, nsb, 8, 2).astype(np.int64).sum(-1)  # the activations' sum of each sub-block
+    msum = np.einsum("nsj,msj->mns", mn, x32)
+    acc = np.zeros((M, N), np.float32)
+    for s in range(nsb):
+        dd = xd[:, s, None] * d[None, :, s]  # float32 products
+        dm = xd[:, s, None] * dmin[None, :, s]
+        acc = (acc + dd * isum[..., s].astype(np.float32)) - dm * msum[..., s].astype(np.float32)
+    return acc
 
 
 @njit(inline="always", **_JIT)
@@ -419,75 +534,102 @@ def _prefetch_next(w, n, rb, s, step):
 
 
 @njit(inline="always", **_JIT)
-def _cols4(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+def _q4k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """acc (4 columns) after super-block s of Q4_K weight rows n..n+3 against activation row m."""
+    K, dx = xq.shape[1], xd[m, s]
+    dd = (dx * wd[n, s], dx * wd[n + 1, s], dx * wd[n + 2, s], dx * wd[n + 3, s])
+    dm = (dx * wdm[n, s], dx * wdm[n + 1, s], dx * wdm[n + 2, s], dx * wdm[n + 3, s])
+    return q4k_block4(acc, w, n * w.shape[1] + s * 144, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                      dd, dm)
+
+
+@njit(inline="always", **_JIT)
+def _q5k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """`_q4k_sb4` for Q5_K."""
+    K, dx = xq.shape[1], xd[m, s]
+    dd = (dx * wd[n, s], dx * wd[n + 1, s], dx * wd[n + 2, s], dx * wd[n + 3, s])
+    dm = (dx * wdm[n, s], dx * wdm[n + 1, s], dx * wdm[n + 2, s], dx * wdm[n + 3, s])
+    return q5k_block4(acc, w, n * w.shape[1] + s * 176, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                      dd, dm)
+
+
+@njit(inline="always", **_JIT)
+def _q6k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """`_q4k_sb4` for Q6_K (wdm unused)."""
+    K, dx = xq.shape[1], xd[m, s]
+    dd = (dx * wd[n, s], dx * wd[n + 1, s], dx * wd[n + 2, s], dx * wd[n + 3, s])
+    return q6k_block4(acc, w, n * w.shape[1] + s * 210, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                      dd, dd)
+
+
+@njit(inline="always", **_JIT)
+def _zero4():
+    z = np.float32(0.0)
+    return (z, z, z, z)
+
+
+@njit(inline="always", **_JIT)
+def _store4(out, m, n, a):
+    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a[0], a[1], a[2], a[3]
+
+
+@njit(inline="always", **_JIT)
+def _cols4(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
     """out[m, n:n+4]: one activation row against four weight rows (x loads shared)."""
-    a0 = a1 = a2 = a3 = vzero()
+    a = _zero4()
     rb, step = w.shape[1], w.shape[1] // wd.shape[1]
     for s in range(wd.shape[1]):
         if m == 0:
             _prefetch_next(w, n, rb, s, step)
-        a0 = sb(a0, w, wd, wdm, xq, xd, xs, m, n, s)
-        a1 = sb(a1, w, wd, wdm, xq, xd, xs, m, n + 1, s)
-        a2 = sb(a2, w, wd, wdm, xq, xd, xs, m, n + 2, s)
-        a3 = sb(a3, w, wd, wdm, xq, xd, xs, m, n + 3, s)
-    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
+        a = sb4(a, w, wd, wdm, xq, xd, xs, m, n, s)
+    _store4(out, m, n, a)
 
 
 @njit(inline="always", **_JIT)
-def _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+def _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
     """out[m:m+2, n:n+4]: the codes and scales of four weight rows decoded once for two
     activation rows (the compiler shares what both rows' calls compute alike)."""
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
+    a = b = _zero4()
     rb, step = w.shape[1], w.shape[1] // wd.shape[1]
     for s in range(wd.shape[1]):
         if m == 0:
             _prefetch_next(w, n, rb, s, step)
-        a0, b0 = sb(a0, w, wd, wdm, xq, xd, xs, m, n, s), sb(b0, w, wd, wdm, xq, xd, xs, m + 1, n, s)
-        a1, b1 = sb(a1, w, wd, wdm, xq, xd, xs, m, n + 1, s), sb(b1, w, wd, wdm, xq, xd, xs, m + 1, n + 1, s)
-        a2, b2 = sb(a2, w, wd, wdm, xq, xd, xs, m, n + 2, s), sb(b2, w, wd, wdm, xq, xd, xs, m + 1, n + 2, s)
-        a3, b3 = sb(a3, w, wd, wdm, xq, xd, xs, m, n + 3, s), sb(b3, w, wd, wdm, xq, xd, xs, m + 1, n + 3, s)
-    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
-    out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2], out[m + 1, n + 3] = vsum(b0), vsum(b1), vsum(b2), vsum(b3)
+        a, b = sb4(a, w, wd, wdm, xq, xd, xs, m, n, s), sb4(b, w, wd, wdm, xq, xd, xs, m + 1, n, s)
+    _store4(out, m, n, a)
+    _store4(out, m + 1, n, b)
 
 
 @njit(inline="always", **_JIT)
-def _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb):
+def _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
     """out[m:m+4, n:n+4]: `_cols4x2` for four activation rows (each block decoded once for
-    four rows: what prefill and large batches are bound by)."""
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
-    c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = vzero()
+    four rows)."""
+    a = b = c = e = _zero4()
     rb, step = w.shape[1], w.shape[1] // wd.shape[1]
     for s in range(wd.shape[1]):
         if m == 0:
             _prefetch_next(w, n, rb, s, step)
-        a0, b0 = sb(a0, w, wd, wdm, xq, xd, xs, m, n, s), sb(b0, w, wd, wdm, xq, xd, xs, m + 1, n, s)
-        c0, e0 = sb(c0, w, wd, wdm, xq, xd, xs, m + 2, n, s), sb(e0, w, wd, wdm, xq, xd, xs, m + 3, n, s)
-        a1, b1 = sb(a1, w, wd, wdm, xq, xd, xs, m, n + 1, s), sb(b1, w, wd, wdm, xq, xd, xs, m + 1, n + 1, s)
-        c1, e1 = sb(c1, w, wd, wdm, xq, xd, xs, m + 2, n + 1, s), sb(e1, w, wd, wdm, xq, xd, xs, m + 3, n + 1, s)
-        a2, b2 = sb(a2, w, wd, wdm, xq, xd, xs, m, n + 2, s), sb(b2, w, wd, wdm, xq, xd, xs, m + 1, n + 2, s)
-        c2, e2 = sb(c2, w, wd, wdm, xq, xd, xs, m + 2, n + 2, s), sb(e2, w, wd, wdm, xq, xd, xs, m + 3, n + 2, s)
-        a3, b3 = sb(a3, w, wd, wdm, xq, xd, xs, m, n + 3, s), sb(b3, w, wd, wdm, xq, xd, xs, m + 1, n + 3, s)
-        c3, e3 = sb(c3, w, wd, wdm, xq, xd, xs, m + 2, n + 3, s), sb(e3, w, wd, wdm, xq, xd, xs, m + 3, n + 3, s)
-    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = vsum(a0), vsum(a1), vsum(a2), vsum(a3)
-    out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2], out[m + 1, n + 3] = vsum(b0), vsum(b1), vsum(b2), vsum(b3)
-    out[m + 2, n], out[m + 2, n + 1], out[m + 2, n + 2], out[m + 2, n + 3] = vsum(c0), vsum(c1), vsum(c2), vsum(c3)
-    out[m + 3, n], out[m + 3, n + 1], out[m + 3, n + 2], out[m + 3, n + 3] = vsum(e0), vsum(e1), vsum(e2), vsum(e3)
+        a, b = sb4(a, w, wd, wdm, xq, xd, xs, m, n, s), sb4(b, w, wd, wdm, xq, xd, xs, m + 1, n, s)
+        c, e = sb4(c, w, wd, wdm, xq, xd, xs, m + 2, n, s), sb4(e, w, wd, wdm, xq, xd, xs, m + 3, n, s)
+    _store4(out, m, n, a)
+    _store4(out, m + 1, n, b)
+    _store4(out, m + 2, n, c)
+    _store4(out, m + 3, n, e)
 
 
 @njit(inline="always", **_JIT)
 def _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb):
     """out[m, n] alone (the columns past the last whole 4)."""
-    a = vzero()
+    a = np.float32(0.0)
     for s in range(wd.shape[1]):
         a = sb(a, w, wd, wdm, xq, xd, xs, m, n, s)
-    out[m, n] = vsum(a)
+    out[m, n] = a
 
 
 ROW_CHUNK = 64  # activation rows a column range passes at a time: their int8 rows stay in L2
 
 
 @njit(inline="always", **_JIT)
-def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb):
+def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb, sb4):
     """out[:, c0:c1]: chunks of ROW_CHUNK rows; in each, every four columns against four
     rows at a time, then two, then one. The tiles choose only which elements are computed
     together, never an element's arithmetic: a row's bits do not depend on M."""
@@ -498,36 +640,36 @@ def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb):
         for n in range(c0, c4, 4):
             m = m0
             while m + 4 <= m1:
-                _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+                _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb4)
                 m += 4
             if m + 2 <= m1:
-                _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+                _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb4)
                 m += 2
             if m < m1:
-                _cols4(w, wd, wdm, xq, xd, xs, out, m, n, sb)
+                _cols4(w, wd, wdm, xq, xd, xs, out, m, n, sb4)
         for n in range(c4, c1):
             for m in range(m0, m1):
                 _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb)
 
 
 @njit(inline="always", **_JIT)
-def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+def q4k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256]) and
     every row's Q8_K activations (`quantize_row_q8k`): four columns at a time, each row in
     turn (the four rows' bytes stay in L1 while every row passes)."""
-    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q4k_sb)
+    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q4k_sb, _q4k_sb4)
 
 
 @njit(inline="always", **_JIT)
-def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
-    """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
-    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q5k_sb)
+def q5k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """`q4k_row_columns` for Q5_K weights (uint8 [N, K/256*176])."""
+    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q5k_sb, _q5k_sb4)
 
 
 @njit(inline="always", **_JIT)
-def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
-    """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
-    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q6k_sb)
+def q6k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """`q4k_row_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
+    _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, _q6k_sb, _q6k_sb4)
 
 
 @njit(inline="always", **_JIT)
@@ -565,8 +707,8 @@ def q8k_linear_driver(x, ws, wds, wdms, outs, count, columns):
 
 
 def reference_q6_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
-    """`reference_q4_k` for Q6_K (dmin unused): lane l holds the weights k with k % 64 in
-    4l..4l+3 and the correction -32 * sc[l] * (sum of activation group l)."""
+    """`reference_q4_k` for Q6_K (dmin unused): codes taken unsigned (0..63), the offset 32
+    subtracted as 32 * sum_g sc[g] * (sum of activation group g) from the exact sum."""
     M, K = x.shape
     N, nsb = d.shape
     xq, xd, xs = reference_q8k(x)
@@ -581,23 +723,12 @@ def reference_q6_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.nd
         codes[..., o + 32:o + 64] = (lo[..., 32:] & 15) | (((hi >> 2) & 3) << 4)
         codes[..., o + 64:o + 96] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
         codes[..., o + 96:o + 128] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
-    by_lane = np.argsort((np.arange(QK) % 64) // 4, kind="stable")
-    weighted = (codes * np.repeat(sc, 16, -1))[..., by_lane]
-    xqs = xq.reshape(M, nsb, QK).astype(np.int64)[..., by_lane]
-    groups = xs.reshape(M, nsb, 16).astype(np.int64)
-    out = np.empty((M, N), np.float32)
-    for m in range(M):
-        tot = (weighted * xqs[m][None]).reshape(N, nsb, LANES, QK // LANES).sum(-1) - 32 * sc * groups[m][None]
-        acc = np.zeros((N, LANES), np.float32)
-        for s in range(nsb):
-            dd = (xd[m, s] * d[:, s]).astype(np.float32)[:, None]
-            acc = acc + dd * tot[:, s].astype(np.float32)
-        h = LANES // 2
-        while h >= 1:
-            acc = acc[:, :h] + acc[:, h:2 * h]
-            h //= 2
-        out[m] = acc[:, 0]
-    return out
+    isum = _integer_sums(xq, codes * np.repeat(sc, 16, -1))
+    tot = isum - 32 * np.einsum("nsg,msg->mns", sc, xs.reshape(M, nsb, 16).astype(np.int64))
+    acc = np.zeros((M, N), np.float32)
+    for s in range(nsb):
+        acc = acc + (xd[:, s, None] * d[None, :, s]) * tot[..., s].astype(np.float32)
+    return acc
 
 
 def reference_q5_k(x: np.ndarray, blocks: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:

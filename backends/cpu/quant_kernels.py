@@ -10,7 +10,8 @@ numerical contract). So a product here equals, bit for bit, ``linear(x, dequanti
 and a row's bits never depend on the batch.
 Except for a type whose registry entry names a `cpu_q8k` product (Q4_K, Q5_K, Q6_K): its
 kernels round each activation row to 8 bits as llama.cpp does and multiply integers
-(`q8k_dot`, whose docstring is that contract; its numpy reference gives their bits). The
+(`q8k_dot`, whose docstring is that contract; its numpy reference gives their bits;
+`q8k_panel` computes them for many rows). The
 pair loaders below still describe those types' weights (the tests, the float32 path).
 
 Block layouts (256 weights a super-block, sub-block scales packed in the block):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _CPU = "panechat.backends.cpu.quant_kernels:"  # where the built-in pair loaders live
-_Q8K = "panechat.backends.cpu.q8k_dot:"  # where the int8-activation column products live
+_Q8K = "panechat.backends.cpu.q8k_panel:"  # where the int8-activation column products live
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from panechat.backends.cpu import numpy_kernels as nk
 from panechat.backends.cpu import q8k_dot as q
+from panechat.backends.cpu import q8k_panel as p
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.quant import registry
 
@@ -31,16 +31,17 @@ def test_the_shipped_kquants_round_activations():
 
 def _products_source():
     """A test kernel computing x @ W.T for each q8k type by code (0: Q4_K, 1: Q5_K, 2: Q6_K)
-    through the tiled column products (every tile at M = 9), compiled fresh (cache off)."""
+    through the column products the registry names (the row tiles below PANEL_MIN_ROWS rows,
+    panels from it on), compiled fresh (cache off)."""
 
     def run(x, w, d, dm, out, code):
         xq, xd, xs = q.quantized_rows(x)
         if code == 0:
-            q.q4k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+            p.q4k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         elif code == 1:
-            q.q5k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+            p.q5k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         else:
-            q.q6k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+            p.q6k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         return xq, xd, xs
 
     return run
@@ -54,7 +55,7 @@ def _blocks_source():
         xq, xd, xs = q.quantized_rows(x)
         for m in range(out.shape[0]):
             for n in range(out.shape[1]):
-                a = nk.vzero()
+                a = np.float32(0.0)
                 for s in range(d.shape[1]):
                     if code == 0:
                         a = q._q4k_sb(a, w, d, dm, xq, xd, xs, m, n, s)
@@ -62,7 +63,25 @@ def _blocks_source():
                         a = q._q5k_sb(a, w, d, dm, xq, xd, xs, m, n, s)
                     else:
                         a = q._q6k_sb(a, w, d, dm, xq, xd, xs, m, n, s)
-                out[m, n] = nk.vsum(a)
+                out[m, n] = a
+        return xq, xd, xs
+
+    return run
+
+
+def _panels_source():
+    """A test kernel: every product by panels, whatever the row count (the module's FORM at
+    compile time picks the integer instructions)."""
+
+    def run(x, w, d, dm, out, code):
+        xq, xd, xs = q.quantized_rows(x)
+        n = out.shape[1]
+        if code == 0:
+            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q4k, p.panel_rows8, 8)
+        elif code == 1:
+            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q5k, p.panel_rows8, 8)
+        else:
+            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q6k, p.panel_rows16, 16)
         return xq, xd, xs
 
     return run
@@ -97,12 +116,15 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
         pytest.skip(f"this CPU cannot run the {form} form")
     monkeypatch.setattr(q, "FORM", form)
     _check_reference_bits(njit(cache=False)(_blocks_source()))
+    _check_reference_bits(njit(cache=False)(_panels_source()), ((1, 9), (6, 21)))
 
 
 def test_the_tiles_give_the_reference_bits():
-    """The column products at 1, 3, 9 and 70 rows (the 4x4, 4x2 and one-row tiles, and a
-    second chunk of rows) in this CPU's form."""
-    _check_reference_bits(njit(cache=False)(_products_source()), ((1, 9), (3, 6), (9, 8), (70, 5)))
+    """The column products at 1, 3, 7 rows (the 4x4, 4x2 and one-row tiles), and by panels at
+    9 and 70 rows (a last group of fewer than four rows, a panel of fewer than 16 columns,
+    two panels) in this CPU's form."""
+    assert p.PANEL_MIN_ROWS <= 9
+    _check_reference_bits(njit(cache=False)(_products_source()), ((1, 9), (3, 6), (7, 5), (9, 8), (70, 37)))
 
 
 def test_the_form_follows_the_target_features():
@@ -116,9 +138,11 @@ _AVX2_TARGET = """
 import numpy as np
 from numba import njit
 from panechat.backends.cpu import q8k_dot as q
+from panechat.backends.cpu import q8k_panel as p
 from tests.backends import test_q8k_dot as t
 assert q.FORM == "avx2", q.FORM
 t._check_reference_bits(njit(cache=False)(t._blocks_source()), ((3, 6),))
+t._check_reference_bits(njit(cache=False)(t._panels_source()), ((5, 17),))
 print("ok")
 """
 

@@ -1,0 +1,344 @@
+"""K-quant products for many rows: each weight panel decoded once, 16 columns a vector.
+
+At prefill and in large batches every weight block meets many activation rows, and the
+row tiles of `q8k_dot` spend most of their time on what does not grow with the rows they
+share it with: decoding a block's codes, scales and mins, and reducing 16 lanes of
+partial sums to each element's integers. Here a task decodes 16 weight rows (output
+columns) once into a panel laid out for the integer dot products: lane c of a vector is
+column c, its four bytes four consecutive weights of that column. Then every activation
+row passes the panel, four rows at a time; per row, sub-block and vector of 16 columns:
+one `vpdpbusd` per four weights against the row's four activations broadcast, one
+multiply by the 16 columns' sub-block scales, `vpdpwssd` for the mins against the row's
+sums of 16, and one float step for 16 columns at once.
+
+The integers are `q8k_dot`'s contract, isum and msum of each (row, column, super-block),
+exact, and the float step is the same IEEE operations lane by lane, so a panel's bits are
+the row tiles' bits: which of the two computes a product (by its row count,
+PANEL_MIN_ROWS) never shows in a row's result, and a row's bits stay those it has alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from panechat.backends.cpu import q8k_dot
+from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array, prefetch
+from panechat.backends.cpu.q8k_dot import QK, _F16V, _I32, _V16, _dot2, _dot4, _float_step, _splat, _splat_f32
+
+PANEL_COLS = 16  # columns a panel holds: one int32 / float32 lane each
+GROUPS = QK // 4  # groups of four weights a super-block (one vpdpbusd lane's bytes)
+PANEL_MIN_ROWS = 8  # from this many rows on, a product decodes panels (fewer: the row tiles)
+ROW_GROUP = 4  # activation rows a panel pass computes together (the codes loaded once for them)
+
+_I64 = ir.IntType(64)
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _panel_rows(name, nsub):
+    """An intrinsic (tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, r0, r1, r2, r3, K, nsb):
+    tmp float32 [4, 16] <- rows r0..r3 of the activations against a decoded panel, every
+    super-block in order. nsub: sub-blocks a super-block (8 of 32 weights: Q4_K, Q5_K, whose
+    msum is the mins' part; 16 of 16: Q6_K, whose pairs are its scales, msum the offset
+    32's correction, and the float step acc + dd * f32(isum - 32 * msum))."""
+    gps = GROUPS // nsub
+    q6 = nsub == 16
+
+    def typer(typingctx, tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, r0, r1, r2, r3, K, nsb):
+        arrays = ((tmp, types.float32), (codes, types.uint32), (scales, types.int32), (pairs, types.int32),
+                  (pd, types.float32), (pdm, types.float32), (xq, types.int8), (xs, types.int16),
+                  (xd, types.float32))
+        if not (all(_is_c_array(a, t) for a, t in arrays)
+                and all(isinstance(i, types.Integer) for i in (r0, r1, r2, r3, K, nsb))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            data = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in range(9)]
+            tp, cp, sp, pp, dp, mp, xqp, xsp, xdp = data
+            ints = [context.cast(builder, args[k], sig.args[k], types.int64) for k in range(9, 15)]
+            rows, Kv, nsbv = ints[:4], ints[4], ints[5]
+            xrow = [builder.gep(xqp, [builder.mul(r, Kv)]) for r in rows]
+            srow = [builder.gep(xsp, [builder.mul(r, builder.lshr(Kv, _c64(4)))]) for r in rows]
+            drow = [builder.gep(xdp, [builder.mul(r, nsbv)]) for r in rows]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_F16V, None)) for _ in rows]
+            zero = ir.Constant(_V16, None)
+
+            def vec(ptr, offset, ty=_V16):
+                p = builder.gep(ptr, [offset]) if not isinstance(offset, int) or offset else ptr
+                return builder.load(builder.bitcast(p, ty.as_pointer()), align=4)
+
+            def word(ptr, offset):  # a dword broadcast to 16 lanes
+                v = builder.load(builder.bitcast(builder.gep(ptr, [_c64(offset)]), _I32.as_pointer()), align=1)
+                return builder.shuffle_vector(builder.insert_element(zero, v, ir.Constant(_I32, 0)), zero,
+                                              ir.Constant(_V16, [0] * 16))
+
+            with cgutils.for_range(builder, nsbv) as loop:
+                s = loop.index
+                cs = builder.gep(cp, [builder.mul(s, _c64(GROUPS * 16))])
+                ss = builder.gep(sp, [builder.mul(s, _c64(nsub * 16))])
+                ps = builder.gep(pp, [builder.mul(s, _c64(8 * 16))])
+                xs_ = [builder.gep(x, [builder.mul(s, _c64(QK))]) for x in xrow]
+                bs_ = [builder.gep(b, [builder.mul(s, _c64(16))]) for b in srow]
+                isum = [zero] * 4
+                for j in range(nsub):
+                    sc = vec(ss, _c64(16 * j))
+                    isub = [zero] * 4
+                    for k in range(gps):
+                        g = j * gps + k
+                        code = vec(cs, _c64(16 * g))
+                        for r in range(4):
+                            isub[r] = _dot4(builder, isub[r], code, word(xs_[r], 4 * g))
+                    isum = [builder.add(isum[r], builder.mul(isub[r], sc)) for r in range(4)]
+                msum = [zero] * 4
+                for p in range(8):
+                    pv = vec(ps, _c64(16 * p))
+                    msum = [_dot2(builder, msum[r], pv, word(bs_[r], 2 * p)) for r in range(4)]
+                d = vec(builder.gep(dp, [builder.mul(s, _c64(16))]), 0, _F16V)
+                dm = vec(builder.gep(mp, [builder.mul(s, _c64(16))]), 0, _F16V)
+                for r in range(4):
+                    dx = _splat_f32(builder, builder.load(builder.gep(drow[r], [s])))
+                    acc = builder.load(accs[r])
+                    if q6:
+                        tot = builder.sub(isum[r], builder.shl(msum[r], _splat(builder, _V16, 5)))
+                        acc = builder.fadd(acc, builder.fmul(builder.fmul(dx, d), builder.sitofp(tot, _F16V)))
+                    else:
+                        acc = _float_step(builder, acc, builder.fmul(dx, d), isum[r], builder.fmul(dx, dm), msum[r])
+                    builder.store(acc, accs[r])
+            for r in range(4):
+                builder.store(builder.load(accs[r]), builder.bitcast(builder.gep(tp, [_c64(16 * r)]), _F16V.as_pointer()),
+                              align=4)
+            return context.get_dummy_value()
+
+        return types.void(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, r0, r1, r2, r3, K, nsb), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+panel_rows8 = _panel_rows("panel_rows8", 8)  # Q4_K, Q5_K panels (8 sub-blocks of 32)
+panel_rows16 = _panel_rows("panel_rows16", 16)  # Q6_K panels (16 sub-blocks of 16)
+
+
+def _unpack32(hi):
+    return [(16 if i % 2 else 0) + l + (2 if hi else 0) + i // 2 for l in range(0, 16, 4) for i in range(4)]
+
+
+def _unpack64(hi):
+    return [(16 if i >= 2 else 0) + l + (2 if hi else 0) + i % 2 for l in range(0, 16, 4) for i in range(4)]
+
+
+def _shuf128(imm):
+    return [(16 if k >= 2 else 0) + 4 * imm[k] + i for k in range(4) for i in range(4)]
+
+
+def _transpose_stages():
+    """The 16 x 16 int32 transpose as four stages of two-source shuffles (dword and qword
+    unpacks, then 128-bit lane selects: one instruction each on AVX-512): each stage maps
+    an output vector to (source a, source b, mask)."""
+    lo, hi = (0, 2, 0, 2), (1, 3, 1, 3)
+    s1 = {}
+    for k in range(0, 16, 2):
+        s1[k], s1[k + 1] = (k, k + 1, _unpack32(False)), (k, k + 1, _unpack32(True))
+    s2 = {}
+    for t in range(0, 16, 4):
+        s2[t], s2[t + 1] = (t, t + 2, _unpack64(False)), (t, t + 2, _unpack64(True))
+        s2[t + 2], s2[t + 3] = (t + 1, t + 3, _unpack64(False)), (t + 1, t + 3, _unpack64(True))
+    s3 = {}
+    for m in (0, 8):
+        for j in range(4):
+            s3[m + j], s3[m + 4 + j] = (m + j, m + 4 + j, _shuf128(lo)), (m + j, m + 4 + j, _shuf128(hi))
+    s4 = {}
+    for j in range(8):
+        s4[j], s4[8 + j] = (j, 8 + j, _shuf128(lo)), (j, 8 + j, _shuf128(hi))
+    return [s1, s2, s3, s4]
+
+
+_STAGES = _transpose_stages()
+
+
+def _transpose16(builder, rows):
+    """out[i] lane c = rows[c] lane i, for 16 vectors of 16 int32."""
+    for stage in _STAGES:
+        rows = [builder.shuffle_vector(rows[a], rows[b], ir.Constant(_V16, m))
+                for a, b, m in (stage[o] for o in range(16))]
+    return rows
+
+
+def _lanes(builder, v, picks):
+    return builder.shuffle_vector(v, v, ir.Constant(_V16, picks))
+
+
+_Q4K_GROUPS = ([*range(0, 8), *range(16, 24)], [*range(8, 16), *range(24, 32)],
+               [*range(32, 40), *range(48, 56)], [*range(40, 48), *range(56, 64)])  # lo0, hi0, lo1, hi1
+
+
+def _q4k_column(builder, bp, q5):
+    """The code vectors of one Q4_K (q5: Q5_K) block at bp, lane t = four codes of the group
+    _Q4K_GROUPS[i][t], and its [sc0..7, m0..7]."""
+    m4, ones = _splat(builder, _V16, 0x0F0F0F0F), _splat(builder, _V16, 0x01010101)
+    out = []
+    for h in (0, 64):
+        v = builder.load(builder.bitcast(builder.gep(bp, [_c64((48 if q5 else 16) + h)]), _V16.as_pointer()), align=1)
+        out += [builder.and_(v, m4), builder.and_(builder.lshr(v, _splat(builder, _V16, 4)), m4)]
+    if q5:  # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
+        v8 = ir.VectorType(_I32, 8)
+        qh = builder.load(builder.bitcast(builder.gep(bp, [_c64(16)]), v8.as_pointer()), align=1)
+        qh = builder.shuffle_vector(qh, qh, ir.Constant(_V16, list(range(8)) * 2))
+        for i, (b0, b1) in enumerate(((0, 2), (1, 3), (4, 6), (5, 7))):
+            bit = builder.and_(builder.lshr(qh, ir.Constant(_V16, [b0] * 8 + [b1] * 8)), ones)
+            out[i] = builder.or_(out[i], builder.shl(bit, _splat(builder, _V16, 4)))
+    return out, q8k_dot._scales_mins(builder, bp)
+
+
+def _q6k_column(builder, bp):
+    """The code vectors of one Q6_K block at bp (lane t: groups 0..15, 16..31, 32..47, 48..63)
+    and its 16 signed scales."""
+    m4, m2 = _splat(builder, _V16, 0x0F0F0F0F), _splat(builder, _V16, 0x03030303)
+    qh = builder.load(builder.bitcast(builder.gep(bp, [_c64(128)]), _V16.as_pointer()), align=1)
+    four = _splat(builder, _V16, 4)
+    out = []
+    for h in (0, 1):
+        ql = builder.load(builder.bitcast(builder.gep(bp, [_c64(64 * h)]), _V16.as_pointer()), align=1)
+        hd = _lanes(builder, qh, list(range(8 * h, 8 * h + 8)) * 2)
+        for low, shifts in ((builder.and_(ql, m4), (0, 2)), (builder.and_(builder.lshr(ql, four), m4), (4, 6))):
+            high = builder.and_(builder.lshr(hd, ir.Constant(_V16, [shifts[0]] * 8 + [shifts[1]] * 8)), m2)
+            out.append(builder.or_(low, builder.shl(high, four)))
+    sc = builder.load(builder.bitcast(builder.gep(bp, [_c64(192)]), ir.VectorType(ir.IntType(8), 16).as_pointer()),
+                      align=1)
+    return out, builder.sext(sc, _V16)
+
+
+_Q6K_GROUPS = (range(0, 16), range(16, 32), range(32, 48), range(48, 64))
+
+
+def _panel_decoder(name, kind):
+    """An intrinsic (w, wo, rb, ncols, codes, co, scales, so, pairs, po): the panel of one
+    super-block, weight rows at bytes wo + c * rb of w for c < ncols (the rest repeat the
+    last; never stored), into codes[co:] (uint32 [64, 16]), scales[so:] (int32 [nsub, 16])
+    and pairs[po:] (int32 [8, 16]): every column's vectors decoded, then transposed to
+    lane = column (`_transpose16`). kind: "q4k", "q5k" or "q6k"."""
+
+    def typer(typingctx, w, wo, rb, ncols, codes, co, scales, so, pairs, po):
+        if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
+                and _is_c_array(pairs, types.int32)
+                and all(isinstance(a, types.Integer) for a in (wo, rb, ncols, co, so, po))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            wp, cp, sp, pp = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in (0, 4, 6, 8)]
+            wo_, rb_, nc, co_, so_, po_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 3, 5, 7, 9)]
+            last = builder.sub(nc, _c64(1))
+            cols, extra = [], []
+            for c in range(PANEL_COLS):
+                cc = builder.select(builder.icmp_signed("<", _c64(c), nc), _c64(c), last)
+                bp = builder.gep(wp, [builder.add(wo_, builder.mul(cc, rb_))])
+                v, e = _q6k_column(builder, bp) if kind == "q6k" else _q4k_column(builder, bp, kind == "q5k")
+                cols.append(v)
+                extra.append(e)
+
+            def store(ptr, off, v):
+                builder.store(v, builder.bitcast(builder.gep(ptr, [off]),
+                                                 _V16.as_pointer()), align=4)
+
+            groups = _Q6K_GROUPS if kind == "q6k" else _Q4K_GROUPS
+            for i, gs in enumerate(groups):
+                t = _transpose16(builder, [cols[c][i] for c in range(PANEL_COLS)])
+                for lane, g in enumerate(gs):
+                    store(builder.gep(cp, [_c64(16 * g)]), co_, t[lane])
+            t = _transpose16(builder, extra)  # lane c of t[i]: column c's scale (or min) i
+            low16 = _splat(builder, _V16, 0xFFFF)
+            sixteen = _splat(builder, _V16, 16)
+            if kind == "q6k":
+                for q in range(16):
+                    store(builder.gep(sp, [_c64(16 * q)]), so_, t[q])
+                for p in range(8):
+                    store(builder.gep(pp, [_c64(16 * p)]), po_,
+                          builder.or_(builder.and_(t[2 * p], low16), builder.shl(t[2 * p + 1], sixteen)))
+            else:
+                for j in range(8):
+                    store(builder.gep(sp, [_c64(16 * j)]), so_, t[j])
+                    store(builder.gep(pp, [_c64(16 * j)]), po_, builder.or_(t[8 + j], builder.shl(t[8 + j], sixteen)))
+            return context.get_dummy_value()
+
+        return types.void(w, wo, rb, ncols, codes, co, scales, so, pairs, po), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+decode_q4k = _panel_decoder("decode_q4k", "q4k")
+decode_q5k = _panel_decoder("decode_q5k", "q5k")
+decode_q6k = _panel_decoder("decode_q6k", "q6k")
+
+
+@njit(inline="always", **_JIT)
+def _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decoder):
+    """The panel of weight rows n0..n1 (at most 16; the rest repeat the last) of every
+    super-block, the next panel's weights prefetched meanwhile (they come from memory)."""
+    nsb, rb = wd.shape[1], w.shape[1]
+    step = rb // nsb
+    for s in range(nsb):
+        for c in range(PANEL_COLS):  # the next panel's blocks (never faults past the end)
+            for b in range(0, step, 64):
+                prefetch(w, (n0 + PANEL_COLS + c) * rb + s * step + b)
+        decoder(w, n0 * rb + s * step, rb, n1 - n0, codes, s * GROUPS * PANEL_COLS, scales,
+                s * scales.shape[1] * PANEL_COLS, pairs, s * 8 * PANEL_COLS)
+        for c in range(PANEL_COLS):
+            n = min(n0 + c, n1 - 1)
+            pd[s, c], pdm[s, c] = wd[n, s], wdm[n, s]
+
+
+@njit(inline="always", **_JIT)
+def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub):
+    """out[:, c0:c1] by panels of 16 columns: each decoded once, then every row against it,
+    four at a time (a last group of fewer repeats its last row, stored once)."""
+    M, K, nsb = out.shape[0], xq.shape[1], wd.shape[1]
+    codes = np.empty((nsb, GROUPS, PANEL_COLS), np.uint32)
+    scales = np.empty((nsb, nsub, PANEL_COLS), np.int32)
+    pairs = np.empty((nsb, 8, PANEL_COLS), np.int32)
+    pd, pdm = np.empty((nsb, PANEL_COLS), np.float32), np.empty((nsb, PANEL_COLS), np.float32)
+    tmp = np.empty((ROW_GROUP, PANEL_COLS), np.float32)
+    for n0 in range(c0, c1, PANEL_COLS):
+        n1 = min(n0 + PANEL_COLS, c1)
+        _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decode)
+        for m in range(0, M, ROW_GROUP):
+            rows(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, min(m + 1, M - 1), min(m + 2, M - 1),
+                 min(m + 3, M - 1), K, nsb)
+            for r in range(min(ROW_GROUP, M - m)):
+                for c in range(n1 - n0):
+                    out[m + r, n0 + c] = tmp[r, c]
+
+
+@njit(inline="always", **_JIT)
+def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256])
+    and every row's Q8_K activations (`q8k_dot.quantize_row_q8k`): panels from
+    PANEL_MIN_ROWS rows on, the row tiles below (the same bits)."""
+    if out.shape[0] >= PANEL_MIN_ROWS:
+        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8, 8)
+    else:
+        q8k_dot.q4k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
+def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
+    if out.shape[0] >= PANEL_MIN_ROWS:
+        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8, 8)
+    else:
+        q8k_dot.q5k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
+def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
+    """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
+    if out.shape[0] >= PANEL_MIN_ROWS:
+        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16, 16)
+    else:
+        q8k_dot.q6k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
