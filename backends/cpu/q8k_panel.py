@@ -170,59 +170,43 @@ def _transpose16(builder, rows):
     return rows
 
 
-def _lanes(builder, v, picks):
-    return builder.shuffle_vector(v, v, ir.Constant(_V16, picks))
+def _words(builder, bp, offset, n):
+    """<n x i32>: the n little-endian words at byte offset of the block at bp (unaligned)."""
+    ty = ir.VectorType(_I32, n)
+    return builder.load(builder.bitcast(builder.gep(bp, [_c64(offset)]), ty.as_pointer()), align=1)
 
 
-_Q4K_GROUPS = ([*range(0, 8), *range(16, 24)], [*range(8, 16), *range(24, 32)],
-               [*range(32, 40), *range(48, 56)], [*range(40, 48), *range(56, 64)])  # lo0, hi0, lo1, hi1
+def _wide(builder, v):
+    """A <8 x i32> as 16 lanes (the high 8 a copy, never read)."""
+    return builder.shuffle_vector(v, v, ir.Constant(_V16, list(range(8)) * 2))
 
 
-def _q4k_column(builder, bp, q5):
-    """The code vectors of one Q4_K (q5: Q5_K) block at bp, lane t = four codes of the group
-    _Q4K_GROUPS[i][t], and its [sc0..7, m0..7]."""
-    m4, ones = _splat(builder, _V16, 0x0F0F0F0F), _splat(builder, _V16, 0x01010101)
+def _transpose16x4(builder, quads):
+    """Four vectors: out[i] lane c = quads[c] lane i, for 16 <4 x i32> (a block's scale words
+    per column)."""
+    v8 = ir.VectorType(_I32, 8)
+    rows = []
+    for q in range(0, 16, 4):
+        ab = builder.shuffle_vector(quads[q], quads[q + 1], ir.Constant(v8, list(range(8))))
+        cd = builder.shuffle_vector(quads[q + 2], quads[q + 3], ir.Constant(v8, list(range(8))))
+        rows.append(builder.shuffle_vector(ab, cd, ir.Constant(_V16, list(range(16)))))  # columns q..q+3
     out = []
-    for h in (0, 64):
-        v = builder.load(builder.bitcast(builder.gep(bp, [_c64((48 if q5 else 16) + h)]), _V16.as_pointer()), align=1)
-        out += [builder.and_(v, m4), builder.and_(builder.lshr(v, _splat(builder, _V16, 4)), m4)]
-    if q5:  # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
-        v8 = ir.VectorType(_I32, 8)
-        qh = builder.load(builder.bitcast(builder.gep(bp, [_c64(16)]), v8.as_pointer()), align=1)
-        qh = builder.shuffle_vector(qh, qh, ir.Constant(_V16, list(range(8)) * 2))
-        for i, (b0, b1) in enumerate(((0, 2), (1, 3), (4, 6), (5, 7))):
-            bit = builder.and_(builder.lshr(qh, ir.Constant(_V16, [b0] * 8 + [b1] * 8)), ones)
-            out[i] = builder.or_(out[i], builder.shl(bit, _splat(builder, _V16, 4)))
-    return out, q8k_dot._scales_mins(builder, bp)
-
-
-def _q6k_column(builder, bp):
-    """The code vectors of one Q6_K block at bp (lane t: groups 0..15, 16..31, 32..47, 48..63)
-    and its 16 signed scales."""
-    m4, m2 = _splat(builder, _V16, 0x0F0F0F0F), _splat(builder, _V16, 0x03030303)
-    qh = builder.load(builder.bitcast(builder.gep(bp, [_c64(128)]), _V16.as_pointer()), align=1)
-    four = _splat(builder, _V16, 4)
-    out = []
-    for h in (0, 1):
-        ql = builder.load(builder.bitcast(builder.gep(bp, [_c64(64 * h)]), _V16.as_pointer()), align=1)
-        hd = _lanes(builder, qh, list(range(8 * h, 8 * h + 8)) * 2)
-        for low, shifts in ((builder.and_(ql, m4), (0, 2)), (builder.and_(builder.lshr(ql, four), m4), (4, 6))):
-            high = builder.and_(builder.lshr(hd, ir.Constant(_V16, [shifts[0]] * 8 + [shifts[1]] * 8)), m2)
-            out.append(builder.or_(low, builder.shl(high, four)))
-    sc = builder.load(builder.bitcast(builder.gep(bp, [_c64(192)]), ir.VectorType(ir.IntType(8), 16).as_pointer()),
-                      align=1)
-    return out, builder.sext(sc, _V16)
-
-
-_Q6K_GROUPS = (range(0, 16), range(16, 32), range(32, 48), range(48, 64))
+    for i in range(4):
+        pick = [4 * r + i for r in range(4)] + [16 + 4 * r + i for r in range(4)] + [0] * 8
+        lo = builder.shuffle_vector(rows[0], rows[1], ir.Constant(_V16, pick))
+        hi = builder.shuffle_vector(rows[2], rows[3], ir.Constant(_V16, pick))
+        out.append(builder.shuffle_vector(lo, hi, ir.Constant(_V16, list(range(8)) + list(range(16, 24)))))
+    return out
 
 
 def _panel_decoder(name, kind):
     """An intrinsic (w, wo, rb, ncols, codes, co, scales, so, pairs, po): the panel of one
     super-block, weight rows at bytes wo + c * rb of w for c < ncols (the rest repeat the
     last; never stored), into codes[co:] (uint32 [64, 16]), scales[so:] (int32 [nsub, 16])
-    and pairs[po:] (int32 [8, 16]): every column's vectors decoded, then transposed to
-    lane = column (`_transpose16`). kind: "q4k", "q5k" or "q6k"."""
+    and pairs[po:] (int32 [8, 16]). Each column's raw words are loaded and transposed to
+    lane = column (`_transpose16`: 64 shuffles for 16 words of 16 columns), then split
+    into codes, scales and mins with the same lane-wise operations for all 16 columns.
+    kind: "q4k", "q5k" or "q6k"."""
 
     def typer(typingctx, w, wo, rb, ncols, codes, co, scales, so, pairs, po):
         if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
@@ -234,36 +218,60 @@ def _panel_decoder(name, kind):
             wp, cp, sp, pp = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in (0, 4, 6, 8)]
             wo_, rb_, nc, co_, so_, po_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 3, 5, 7, 9)]
             last = builder.sub(nc, _c64(1))
-            cols, extra = [], []
+            cols = []
             for c in range(PANEL_COLS):
                 cc = builder.select(builder.icmp_signed("<", _c64(c), nc), _c64(c), last)
-                bp = builder.gep(wp, [builder.add(wo_, builder.mul(cc, rb_))])
-                v, e = _q6k_column(builder, bp) if kind == "q6k" else _q4k_column(builder, bp, kind == "q5k")
-                cols.append(v)
-                extra.append(e)
+                cols.append(builder.gep(wp, [builder.add(wo_, builder.mul(cc, rb_))]))
 
-            def store(ptr, off, v):
-                builder.store(v, builder.bitcast(builder.gep(ptr, [off]),
-                                                 _V16.as_pointer()), align=4)
+            def store(ptr, off, index, v):
+                p = builder.gep(ptr, [builder.add(off, _c64(16 * index))])
+                builder.store(v, builder.bitcast(p, _V16.as_pointer()), align=4)
 
-            groups = _Q6K_GROUPS if kind == "q6k" else _Q4K_GROUPS
-            for i, gs in enumerate(groups):
-                t = _transpose16(builder, [cols[c][i] for c in range(PANEL_COLS)])
-                for lane, g in enumerate(gs):
-                    store(builder.gep(cp, [_c64(16 * g)]), co_, t[lane])
-            t = _transpose16(builder, extra)  # lane c of t[i]: column c's scale (or min) i
-            low16 = _splat(builder, _V16, 0xFFFF)
-            sixteen = _splat(builder, _V16, 16)
+            def k(v):
+                return _splat(builder, _V16, v)
+
+            m4, m2, ones = k(0x0F0F0F0F), k(0x03030303), k(0x01010101)
             if kind == "q6k":
+                t0, t1, th = (_transpose16(builder, [_words(builder, bp, o, 16) for bp in cols]) for o in (0, 64, 128))
+                for h, th_ in enumerate((t0, t1)):
+                    for t in range(8):
+                        a, b, hq, g = th_[t], th_[8 + t], th[8 * h + t], 32 * h + t
+                        for i, (low, sh) in enumerate(((builder.and_(a, m4), 0), (builder.and_(b, m4), 2),
+                                                       (builder.and_(builder.lshr(a, k(4)), m4), 4),
+                                                       (builder.and_(builder.lshr(b, k(4)), m4), 6))):
+                            high = builder.and_(builder.lshr(hq, k(sh)) if sh else hq, m2)
+                            store(cp, co_, g + 8 * i, builder.or_(low, builder.shl(high, k(4))))
+                u = _transpose16x4(builder, [_words(builder, bp, 192, 4) for bp in cols])
+                sc = [builder.ashr(builder.shl(u[q // 4], k(24 - 8 * (q % 4))), k(24)) for q in range(16)]
                 for q in range(16):
-                    store(builder.gep(sp, [_c64(16 * q)]), so_, t[q])
+                    store(sp, so_, q, sc[q])
                 for p in range(8):
-                    store(builder.gep(pp, [_c64(16 * p)]), po_,
-                          builder.or_(builder.and_(t[2 * p], low16), builder.shl(t[2 * p + 1], sixteen)))
-            else:
-                for j in range(8):
-                    store(builder.gep(sp, [_c64(16 * j)]), so_, t[j])
-                    store(builder.gep(pp, [_c64(16 * j)]), po_, builder.or_(t[8 + j], builder.shl(t[8 + j], sixteen)))
+                    store(pp, po_, p, builder.or_(builder.and_(sc[2 * p], k(0xFFFF)), builder.shl(sc[2 * p + 1], k(16))))
+                return context.get_dummy_value()
+            qo = 48 if kind == "q5k" else 16
+            t = [*_transpose16(builder, [_words(builder, bp, qo, 16) for bp in cols]),
+                 *_transpose16(builder, [_words(builder, bp, qo + 64, 16) for bp in cols])]
+            if kind == "q5k":  # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
+                tq = _transpose16(builder, [_wide(builder, _words(builder, bp, 16, 8)) for bp in cols])
+            for wt in range(32):
+                g, kk = wt // 8, wt % 8
+                lo, hi = builder.and_(t[wt], m4), builder.and_(builder.lshr(t[wt], k(4)), m4)
+                if kind == "q5k":
+                    lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g)), ones), k(4)))
+                    hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g + 1)), ones), k(4)))
+                store(cp, co_, 16 * g + kk, lo)
+                store(cp, co_, 16 * g + 8 + kk, hi)
+            u0, u1, u2, _ = _transpose16x4(builder, [_words(builder, bp, 4, 4) for bp in cols])
+            for j in range(4):  # llama.cpp's get_scale_min_k4, on 16 columns' words at once
+                sh = 8 * j
+                sc_lo, m_lo = builder.and_(builder.lshr(u0, k(sh)), k(63)), builder.and_(builder.lshr(u1, k(sh)), k(63))
+                sc_hi = builder.or_(builder.and_(builder.lshr(u2, k(sh)), k(15)),
+                                    builder.shl(builder.and_(builder.lshr(u0, k(sh + 6)), k(3)), k(4)))
+                m_hi = builder.or_(builder.and_(builder.lshr(u2, k(sh + 4)), k(15)),
+                                   builder.shl(builder.and_(builder.lshr(u1, k(sh + 6)), k(3)), k(4)))
+                for jj, scv, mv in ((j, sc_lo, m_lo), (j + 4, sc_hi, m_hi)):
+                    store(sp, so_, jj, scv)
+                    store(pp, po_, jj, builder.or_(mv, builder.shl(mv, k(16))))
             return context.get_dummy_value()
 
         return types.void(w, wo, rb, ncols, codes, co, scales, so, pairs, po), codegen
