@@ -31,7 +31,7 @@ from panechat.backends.cpu.q8k_dot import QK, _F16V, _I32, _V16, _dot2, _dot4, _
 
 PANEL_COLS = 16  # columns a panel holds: one int32 / float32 lane each
 GROUPS = QK // 4  # groups of four weights a super-block (one vpdpbusd lane's bytes)
-PANEL_MIN_ROWS = 8  # from this many rows on, a product decodes panels (fewer: the row tiles)
+PANEL_MIN_ROWS = 4  # from this many rows on, a product decodes panels (fewer: the row tiles)
 ROW_GROUP = 4  # activation rows a panel pass computes together (the codes loaded once for them)
 
 _I64 = ir.IntType(64)

@@ -87,6 +87,23 @@ def _panels_source():
     return run
 
 
+def _row_tiles_source():
+    """A test kernel: every product by the row tiles, whatever the row count (the 4x4 tile
+    runs only here once panels take 4 rows and more)."""
+
+    def run(x, w, d, dm, out, code):
+        xq, xd, xs = q.quantized_rows(x)
+        if code == 0:
+            q.q4k_row_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+        elif code == 1:
+            q.q5k_row_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+        else:
+            q.q6k_row_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+        return xq, xd, xs
+
+    return run
+
+
 CODES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
 
 
@@ -120,11 +137,12 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
 
 
 def test_the_tiles_give_the_reference_bits():
-    """The column products at 1, 3, 7 rows (the 4x4, 4x2 and one-row tiles), and by panels at
-    9 and 70 rows (a last group of fewer than four rows, a panel of fewer than 16 columns,
+    """The column products at 1 and 3 rows (the 4x2 and one-row tiles), by panels at 7, 9 and
+    70 rows (a last group of fewer than four rows, a panel of fewer than 16 columns,
     two panels) in this CPU's form."""
-    assert p.PANEL_MIN_ROWS <= 9
+    assert 2 < p.PANEL_MIN_ROWS <= 7
     _check_reference_bits(njit(cache=False)(_products_source()), ((1, 9), (3, 6), (7, 5), (9, 8), (70, 37)))
+    _check_reference_bits(njit(cache=False)(_row_tiles_source()), ((7, 9), (70, 5)))
 
 
 def test_the_form_follows_the_target_features():
