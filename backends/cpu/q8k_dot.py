@@ -534,32 +534,32 @@ def _prefetch_next(w, n, rb, s, step):
 
 
 @njit(inline="always", **_JIT)
-def _q4k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
-    """acc (4 columns) after super-block s of Q4_K weight rows n..n+3 against activation row m."""
+def _sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s, step, block4):
+    """acc (4 columns) after super-block s (`step` bytes) of weight rows n..n+3 against
+    activation row m, by `block4` (a `_block_product4`)."""
     K, dx = xq.shape[1], xd[m, s]
     dd = (dx * wd[n, s], dx * wd[n + 1, s], dx * wd[n + 2, s], dx * wd[n + 3, s])
     dm = (dx * wdm[n, s], dx * wdm[n + 1, s], dx * wdm[n + 2, s], dx * wdm[n + 3, s])
-    return q4k_block4(acc, w, n * w.shape[1] + s * 144, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
-                      dd, dm)
+    return block4(acc, w, n * w.shape[1] + s * step, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
+                  dd, dm)
+
+
+@njit(inline="always", **_JIT)
+def _q4k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
+    """`_sb4` for Q4_K."""
+    return _sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s, 144, q4k_block4)
 
 
 @njit(inline="always", **_JIT)
 def _q5k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
-    """`_q4k_sb4` for Q5_K."""
-    K, dx = xq.shape[1], xd[m, s]
-    dd = (dx * wd[n, s], dx * wd[n + 1, s], dx * wd[n + 2, s], dx * wd[n + 3, s])
-    dm = (dx * wdm[n, s], dx * wdm[n + 1, s], dx * wdm[n + 2, s], dx * wdm[n + 3, s])
-    return q5k_block4(acc, w, n * w.shape[1] + s * 176, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
-                      dd, dm)
+    """`_sb4` for Q5_K."""
+    return _sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s, 176, q5k_block4)
 
 
 @njit(inline="always", **_JIT)
 def _q6k_sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s):
-    """`_q4k_sb4` for Q6_K (wdm unused)."""
-    K, dx = xq.shape[1], xd[m, s]
-    dd = (dx * wd[n, s], dx * wd[n + 1, s], dx * wd[n + 2, s], dx * wd[n + 3, s])
-    return q6k_block4(acc, w, n * w.shape[1] + s * 210, w.shape[1], xq, m * K + s * QK, xs, m * (K // 16) + s * 16,
-                      dd, dd)
+    """`_sb4` for Q6_K (wdm unused: its products with dx are passed and never read)."""
+    return _sb4(acc, w, wd, wdm, xq, xd, xs, m, n, s, 210, q6k_block4)
 
 
 @njit(inline="always", **_JIT)

@@ -324,29 +324,28 @@ def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub):
 
 
 @njit(inline="always", **_JIT)
+def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub, row_columns):
+    """Panels from PANEL_MIN_ROWS rows on, the row tiles `row_columns` below (the same bits)."""
+    if out.shape[0] >= PANEL_MIN_ROWS:
+        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub)
+    else:
+        row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
 def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256])
-    and every row's Q8_K activations (`q8k_dot.quantize_row_q8k`): panels from
-    PANEL_MIN_ROWS rows on, the row tiles below (the same bits)."""
-    if out.shape[0] >= PANEL_MIN_ROWS:
-        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8, 8)
-    else:
-        q8k_dot.q4k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
+    and every row's Q8_K activations (`q8k_dot.quantize_row_q8k`)."""
+    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8, 8, q8k_dot.q4k_row_columns)
 
 
 @njit(inline="always", **_JIT)
 def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
-    if out.shape[0] >= PANEL_MIN_ROWS:
-        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8, 8)
-    else:
-        q8k_dot.q5k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
+    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8, 8, q8k_dot.q5k_row_columns)
 
 
 @njit(inline="always", **_JIT)
 def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
-    if out.shape[0] >= PANEL_MIN_ROWS:
-        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16, 16)
-    else:
-        q8k_dot.q6k_row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
+    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16, 16, q8k_dot.q6k_row_columns)

@@ -29,22 +29,34 @@ def test_the_shipped_kquants_round_activations():
     assert {"Q4_K", "Q6_K"} <= set(Q8K_TYPES)
 
 
-def _products_source():
+def _columns_source(module, prefix):
     """A test kernel computing x @ W.T for each q8k type by code (0: Q4_K, 1: Q5_K, 2: Q6_K)
-    through the column products the registry names (the row tiles below PANEL_MIN_ROWS rows,
-    panels from it on), compiled fresh (cache off)."""
+    through `module`'s `{prefix}_columns` products, compiled fresh (cache off)."""
+    q4, q5, q6 = (getattr(module, f"{t}{prefix}_columns") for t in ("q4k", "q5k", "q6k"))
 
     def run(x, w, d, dm, out, code):
         xq, xd, xs = q.quantized_rows(x)
         if code == 0:
-            p.q4k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+            q4(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         elif code == 1:
-            p.q5k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+            q5(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         else:
-            p.q6k_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
+            q6(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         return xq, xd, xs
 
     return run
+
+
+def _products_source():
+    """The column products the registry names (the row tiles below PANEL_MIN_ROWS rows,
+    panels from it on)."""
+    return _columns_source(p, "")
+
+
+def _row_tiles_source():
+    """Every product by the row tiles, whatever the row count (the 4x4 tile runs only here
+    once panels take 4 rows and more)."""
+    return _columns_source(q, "_row")
 
 
 def _blocks_source():
@@ -82,23 +94,6 @@ def _panels_source():
             p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q5k, p.panel_rows8, 8)
         else:
             p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q6k, p.panel_rows16, 16)
-        return xq, xd, xs
-
-    return run
-
-
-def _row_tiles_source():
-    """A test kernel: every product by the row tiles, whatever the row count (the 4x4 tile
-    runs only here once panels take 4 rows and more)."""
-
-    def run(x, w, d, dm, out, code):
-        xq, xd, xs = q.quantized_rows(x)
-        if code == 0:
-            q.q4k_row_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
-        elif code == 1:
-            q.q5k_row_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
-        else:
-            q.q6k_row_columns(w, d, dm, xq, xd, xs, out, 0, out.shape[1])
         return xq, xd, xs
 
     return run
