@@ -54,8 +54,8 @@ def _products_source():
 
 
 def _row_tiles_source():
-    """Every product by the row tiles, whatever the row count (the 4x4 tile runs only here
-    once panels take 4 rows and more)."""
+    """Every product by the row tiles, whatever the row count (their loop over pairs of
+    rows and a chunk past 64 rows run only here once panels take 4 rows and more)."""
     return _columns_source(q, "_row")
 
 
