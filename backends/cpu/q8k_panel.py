@@ -41,10 +41,10 @@ def _c64(v):
     return ir.Constant(_I64, v)
 
 
-def _panel_rows(name, nsub):
+def _panel_rows(name, nsub, nr=ROW_GROUP):
     """An intrinsic (tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, r0, r1, r2, r3, K, nsb):
-    tmp float32 [4, 16] <- rows r0..r3 of the activations against a decoded panel, every
-    super-block in order. nsub: sub-blocks a super-block (8 of 32 weights: Q4_K, Q5_K, whose
+    tmp float32 [nr, 16] <- rows r0..r(nr-1) of the activations (the rest of r0..r3 unread)
+    against a decoded panel, every super-block in order. nsub: sub-blocks a super-block (8 of 32 weights: Q4_K, Q5_K, whose
     msum is the mins' part; 16 of 16: Q6_K, whose pairs are its scales, msum the offset
     32's correction, and the float step acc + dd * f32(isum - 32 * msum))."""
     gps = GROUPS // nsub
@@ -62,7 +62,7 @@ def _panel_rows(name, nsub):
             data = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in range(9)]
             tp, cp, sp, pp, dp, mp, xqp, xsp, xdp = data
             ints = [context.cast(builder, args[k], sig.args[k], types.int64) for k in range(9, 15)]
-            rows, Kv, nsbv = ints[:4], ints[4], ints[5]
+            rows, Kv, nsbv = ints[:nr], ints[4], ints[5]
             xrow = [builder.gep(xqp, [builder.mul(r, Kv)]) for r in rows]
             srow = [builder.gep(xsp, [builder.mul(r, builder.lshr(Kv, _c64(4)))]) for r in rows]
             drow = [builder.gep(xdp, [builder.mul(r, nsbv)]) for r in rows]
@@ -85,23 +85,23 @@ def _panel_rows(name, nsub):
                 ps = builder.gep(pp, [builder.mul(s, _c64(8 * 16))])
                 xs_ = [builder.gep(x, [builder.mul(s, _c64(QK))]) for x in xrow]
                 bs_ = [builder.gep(b, [builder.mul(s, _c64(16))]) for b in srow]
-                isum = [zero] * 4
+                isum = [zero] * nr
                 for j in range(nsub):
                     sc = vec(ss, _c64(16 * j))
-                    isub = [zero] * 4
+                    isub = [zero] * nr
                     for k in range(gps):
                         g = j * gps + k
                         code = vec(cs, _c64(16 * g))
-                        for r in range(4):
+                        for r in range(nr):
                             isub[r] = _dot4(builder, isub[r], code, word(xs_[r], 4 * g))
-                    isum = [builder.add(isum[r], builder.mul(isub[r], sc)) for r in range(4)]
-                msum = [zero] * 4
+                    isum = [builder.add(isum[r], builder.mul(isub[r], sc)) for r in range(nr)]
+                msum = [zero] * nr
                 for p in range(8):
                     pv = vec(ps, _c64(16 * p))
-                    msum = [_dot2(builder, msum[r], pv, word(bs_[r], 2 * p)) for r in range(4)]
+                    msum = [_dot2(builder, msum[r], pv, word(bs_[r], 2 * p)) for r in range(nr)]
                 d = vec(builder.gep(dp, [builder.mul(s, _c64(16))]), 0, _F16V)
                 dm = vec(builder.gep(mp, [builder.mul(s, _c64(16))]), 0, _F16V)
-                for r in range(4):
+                for r in range(nr):
                     dx = _splat_f32(builder, builder.load(builder.gep(drow[r], [s])))
                     acc = builder.load(accs[r])
                     if q6:
@@ -110,7 +110,7 @@ def _panel_rows(name, nsub):
                     else:
                         acc = _float_step(builder, acc, builder.fmul(dx, d), isum[r], builder.fmul(dx, dm), msum[r])
                     builder.store(acc, accs[r])
-            for r in range(4):
+            for r in range(nr):
                 builder.store(builder.load(accs[r]), builder.bitcast(builder.gep(tp, [_c64(16 * r)]), _F16V.as_pointer()),
                               align=4)
             return context.get_dummy_value()
@@ -121,8 +121,12 @@ def _panel_rows(name, nsub):
     return intrinsic(typer)
 
 
-panel_rows8 = _panel_rows("panel_rows8", 8)  # Q4_K, Q5_K panels (8 sub-blocks of 32)
+panel_rows8 = _panel_rows("panel_rows8", 8)  # Q4_K, Q5_K panels (8 sub-blocks of 32), four rows
+panel_rows8_2 = _panel_rows("panel_rows8_2", 8, 2)  # the last two rows of an M = 4k + 2
+panel_rows8_1 = _panel_rows("panel_rows8_1", 8, 1)  # the last row of an M = 4k + 1
 panel_rows16 = _panel_rows("panel_rows16", 16)  # Q6_K panels (16 sub-blocks of 16)
+panel_rows16_2 = _panel_rows("panel_rows16_2", 16, 2)
+panel_rows16_1 = _panel_rows("panel_rows16_1", 16, 1)
 
 
 def _unpack32(hi):
@@ -303,31 +307,41 @@ def _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decoder):
 
 
 @njit(inline="always", **_JIT)
-def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub):
+def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, rows1, nsub):
     """out[:, c0:c1] by panels of 16 columns: each decoded once, then every row against it,
-    four at a time (a last group of fewer repeats its last row, stored once)."""
+    four at a time (`rows`; a last group of three repeats its last row, stored once), a last
+    two or one by `rows2` / `rows1` (a verify step's 4 + 1 rows pays for 5, not 8)."""
     M, K, nsb = out.shape[0], xq.shape[1], wd.shape[1]
     codes = np.empty((nsb, GROUPS, PANEL_COLS), np.uint32)
     scales = np.empty((nsb, nsub, PANEL_COLS), np.int32)
     pairs = np.empty((nsb, 8, PANEL_COLS), np.int32)
     pd, pdm = np.empty((nsb, PANEL_COLS), np.float32), np.empty((nsb, PANEL_COLS), np.float32)
     tmp = np.empty((ROW_GROUP, PANEL_COLS), np.float32)
+    tail = M % ROW_GROUP if M % ROW_GROUP < 3 else 0  # rows left to rows2 / rows1
     for n0 in range(c0, c1, PANEL_COLS):
         n1 = min(n0 + PANEL_COLS, c1)
         _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decode)
-        for m in range(0, M, ROW_GROUP):
+        for m in range(0, M - tail, ROW_GROUP):
             rows(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, min(m + 1, M - 1), min(m + 2, M - 1),
                  min(m + 3, M - 1), K, nsb)
             for r in range(min(ROW_GROUP, M - m)):
                 for c in range(n1 - n0):
                     out[m + r, n0 + c] = tmp[r, c]
+        m = M - tail
+        if tail == 2:
+            rows2(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m + 1, m + 1, m + 1, K, nsb)
+        elif tail == 1:
+            rows1(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
+        for r in range(tail):
+            for c in range(n1 - n0):
+                out[m + r, n0 + c] = tmp[r, c]
 
 
 @njit(inline="always", **_JIT)
-def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub, row_columns):
+def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, rows1, nsub, row_columns):
     """Panels from PANEL_MIN_ROWS rows on, the row tiles `row_columns` below (the same bits)."""
     if out.shape[0] >= PANEL_MIN_ROWS:
-        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub)
+        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, rows1, nsub)
     else:
         row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
 
@@ -336,16 +350,19 @@ def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, nsub, row_columns
 def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256])
     and every row's Q8_K activations (`q8k_dot.quantize_row_q8k`)."""
-    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8, 8, q8k_dot.q4k_row_columns)
+    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8, panel_rows8_2, panel_rows8_1, 8,
+            q8k_dot.q4k_row_columns)
 
 
 @njit(inline="always", **_JIT)
 def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
-    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8, 8, q8k_dot.q5k_row_columns)
+    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8, panel_rows8_2, panel_rows8_1, 8,
+            q8k_dot.q5k_row_columns)
 
 
 @njit(inline="always", **_JIT)
 def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
-    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16, 16, q8k_dot.q6k_row_columns)
+    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16, panel_rows16_2, panel_rows16_1, 16,
+            q8k_dot.q6k_row_columns)
