@@ -221,11 +221,14 @@ async def test_share_hosts_the_server_in_process(tui_engine, store):
 
         async def teammate_turn():
             await teammate.start()
-            from panechat.app.clients.base import Finished, GenParams
+            from panechat.app.clients.base import Delta, Finished, GenParams
 
-            stream = teammate.stream("c-mate", [{"role": "user", "content": "Describe rain"}], GenParams(max_tokens=48))
-            started.set()
+            # a long reply, and the pane's request sent once it is decoding: the two overlap
+            # even when a loaded machine delays the pane's keypress
+            stream = teammate.stream("c-mate", [{"role": "user", "content": "Describe rain"}], GenParams(max_tokens=256))
             async for ev in stream:
+                if isinstance(ev, Delta):
+                    started.set()
                 if isinstance(ev, Finished):
                     await release.wait()
                     await teammate.close()
