@@ -3,8 +3,9 @@ x @ W.T, for the crew threads of the one-call decode step (`decoder`).
 
 The columns are computed by `block_linear`'s own paths (register tiles up to
 REG_MAX_ROWS rows, dequantized float32 panels above; a type with a `cpu_q8k` product by
-`q8k_panel`'s, the rows quantized by each thread), so every output element has the
-bits `quant_kernels.linear_block32` / `linear_kquant` give it: which thread computes a
+`q8k_panel`'s, one with `cpu_packed` by `packed32`'s over its repacked records, the rows
+quantized by each thread), so every output element has the bits
+`quant_kernels.linear_block32` / `linear_kquant` / `linear_packed` give it: which thread computes a
 column, and with which neighbours, never changes its arithmetic. Each block type is its
 own C-callable function (`range_function`, made from the type's registry entry by
 `generated`), compiled on first use and cached; the step calls them through a table of
@@ -26,7 +27,8 @@ from numba import cfunc, njit, types
 from panechat.backends.cpu.addresses import f32_at, u8_at
 from panechat.backends.cpu.block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from panechat.backends.cpu.numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
-from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, q8k_columns_of
+from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, packed_columns_of, q8k_columns_of
+from panechat.backends.cpu.packed32 import quantized_rows as packed_rows
 from panechat.backends.cpu.q8k_dot import quantized_rows
 from panechat.backends.quant import registry
 
@@ -40,9 +42,15 @@ def split_unit(M):
 
 
 @njit(inline="always", **_JIT)
-def share(N, M, tid, n):
-    """Columns (c0, c1) of N that thread tid of n computes: whole tiles, as even as can be."""
+def share(N, M, tid, n, group):
+    """Columns (c0, c1) of N that thread tid of n computes: whole tiles (and whole groups of
+    `group` columns: 16 for a repacked weight, else 1), as even as can be."""
     u = split_unit(M)
+    if group > 1:
+        a, b = u, group
+        while b:
+            a, b = b, a % b
+        u = u * group // a  # the least common multiple
     T = (N + u - 1) // u
     return min(N, T * tid // n * u), min(N, T * (tid + 1) // n * u)
 
@@ -85,6 +93,23 @@ def _q8k_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at
     columns(w, d, dmin, xq, xd, xs, out, c0, c1)
 
 
+@njit(inline="always", **_JIT)
+def _packed_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_out, c0, c1, columns):
+    """`_range_at` for a repacked weight (`packed32`; c0 a multiple of 16, c1 too or N): the
+    rows rounded to int16 (each thread its own copy), then `columns`. d and dmin are unused."""
+    if c1 <= c0:
+        return
+    x, out = numba.carray(f32_at(x_at), (M, K)), numba.carray(f32_at(out_at), (M, n_out))
+    w = numba.carray(u8_at(w_at), ((N + 15) // 16 * 16, rb))  # the last group's padding included
+    xq, xd, xs, sx = packed_rows(x)
+    columns(w, xq, xd, xs, sx, out, c0, c1)
+
+
+def _packed_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    """Template of the range function of a type with `cpu_packed` (`_load2`: its column product)."""
+    _packed_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
+
+
 def _q8k_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
     """Template of the range function of a type with `cpu_q8k` (`_load2`: its column product)."""
     _q8k_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
@@ -114,8 +139,9 @@ def range_function(t: registry.QuantType):
     int64: x address, M, K; the blocks' address, N, bytes a row; d and dmin addresses, their
     rows and columns; out's address and columns; c0, c1."""
     if t not in _COMPILED:
-        q8k = q8k_columns_of(t)
-        f = bind_loader(_q8k_range_template if q8k else _range_template, kernel_name("_range", t), q8k or loader_of(t))
+        q8k, packed = q8k_columns_of(t), packed_columns_of(t)
+        template = _packed_range_template if packed else (_q8k_range_template if q8k else _range_template)
+        f = bind_loader(template, kernel_name("_range", t), packed or q8k or loader_of(t))
         _COMPILED[t] = cfunc(RANGE_SIGNATURE, **dict(_JIT, cache=cacheable(t)))(f)
     return _COMPILED[t]
 

@@ -54,6 +54,7 @@ from panechat.backends.quant import registry
 from panechat.backends.cpu.decode_attention import _attend_blocks, _rope_row, _write_row, first_position, share_tasks
 from panechat.backends.cpu.decode_attention import check_rows as decode_check_rows
 from panechat.backends.cpu.norm_kernels import _rms_norm
+from panechat.backends.cpu.packed32 import GROUP
 from panechat.backends.cpu.numpy_kernels import _JIT
 from panechat.backends.cpu.step_threads import barrier
 from panechat.backends.layer_spec import OPTIONAL_VECTORS, DecoderSpec
@@ -88,8 +89,9 @@ class DecoderPlan:
     `decode_step`'s arguments of the same names, built once here."""
 
     spec: DecoderSpec  # the description the plan was built from
-    mats: np.ndarray  # int64 [L*N_MATRICES + 1, 8]: blocks address, N, bytes a row, step_codes, d address,
-    #                   dmin address, d rows, d columns (the head last; d: K-quants' per-super-block scales)
+    mats: np.ndarray  # int64 [L*N_MATRICES + 1, 9]: blocks address, N, bytes a row, step_codes, d address,
+    #                   dmin address, d rows, d columns, column group (the head last; d: K-quants'
+    #                   per-super-block scales; group 16 for a repacked weight, else 1)
     vectors: np.ndarray  # int64 [L*N_VECTORS + 1, 2]: address, length (0: absent), VECTORS order; output norm last
     has: np.ndarray  # int64 [N_VECTORS]: which of VECTORS the layers have (the spec's flags)
     rope: np.ndarray  # int64 [L, 4]: cos address, sin address, rows, columns
@@ -149,7 +151,8 @@ def _matrices(layers, output, D, q_rows, kv_rows, F, stored, address) -> np.ndar
         qtype, b, d, dmin = s
         d = _NO_SCALES if d is None else np.ascontiguousarray(d, np.float32)
         dmin = _NO_SCALES if dmin is None else np.ascontiguousarray(dmin, np.float32)
-        mats.append((address(b), *b.shape, codes[qtype], address(d), address(dmin), *d.shape))
+        group = GROUP if registry.get(qtype).cpu_packed else 1  # a repacked weight's columns go by 16
+        mats.append((address(b), *b.shape, codes[qtype], address(d), address(dmin), *d.shape, group))
     return np.array(mats, np.int64)
 
 
@@ -214,7 +217,7 @@ def _vector(vectors, j):
 def _product(fns, mats, j, x, out, tid, n):
     """This thread's columns of x @ W.T for matrix j of the plan; returns them (c0, c1)."""
     m = mats[j]
-    c0, c1 = share(out.shape[1], x.shape[0], tid, n)
+    c0, c1 = share(out.shape[1], x.shape[0], tid, n, m[8])
     if c0 < c1:
         call_void(fns[m[3]], (np.int64(x.ctypes.data), x.shape[0], x.shape[1], m[0], m[1], m[2], m[4], m[5],
                               m[6], m[7], np.int64(out.ctypes.data), out.shape[1], c0, c1))

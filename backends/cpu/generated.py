@@ -34,6 +34,14 @@ def q8k_columns_of(t: QuantType):
     return getattr(importlib.import_module(module), name)
 
 
+def packed_columns_of(t: QuantType):
+    """The column product over repacked weights that `t.cpu_packed` names, or None."""
+    if not t.cpu_packed:
+        return None
+    module, _, name = t.cpu_packed.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def cacheable(t: QuantType) -> bool:
     """Whether `t`'s generated code may go to numba's on-disk cache: only when its loader is
     panechat's own (a loader elsewhere, a test's, is not in the sources that key the cache)."""

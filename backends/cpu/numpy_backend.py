@@ -4,12 +4,14 @@ Kernel policy: OpenBLAS sgemm is fast but its rows are not batch-invariant (an o
 row changes in the last bits with the number of rows and the row's position), so
 `linear` and `attend` run numba kernels from `numpy_kernels` whose per-element
 arithmetic is fixed by the source. Quantized weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) stay in their ggml blocks and F16/BF16 weights in 16 bits, read from
-the file's memory map (`quant_kernels`, `block_linear`): a Q4_1 weight costs 5 bits a
-step, as in the file, and no quantized matrix ever gets a float32 copy. Each product is
-bit-identical to the float32 kernel on gguf's dequantized weights, except Q4_K, Q5_K and
-Q6_K, whose products round the activations to 8 bits as llama.cpp does (`q8k_dot`). Elementwise ops and per-row reductions use
-numpy (`ArrayBackend`).
+IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) stay in their ggml blocks and F16/BF16
+weights in 16 bits (`quant_kernels`, `block_linear`): a Q4_1 weight costs 5 bits a step,
+as in the file, and no quantized matrix ever gets a float32 copy. Most are read from the
+file's memory map; Q4_0, Q4_1 and Q8_0 are regrouped at load into records of 16 columns
+(the same bytes in memory of their own, `packed32`). Each product is bit-identical to
+the float32 kernel on gguf's dequantized weights, except Q4_K, Q5_K and Q6_K (`q8k_dot`)
+and Q4_0, Q4_1 and Q8_0 (`packed32`), whose products round the activations to 8 bits as
+llama.cpp does. Elementwise ops and per-row reductions use numpy (`ArrayBackend`).
 
 The kernels run on as many threads as other processes leave cores idle
 (`cpu_threads.ThreadGovernor`); setting NUMBA_NUM_THREADS fixes the count instead.
@@ -67,6 +69,22 @@ class StoredWeight:
         return self.data.nbytes
 
 
+@dataclass
+class PackedWeight:
+    """A weight [N, K] of a type whose products run over repacked blocks (registry
+    `cpu_packed`: Q4_0, Q4_1, Q8_0): `data` uint8 [N', K/32 * bytes] (N' = N rounded up to
+    16), the file's blocks regrouped into records of 16 columns at load (`packed32.pack`:
+    the same bytes in another order, in memory of its own; the file's pages are let go)."""
+
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
 _HALF = ("F16", "BF16")  # quant_kernels.linear_half; the block types are the registry's
 _LANES = 16  # numpy_kernels.LANES: a 16-bit weight row must be whole vectors
 
@@ -78,13 +96,14 @@ class NumpyBackend(ArrayBackend):
 
     def __init__(self):
         from panechat.backends.cpu import (activation_kernels, decode_attention, norm_kernels,  # numba; else `cpu_backend()`
-                                           numpy_kernels, quant_kernels, step_threads)
+                                           numpy_kernels, packed32, quant_kernels, step_threads)
         from panechat.backends.cpu import decoder as cpu_decoder
 
         self.kernels = numpy_kernels
         self.decode_attention = decode_attention
         self.norm_kernels = norm_kernels
         self.quant_kernels = quant_kernels
+        self.packed32 = packed32
         self.activation_kernels = activation_kernels
         self.cpu_decoder = cpu_decoder
         self.crew = step_threads.StepCrew()
@@ -127,10 +146,14 @@ class NumpyBackend(ArrayBackend):
             self._background = was
             numba.set_num_threads(self.governor.threads if self.governor is not None else numba.config.NUMBA_NUM_THREADS)
 
-    def linear_weight(self, t: GGUFTensor) -> np.ndarray | KQuantWeight | StoredWeight:
+    def linear_weight(self, t: GGUFTensor) -> np.ndarray | KQuantWeight | StoredWeight | PackedWeight:
         kind = registry.get(t.qtype)
         if kind is not None and kind.cpu_loader and len(t.shape) == 2 and kind.fits(t.shape[1]):
             blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
+            if kind.cpu_packed:
+                packed = self.packed32.pack(blocks, t.qtype)
+                _let_go_of_mapped(blocks)
+                return PackedWeight(t.qtype, packed, t.shape)
             if kind.scales_at_load:
                 return KQuantWeight(t.qtype, blocks, *self.quant_kernels.superblock_scales(blocks, t.qtype),
                                     t.shape)
@@ -140,10 +163,12 @@ class NumpyBackend(ArrayBackend):
             return StoredWeight(t.qtype, bits, t.shape)
         return t.dequantize()
 
-    def linear(self, x: np.ndarray, w: np.ndarray | KQuantWeight | StoredWeight) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: np.ndarray | KQuantWeight | StoredWeight | PackedWeight) -> np.ndarray:
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
-        if isinstance(w, KQuantWeight):
+        if isinstance(w, PackedWeight):
+            self.quant_kernels.linear_packed(x, w.data, w.qtype, out)
+        elif isinstance(w, KQuantWeight):
             self.quant_kernels.linear_kquant(x, w.blocks, w.qtype, w.d, w.dmin, out)
         elif isinstance(w, StoredWeight) and w.qtype not in _HALF:
             self.quant_kernels.linear_block32(x, w.data, w.qtype, out)
@@ -157,9 +182,12 @@ class NumpyBackend(ArrayBackend):
         """Weights of one block type and K (q, k, v; gate, up) in one parallel region:
         fewer fork-joins a step, each product the same bits as `linear`'s."""
         first = ws[0]
-        same = 1 < len(ws) <= 3 and isinstance(first, (KQuantWeight, StoredWeight)) and all(
+        same = 1 < len(ws) <= 3 and isinstance(first, (KQuantWeight, StoredWeight, PackedWeight)) and all(
             type(w) is type(first) and w.qtype == first.qtype and w.shape[1] == first.shape[1] for w in ws)
         x = np.ascontiguousarray(x)
+        if same and isinstance(first, PackedWeight):
+            return tuple(self.quant_kernels.linear_packed_many(x, [w.data for w in ws], first.qtype,
+                                                                [w.shape[0] for w in ws]))
         if same and isinstance(first, KQuantWeight):
             return tuple(self.quant_kernels.linear_kquant_many(x, [(w.blocks, w.d, w.dmin) for w in ws],
                                                                 first.qtype))
@@ -186,10 +214,14 @@ class NumpyBackend(ArrayBackend):
 
     @staticmethod
     def _stored(w):
-        """(qtype, blocks, d, dmin) of a weight kept in GGUF blocks, else None."""
+        """(qtype, blocks, d, dmin) of a weight kept in GGUF blocks, else None. A type with
+        `cpu_packed` is the step's only in its repacked form (its N rows: the padding of the
+        last group lies past them in the same buffer, where the kernels read it)."""
+        if isinstance(w, PackedWeight):
+            return w.qtype, w.data[:w.shape[0]], None, None
         if isinstance(w, KQuantWeight):
             return w.qtype, w.blocks, w.d, w.dmin
-        if isinstance(w, StoredWeight) and w.qtype not in _HALF:
+        if isinstance(w, StoredWeight) and w.qtype not in _HALF and not registry.get(w.qtype).cpu_packed:
             return w.qtype, w.data, None, None
         return None
 
@@ -294,6 +326,24 @@ class NumpyBackend(ArrayBackend):
         self.write_kv(kv, layer, k, v, seqs, positions, tables)
         self.kernels.paged_attention(q, kv.k[layer], kv.v[layer], t, seqs, positions, np.float32(scale), out, window)
         return out
+
+
+def _let_go_of_mapped(view: np.ndarray) -> None:
+    """Drop from this process the pages of a file's memory map that `view` lies in (whole
+    pages only), once its bytes live elsewhere: they stay in the page cache and come back
+    on the next read (a tied embedding's rows). A view of anything but a file map is left
+    alone (MADV_DONTNEED would zero anonymous memory)."""
+    base, owner = view, None
+    while isinstance(base, np.ndarray):
+        owner, base = base, base.base
+    if not isinstance(base, mmap.mmap) or owner is None or view.nbytes == 0:
+        return
+    start = view.ctypes.data - owner.ctypes.data
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        with contextlib.suppress(OSError, ValueError):
+            base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -11,8 +11,10 @@ and a row's bits never depend on the batch.
 Except for a type whose registry entry names a `cpu_q8k` product (Q4_K, Q5_K, Q6_K): its
 kernels round each activation row to 8 bits as llama.cpp does and multiply integers
 (`q8k_dot`, whose docstring is that contract; its numpy reference gives their bits;
-`q8k_panel` computes them for many rows). The
-pair loaders below still describe those types' weights (the tests, the float32 path).
+`q8k_panel` computes them for many rows), and for one that names a `cpu_packed` product
+(Q4_0, Q4_1, Q8_0): its weights are repacked at load and multiplied in exact integers over
+activations rounded to int16 (`packed32`, `linear_packed`). The pair loaders below still
+describe those types' weights (the tests, the float32 path of `linear_block32`).
 
 Block layouts (256 weights a super-block, sub-block scales packed in the block):
 
@@ -69,7 +71,8 @@ from numba.extending import intrinsic
 from panechat.backends.cpu.block_linear import block_linear_driver
 from panechat.backends.cpu.block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
                         vsplat_f16_pair)
-from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, q8k_columns_of
+from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, packed_columns_of, q8k_columns_of
+from panechat.backends.cpu.packed32 import GROUP, packed_linear_driver
 from panechat.backends.cpu.q8k_dot import q8k_linear_driver
 from panechat.backends.quant import registry
 from panechat.backends.cpu.numpy_kernels import (
@@ -87,7 +90,7 @@ from panechat.backends.cpu.numpy_kernels import (
 )
 
 __all__ = ["kernels", "linear_kquant", "superblock_scales", "linear_half", "linear_block32", "linear_block32_many",
-           "linear_kquant_many", "linear_q5"]
+           "linear_kquant_many", "linear_q5", "linear_packed", "linear_packed_many"]
 
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _U8VEC = ir.VectorType(ir.IntType(8), LANES)
@@ -685,6 +688,12 @@ def _linear_q8k(x, ws, wds, wdms, outs, count):
     q8k_linear_driver(x, ws, wds, wdms, outs, count, _load2)
 
 
+def _linear_packed(x, ws, outs, count):
+    """Template: a product over 1-3 weights repacked at load (registry `cpu_packed`, its column
+    product bound as `_load2`): `packed32`'s arithmetic at every row count."""
+    packed_linear_driver(x, ws, outs, count, _load2)
+
+
 # One kernel a type, parallel: on one numba thread (NUMBA_NUM_THREADS=1, or the governor's
 # choice while other processes hold the cores) its prange runs on that thread. A serial twin
 # used to skip that launch (15-20% of a 135M model's B=1 products op by op), but decode now
@@ -706,6 +715,57 @@ def kernel(qtype: str):
         load2, jit = q8k or loader_of(t), dict(_JIT, cache=cacheable(t))
         built = _BUILT[qtype] = (t, njit(parallel=True, **jit)(bind_loader(template, kernel_name("_linear", t), load2)))
     return built[1]
+
+
+_PACKED_BUILT: dict[str, tuple] = {}  # qtype -> (registry entry, kernel over packed weights)
+
+
+def packed_kernel(qtype: str):
+    """The numba product kernel over `qtype` weights repacked at load (`packed32.pack`),
+    made from its registry entry's `cpu_packed` on first use ("_packed_q4_0")."""
+    t = registry.get(qtype)
+    built = _PACKED_BUILT.get(qtype)
+    if built is None or built[0] is not t:
+        columns = packed_columns_of(t) if t is not None else None
+        if columns is None:
+            raise ValueError(f"no CPU product reads {qtype} weights repacked")
+        f = bind_loader(_linear_packed, kernel_name("_packed", t), columns)
+        built = _PACKED_BUILT[qtype] = (t, njit(parallel=True, **dict(_JIT, cache=cacheable(t)))(f))
+    return built[1]
+
+
+def _check_packed(x, packed, qtype, out):
+    _require("x", x, np.float32, 2)
+    _require("packed", packed, np.uint8, 2)
+    _require("out", out, np.float32, 2)
+    M, K = x.shape
+    t = registry.get(qtype)
+    if t is None or not t.cpu_packed:
+        raise ValueError(f"{qtype} is not a type of linear_packed")
+    N = out.shape[1]
+    if (not t.fits(K) or packed.shape[1] != t.row_bytes(K) or packed.shape[0] != -(-N // GROUP) * GROUP
+            or out.shape[0] != M):
+        raise ValueError(f"linear_packed: shapes x{x.shape} {qtype} packed{packed.shape} out{out.shape} "
+                         f"do not match (K a multiple of {t.block_weights}, packed rows N rounded up to {GROUP})")
+
+
+def linear_packed(x: np.ndarray, packed: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
+    """out[M, N] = x[M, K] @ W.T for W of a `cpu_packed` type (Q4_0, Q4_1, Q8_0) repacked by
+    `packed32.pack` (uint8 [N', K/32 * bytes], N' = N rounded up to 16), over the activations
+    rounded to int16 per 32: bit-identical to `packed32.reference` on W's blocks. Returns out."""
+    _check_packed(x, packed, qtype, out)
+    packed_kernel(qtype)(x, (packed,) * 3, (out,) * 3, 1)
+    return out
+
+
+def linear_packed_many(x: np.ndarray, packed: list[np.ndarray], qtype: str, cols: list[int]) -> list[np.ndarray]:
+    """[x @ W.T for W in packed] (1 to 3 repacked weights of one type, same K; `cols` their
+    columns N) in one parallel region; each product bit-identical to `linear_packed`'s."""
+    outs = [np.empty((x.shape[0], n), np.float32) for n in cols]
+    for p, o in zip(packed, outs):
+        _check_packed(x, p, qtype, o)
+    packed_kernel(qtype)(x, _three(packed), _three(outs), len(packed))
+    return outs
 
 
 def _entry(qtype: str, at_load: bool) -> registry.QuantType:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 _CPU = "panechat.backends.cpu.quant_kernels:"  # where the built-in pair loaders live
 _Q8K = "panechat.backends.cpu.q8k_panel:"  # where the int8-activation column products live
+_PACKED = "panechat.backends.cpu.packed32:"  # where the products over repacked 32-weight blocks live
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,11 @@ class QuantType:
     the CuPy kernel family that reads it as stored ("" when none does). `cpu_q8k`:
     "module:function" of the CPU column-range product over activations rounded to 8 bits
     (llama.cpp's Q8_K, `q8k_dot`), which then computes every product of the type instead of
-    the float32 pair-loader kernels; "" for none."""
+    the float32 pair-loader kernels; "" for none. `cpu_packed`: "module:function" of the CPU
+    column-range product over weights repacked at load into records of 16 columns, against
+    activations rounded to int8 per 32 (llama.cpp's Q8_0, `packed32`): a weight of the type
+    whose rows are a multiple of 16 is repacked and every product of it uses that; "" for
+    none."""
 
     name: str
     type_id: int
@@ -40,6 +45,7 @@ class QuantType:
     cpu_loader: str = ""
     cuda_form: str = ""
     cpu_q8k: str = ""
+    cpu_packed: str = ""
 
     def fits(self, k: int) -> bool:
         """Whether a row of k values is whole blocks."""
@@ -50,9 +56,9 @@ class QuantType:
         return k // self.block_weights * self.block_bytes
 
 
-def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, q8k="") -> QuantType:
+def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, q8k="", packed="") -> QuantType:
     return QuantType(name, type_id, weights, nbytes, f16_at, at_load, f"{_CPU}_pair_{name.lower()}", cuda_form,
-                     q8k and f"{_Q8K}{q8k}")
+                     q8k and f"{_Q8K}{q8k}", packed and f"{_PACKED}{packed}")
 
 
 # In the order messages list them (`read_types_text`); ids from ggml.h enum ggml_type,
@@ -61,11 +67,11 @@ _BUILT_IN = (
     QuantType("F32", 0, 1, 4),
     QuantType("F16", 1, 1, 2),
     QuantType("BF16", 30, 1, 2),
-    _block("Q4_0", 2, 32, 18, (0,), "q4"),
-    _block("Q4_1", 3, 32, 20, (0, 2), "q4"),
+    _block("Q4_0", 2, 32, 18, (0,), "q4", packed="q4_0_columns"),
+    _block("Q4_1", 3, 32, 20, (0, 2), "q4", packed="q4_1_columns"),
     _block("Q5_0", 6, 32, 22, (0,), "q5"),
     _block("Q5_1", 7, 32, 24, (0, 2), "q5"),
-    _block("Q8_0", 8, 32, 34, (0,), "q80"),
+    _block("Q8_0", 8, 32, 34, (0,), "q80", packed="q8_0_columns"),
     _block("Q2_K", 10, 256, 84, (80, 82), at_load=True),
     _block("Q3_K", 11, 256, 110, (108,), at_load=True),
     _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, q8k="q4k_columns"),

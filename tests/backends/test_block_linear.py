@@ -8,11 +8,13 @@ import pytest
 from panechat.backends.cpu import numpy_kernels as nk
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 from panechat.backends.cpu.numpy_backend import NumpyBackend
+from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFile
 from panechat.engine.model.forward import Batch, Model
 
 from ..tiny_gguf import write_tiny_gguf
 from .raw_types import product_reference
+from .test_kquant_model import DequantizedBackend
 from .test_numpy_kernels import raw_blocks
 
 
@@ -87,18 +89,12 @@ def test_one_thread_gives_the_bits_of_two(rng, qtype):
                 assert np.array_equal(a, b), (qtype, M)
     finally:
         numba.set_num_threads(before)
-    assert qk.kernel(qtype).signatures
+    assert (qk.packed_kernel(qtype) if registry.get(qtype).cpu_packed else qk.kernel(qtype)).signatures
 
 
-class _Float32Unfused(NumpyBackend):
-    """The reference path: every weight dequantized to float32 by gguf, one `linear` call
-    per product (the base class's `linear_many`)."""
-
-    def linear_weight(self, t):
-        return t.dequantize()
-
-    def linear_many(self, x, ws):
-        return tuple(self.linear(x, w) for w in ws)
+class _Float32Unfused(DequantizedBackend):
+    """The reference path: every weight dequantized to float32 by gguf (a `cpu_packed` type's
+    multiplied by its numpy reference), one `linear` call per product, op by op."""
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -124,12 +120,16 @@ def test_forward_on_blocks_fused_equals_float32_unfused(tmp_path, qtype):
         assert np.array_equal(got, want)
 
 
-def test_q4_1_weights_stay_in_the_files_bytes(tmp_path):
-    """The default model's type: each matrix is a view of the memory map, resident bytes
-    the file's tensor bytes (no int8 widening, no float32 copy)."""
+def test_q4_1_weights_are_the_files_bytes_regrouped(tmp_path):
+    """The default model's type: each matrix holds the file's tensor bytes, regrouped into
+    records of 16 columns (unpacked, they are the file's blocks): no int8 widening, no
+    float32 copy."""
+    from panechat.backends.cpu import packed32
+
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", qtype="Q4_1", tied=False, seed=1)
     gf = GGUFFile.open(path)
     m = Model.load(gf, NumpyBackend(), max_positions=64)
     w, t = m.layers[0].ffn_up, gf.tensor("blk.0.ffn_up.weight")
-    assert w.nbytes == t.nbytes and np.shares_memory(w.data, t.blocks)
+    assert w.nbytes == t.nbytes and not np.shares_memory(w.data, t.blocks)
+    assert np.array_equal(packed32.unpack(w.data, "Q4_1", t.shape[0]), t.blocks)

@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-from panechat.backends.cpu import q8k_dot
+from panechat.backends.cpu import packed32, q8k_dot
 from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend
 from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFile
@@ -29,18 +29,31 @@ class _Q8KReference:
         self.w = w
 
 
+class _PackedReference:
+    """A weight of a type whose products run over repacked blocks (registry `cpu_packed`),
+    for the reference backend: the file's blocks, multiplied by `packed32.reference`."""
+
+    def __init__(self, t):
+        self.qtype, self.blocks, self.shape = t.qtype, np.asarray(t.blocks, np.uint8), t.shape
+
+
 class DequantizedBackend(NumpyBackend):
     """The reference: every weight dequantized to float32 by gguf, through the f32 kernel;
-    a `cpu_q8k` type's (Q4_K, Q6_K) through its numpy reference instead (one call per product)."""
+    a `cpu_q8k` type's (Q4_K, Q6_K) or `cpu_packed` type's (Q4_0, Q4_1, Q8_0) through its
+    numpy reference instead (one call per product)."""
 
     def linear_weight(self, t):
         if registry.get(t.qtype).cpu_q8k:
             return _Q8KReference(super().linear_weight(t))
+        if registry.get(t.qtype).cpu_packed and len(t.shape) == 2:
+            return _PackedReference(t)
         return t.dequantize()
 
     def linear(self, x, w):
         if isinstance(w, _Q8KReference):
             return q8k_dot.reference(w.w.qtype, x, w.w.blocks, w.w.d, w.w.dmin)
+        if isinstance(w, _PackedReference):
+            return packed32.reference(w.qtype, np.ascontiguousarray(x, np.float32), w.blocks)
         return super().linear(x, w)
 
     def linear_many(self, x, ws):

@@ -1,0 +1,410 @@
+"""Q4_0, Q4_1 and Q8_0 products in exact integers over weights repacked at load into
+records of 16 output columns, against activations rounded to int16 per 32.
+
+A float32 product over these blocks decodes every weight to a float and spends one FMA
+per 16 weights and row. Here, at load, the blocks of 16 consecutive output columns are
+regrouped block by block into one record each (the same bytes, reordered: a tensor keeps
+its size; llama.cpp's CPU "repack" of Q4_0 is the same idea):
+
+  record (group g, block b): f16 d[16] | f16 m[16] (Q4_1) | codes
+  codes: 8 vectors of 64 bytes (Q8_0: vector j for weights k = 4j..4j+3, byte 4c + i the
+         int8 code of column c at k = 4j + i) or 4 (Q4_0, Q4_1: vector j holds, for column
+         c, the file's qs bytes 4j..4j+3: low nibbles weights 4j + i, high nibbles
+         16 + 4j + i); Q8_0's codes are stored plus 128 (unsigned)
+
+A row's int16 activations are kept as two int8 planes, q = 256 a + b, so a code vector
+meets four activations in two `vpdpbusd` (64 products each, codes as the unsigned side):
+lane c of every vector is column c, no shuffles, no widening, no per-product decode
+(a nibble mask or shift for the 4-bit types), and isum = 256 A + B is exact.
+
+Activations are rounded per row and block of 32 to int16, not to llama.cpp's int8: int8
+(its Q8_0 / Q8_1) was tried and moved panechat further from llama.cpp's own answers
+(the default model's golden steps 430 -> 425 of 444, with one miss where llama.cpp's
+margin is 0.5), since rounding amplifies the small differences upstream; int16 rounds
+256 times finer, so the products stay at float32's distance from llama.cpp, and still
+cost a third of the float32 ones (docs/benchmarks.md). Per row and block:
+amax = max |x|, id = 32639 / amax (0 for an all-zero block), q = rint(x * id) (half to
+even; |q| <= 32639 = 127 * 257, so both planes fit int8), dx = amax / 32639, xs = sum of
+the 32 q, sx = dx * f32(xs).
+
+Per output element (row m, column n), blocks b in increasing order, acc from 0:
+
+  isum = sum over the block's 32 weights of c[k] * q[k]                       (exact int32)
+  Q4_0: acc = acc + (dx * d) * f32(isum - 8 * xs)           (c: the 4-bit code, 0..15)
+  Q8_0: acc = acc + (dx * d) * f32(isum - 128 * xs)         (c: the int8 code + 128)
+  Q4_1: acc = (acc + (dx * d) * f32(isum)) + m * sx
+
+each a plain IEEE operation; out = acc. Nothing in it depends on other rows or on how many
+there are, and the tiles (4 rows, then 1-3) choose only which elements are computed
+together: a row's bits are the same alone or in any batch. The integer sums are exact in
+any form (VNNI `vpdpbusd`; `q8k_dot`'s `vpmaddubsw` forms for the 4-bit codes on AVX-512
+BW and AVX2; LLVM integer vectors elsewhere), so every instruction set gives the same bits. `reference` is the same
+arithmetic in numpy (the tests' exact reference).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from panechat.backends.cpu.decode_attention import HAS_F16C
+from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, f32vec, vstore, vzero
+from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32
+
+QB = 32  # weights (and activations) a block
+GROUP = 16  # output columns a record holds: one lane each
+ROWS = 4  # activation rows a tile computes together (the record's codes loaded once for them)
+PACKED = ("Q4_0", "Q4_1", "Q8_0")  # the types this module repacks
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_OFFSET = {"Q4_0": 8, "Q4_1": 0, "Q8_0": 128}  # the code offset subtracted as offset * xs
+QMAX = 32639  # the largest activation code: 127 * 256 + 127, so q = 256 a + b with a, b int8
+_H16 = ir.VectorType(_I16, 16)
+_I64 = ir.IntType(64)
+
+
+def record_bytes(qtype: str) -> int:
+    """Bytes of one record: 16 columns' blocks (the file's bytes of those blocks)."""
+    return GROUP * _BLOCK_BYTES[qtype]
+
+
+def pack(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """The records of `qtype` blocks uint8 [N, K/32 * bytes], as uint8 [N', K/32 * bytes] with
+    N' = N rounded up to 16 (the last group padded with all-zero blocks, whose products are
+    0): rows 16g..16g+15 hold group g's records, block by block."""
+    N, rb = blocks.shape
+    bb = _BLOCK_BYTES[qtype]
+    B = rb // bb
+    if rb % bb:
+        raise ValueError(f"pack: {qtype} blocks {blocks.shape} are not rows of whole blocks")
+    G = -(-N // GROUP)
+    b = np.asarray(blocks, np.uint8)
+    if G * GROUP != N:
+        b = np.concatenate([b, np.zeros((G * GROUP - N, rb), np.uint8)])
+    b = b.reshape(G, GROUP, B, bb).transpose(0, 2, 1, 3)  # [G, B, 16, bb]
+    nsc = 2 if qtype == "Q4_1" else 1
+    scales = b[..., :2 * nsc].reshape(G, B, GROUP, nsc, 2).transpose(0, 1, 3, 2, 4)  # [G, B, nsc, 16, 2]
+    qs = b[..., 2 * nsc:]
+    if qtype == "Q8_0":
+        qs = qs ^ np.uint8(0x80)
+    nj = qs.shape[-1] // 4
+    codes = qs.reshape(G, B, GROUP, nj, 4).transpose(0, 1, 3, 2, 4)  # [G, B, j, 16, 4]
+    rec = np.concatenate([scales.reshape(G, B, -1), codes.reshape(G, B, -1)], -1)
+    return np.ascontiguousarray(rec).reshape(G * GROUP, rb)
+
+
+def unpack(packed: np.ndarray, qtype: str, rows: int | None = None) -> np.ndarray:
+    """`pack`'s inverse: the file's blocks again, the first `rows` (default all) of them."""
+    N, rb = packed.shape
+    bb = _BLOCK_BYTES[qtype]
+    B, G = rb // bb, N // GROUP
+    nsc = 2 if qtype == "Q4_1" else 1
+    rec = packed.reshape(G, B, GROUP * bb)
+    scales = rec[..., :GROUP * 2 * nsc].reshape(G, B, nsc, GROUP, 2).transpose(0, 1, 3, 2, 4).reshape(G, B, GROUP, -1)
+    nj = (bb - 2 * nsc) // 4
+    qs = rec[..., GROUP * 2 * nsc:].reshape(G, B, nj, GROUP, 4).transpose(0, 1, 3, 2, 4).reshape(G, B, GROUP, -1)
+    if qtype == "Q8_0":
+        qs = qs ^ np.uint8(0x80)
+    blocks = np.concatenate([scales, qs], -1)  # [G, B, 16, bb]
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(N, rb)[:rows]
+
+
+# ---------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------
+
+@njit(**_JIT)
+def quantize_row(x, m, xq, xd, xs, sx):
+    """Row m of x (float32 [M, K], K a multiple of 32) rounded to int16 per 32 (module
+    docstring), as two int8 planes: q = 256 * xq[m, k] + xq[m, K + k] (xq int8 [M, 2K]);
+    xd float32 [M, K/32], xs int32 [M, K/32], sx float32."""
+    K = x.shape[1]
+    for b in range(K // QB):
+        o = b * QB
+        amax = np.float32(0.0)
+        for j in range(o, o + QB):
+            amax = max(amax, abs(x[m, j]))
+        iscale = np.float32(QMAX) / amax if amax > 0 else np.float32(0.0)
+        s = np.int32(0)
+        for j in range(o, o + QB):
+            q = np.int32(np.rint(x[m, j] * iscale))
+            low = ((q + 128) & 255) - 128
+            xq[m, j], xq[m, K + j] = (q - low) >> 8, low
+            s += q
+        d = amax / np.float32(QMAX)
+        xd[m, b], xs[m, b], sx[m, b] = d, s, d * np.float32(s)
+
+
+@njit(**_JIT)
+def quantized_rows(x):
+    """Every row of x rounded as `quantize_row`: (xq, xd, xs, sx)."""
+    M, K = x.shape
+    B = K // QB
+    xq, xd = np.empty((M, 2 * K), np.int8), np.empty((M, B), np.float32)
+    xs, sx = np.empty((M, B), np.int32), np.empty((M, B), np.float32)
+    for m in range(M):
+        quantize_row(x, m, xq, xd, xs, sx)
+    return xq, xd, xs, sx
+
+
+def reference_rows(x: np.ndarray):
+    """numpy's `quantized_rows`, the codes as int16 (xq int16 [M, K], xd float32, xs int32,
+    sx float32 [M, K/32]); `planes` gives the kernels' two int8 planes of xq."""
+    M, K = x.shape
+    xb = np.ascontiguousarray(x, np.float32).reshape(M, K // QB, QB)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax > 0, np.float32(QMAX) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint(xb * iscale[..., None]).astype(np.int32)
+    d = (amax / np.float32(QMAX)).astype(np.float32)
+    s = q.sum(-1).astype(np.int32)
+    return q.astype(np.int16).reshape(M, K), d, s, (d * s.astype(np.float32)).astype(np.float32)
+
+
+def planes(xq: np.ndarray) -> np.ndarray:
+    """int16 codes [M, K] as the kernels keep them: int8 [M, 2K], q = 256 a + b (a first)."""
+    q = xq.astype(np.int32)
+    low = ((q + 128) & 255) - 128
+    return np.concatenate([(q - low) >> 8, low], 1).astype(np.int8)
+
+
+def reference(qtype: str, x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """x @ W.T by the module's arithmetic in numpy, W the file's `qtype` blocks [N, K/32 * bytes]
+    (not packed): bit for bit what the kernels give."""
+    M, K = x.shape
+    N = blocks.shape[0]
+    B = K // QB
+    xq, xd, xs, sx = reference_rows(x)
+    b = np.asarray(blocks, np.uint8).reshape(N, B, _BLOCK_BYTES[qtype])
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, B]
+    if qtype == "Q8_0":
+        codes = b[..., 2:].view(np.int8).astype(np.int64) + 128
+    else:
+        qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+        codes = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64)
+    xb = xq.reshape(M, B, QB).astype(np.int64)
+    isum = np.einsum("mbk,nbk->mnb", xb, codes) - _OFFSET[qtype] * xs.astype(np.int64)[:, None, :]
+    acc = np.zeros((M, N), np.float32)
+    if qtype == "Q4_1":
+        mins = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    for s in range(B):
+        acc = acc + (xd[:, s, None] * d[None, :, s]) * isum[..., s].astype(np.float32)
+        if qtype == "Q4_1":
+            acc = acc + mins[None, :, s] * sx[:, s, None]
+    return acc
+
+
+# ---------------------------------------------------------------------------
+# One record against rows
+# ---------------------------------------------------------------------------
+
+def _widen_f16(builder, h):
+    """float32 <16 x float> of 16 f16 bit patterns <16 x i16>, exactly: vcvtph2ps with F16C,
+    else the bits moved into a float32 and scaled by 2**112 (normal and subnormal halves)."""
+    if HAS_F16C:
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 16)), _F16V)
+    w = builder.zext(h, _V16)
+    mag = builder.bitcast(builder.shl(builder.and_(w, _splat(builder, _V16, 0x7FFF)), _splat(builder, _V16, 13)), _F16V)
+    mag = builder.fmul(mag, ir.Constant(_F16V, [2.0 ** 112] * 16))
+    sign = builder.shl(builder.and_(w, _splat(builder, _V16, 0x8000)), _splat(builder, _V16, 16))
+    return builder.bitcast(builder.or_(builder.bitcast(mag, _V16), sign), _F16V)
+
+
+def _dot4_wide(builder, acc, u8, s8):
+    """acc[l] + sum_{i<4} u8[4l+i] * s8[4l+i] for any u8 (Q8_0's codes reach 255, where
+    vpmaddubsw would saturate): vpdpbusd with VNNI, plain LLVM integer vectors elsewhere."""
+    if FORM == "vnni":
+        return _dot4(builder, acc, u8, s8)
+    prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
+    for i in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
+    return acc
+
+
+def _record_rows(name, qtype, nr):
+    """An intrinsic (accs, w, wo, xq, xo, K, xd, xs, sx, so, B) -> accs: `nr` rows' float32
+    vectors of 16 columns after the record at byte wo of the uint8 C-array w, against rows
+    whose a plane starts at xq.flat[xo] (int8; b plane K further, row stride 2K), their
+    block scalars at xd/xs/sx.flat[so] (row stride B)."""
+    q4 = qtype != "Q8_0"
+    mins = qtype == "Q4_1"
+    off = _OFFSET[qtype]
+    accs_t = types.UniTuple(f32vec, nr)
+
+    def typer(typingctx, accs, w, wo, xq, xo, K, xd, xs, sx, so, B):
+        if not (accs == accs_t and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+                and _is_c_array(xd, types.float32) and _is_c_array(xs, types.int32) and _is_c_array(sx, types.float32)
+                and all(isinstance(i, types.Integer) for i in (wo, xo, K, so, B))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a, wv, wov, xv, xov, kv, dv, sv, fv, sov, bv = args
+            wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
+            d = _widen_f16(builder, _load(builder, wp, 0, _H16))
+            m16 = _widen_f16(builder, _load(builder, wp, 32, _H16)) if mins else None
+            at = 64 if mins else 32
+            if q4:  # vector j: low nibbles weights 4j + i, high nibbles 16 + 4j + i
+                raw = [_load(builder, wp, at + 64 * j, _B64) for j in range(4)]
+                lo4 = _splat(builder, _B64, 0x0F)
+                vecs = ([builder.and_(r, lo4) for r in raw]
+                        + [builder.and_(builder.lshr(r, _splat(builder, _B64, 4)), lo4) for r in raw])
+            else:
+                vecs = [_load(builder, wp, at + 64 * j, _B64) for j in range(8)]
+            codes = vecs  # vector j: weights 4j..4j+3 of each column
+            xo = context.cast(builder, xov, sig.args[4], types.intp)
+            so = context.cast(builder, sov, sig.args[9], types.intp)
+            k = context.cast(builder, kv, sig.args[5], types.intp)
+            bstride = context.cast(builder, bv, sig.args[10], types.intp)
+            i32p = _I32.as_pointer()
+            dot = _dot4 if q4 else _dot4_wide
+            out = []
+            for r in range(nr):
+                row = builder.add(xo, builder.mul(k, ir.Constant(k.type, 2 * r)))  # a plane; b plane K later
+                xa = _element_ptr(context, builder, sig.args[3], xv, types.intp, row)
+                xb = _element_ptr(context, builder, sig.args[3], xv, types.intp, builder.add(row, k))
+                si = builder.add(so, builder.mul(bstride, ir.Constant(bstride.type, r)))
+                dx = builder.load(_element_ptr(context, builder, sig.args[6], dv, types.intp, si))
+                zero = ir.Constant(_V16, None)
+                hi, lo = [zero, zero], [zero, zero]  # two chains each (exact in any order)
+                for j in range(8):  # four activations 4j.. of each plane, broadcast
+                    for plane, parts in ((xa, hi), (xb, lo)):
+                        xw = builder.load(builder.bitcast(builder.gep(plane, [ir.Constant(_I64, 4 * j)]), i32p), align=1)
+                        parts[j & 1] = dot(builder, parts[j & 1], codes[j], builder.bitcast(_splat_i32(builder, xw), _B64))
+                isum = builder.add(builder.shl(builder.add(hi[0], hi[1]), _splat(builder, _V16, 8)), builder.add(lo[0], lo[1]))
+                if off:  # the codes' offset: - off * xs in every lane
+                    s = builder.load(_element_ptr(context, builder, sig.args[7], sv, types.intp, si))
+                    isum = builder.add(isum, _splat_i32(builder, builder.mul(s, ir.Constant(_I32, -off))))
+                acc = builder.extract_value(a, r)
+                acc = builder.fadd(acc, builder.fmul(builder.fmul(_splat_f32(builder, dx), d), builder.sitofp(isum, _F16V)))
+                if mins:
+                    sxv = builder.load(_element_ptr(context, builder, sig.args[8], fv, types.intp, si))
+                    acc = builder.fadd(acc, builder.fmul(m16, _splat_f32(builder, sxv)))
+                out.append(acc)
+            return context.make_tuple(builder, accs_t, out)
+
+        return accs_t(accs, w, wo, xq, xo, K, xd, xs, sx, so, B), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+def _splat_i32(builder, s):
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(_V16, None), s, ir.Constant(_I32, 0)),
+                                  ir.Constant(_V16, None), ir.Constant(_V16, [0] * 16))
+
+
+_BLOCKS = {(t, r): _record_rows(f"{t.lower()}_record{r}", t, r) for t in PACKED for r in (1, 2, 3, 4)}
+q4_0_record1, q4_0_record2, q4_0_record3, q4_0_record4 = (_BLOCKS["Q4_0", r] for r in (1, 2, 3, 4))
+q4_1_record1, q4_1_record2, q4_1_record3, q4_1_record4 = (_BLOCKS["Q4_1", r] for r in (1, 2, 3, 4))
+q8_0_record1, q8_0_record2, q8_0_record3, q8_0_record4 = (_BLOCKS["Q8_0", r] for r in (1, 2, 3, 4))
+
+
+# ---------------------------------------------------------------------------
+# Tiles and column ranges
+# ---------------------------------------------------------------------------
+
+@njit(inline="always", **_JIT)
+def _tile(w, xq, xd, xs, sx, out, m, g, acc, record):
+    """out[m:m+len(acc), 16g:16g+16]: group g's records against rows m.. (acc: zeros)."""
+    K = xq.shape[1] // 2
+    B = K // QB
+    rec = w.shape[1] * GROUP // B
+    base = g * GROUP * w.shape[1]
+    for b in range(B):
+        acc = record(acc, w, base + b * rec, xq, 2 * m * K + b * QB, K, xd, xs, sx, m * B + b, B)
+    n0, N = g * GROUP, out.shape[1]
+    if n0 + GROUP <= N:
+        _store(out, m, n0, acc)
+    else:  # the last group of a weight whose columns are not a multiple of 16
+        tmp = np.empty((len(acc), GROUP), np.float32)
+        _store(tmp, 0, 0, acc)
+        for r in range(len(acc)):
+            for c in range(N - n0):
+                out[m + r, n0 + c] = tmp[r, c]
+
+
+@intrinsic
+def _store(typingctx, out, m, n, accs):
+    """out[m + r, n:n+16] = accs[r] for each r (float32 C-array)."""
+    if not (_is_c_array(out, types.float32) and isinstance(accs, types.UniTuple) and accs.dtype == f32vec):
+        return None
+    nr = accs.count
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        stride = builder.extract_value(arr.shape, 1)
+        mm = context.cast(builder, args[1], sig.args[1], types.intp)
+        nn = context.cast(builder, args[2], sig.args[2], types.intp)
+        for r in range(nr):
+            row = builder.add(mm, ir.Constant(mm.type, r))
+            p = builder.gep(arr.data, [builder.add(builder.mul(row, stride), nn)])
+            builder.store(builder.extract_value(args[3], r), builder.bitcast(p, _F16V.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(out, m, n, accs), codegen
+
+
+@njit(inline="always", **_JIT)
+def _columns(w, xq, xd, xs, sx, out, c0, c1, r1, r2, r3, r4):
+    """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column): each group of 16
+    columns against every row, four rows at a time, then the last one to three."""
+    M = xq.shape[0]
+    z = vzero()
+    for g in range(c0 // GROUP, (c1 + GROUP - 1) // GROUP):
+        m = 0
+        while m + ROWS <= M:
+            _tile(w, xq, xd, xs, sx, out, m, g, (z, z, z, z), r4)
+            m += ROWS
+        rest = M - m
+        if rest == 3:
+            _tile(w, xq, xd, xs, sx, out, m, g, (z, z, z), r3)
+        elif rest == 2:
+            _tile(w, xq, xd, xs, sx, out, m, g, (z, z), r2)
+        elif rest == 1:
+            _tile(w, xq, xd, xs, sx, out, m, g, (z,), r1)
+
+
+@njit(inline="always", **_JIT)
+def q4_0_columns(w, xq, xd, xs, sx, out, c0, c1):
+    """out[:, c0:c1] for packed Q4_0 weights w (uint8 [N, K/32*18]) and every row's int16
+    activations (`quantized_rows`)."""
+    _columns(w, xq, xd, xs, sx, out, c0, c1, q4_0_record1, q4_0_record2, q4_0_record3, q4_0_record4)
+
+
+@njit(inline="always", **_JIT)
+def q4_1_columns(w, xq, xd, xs, sx, out, c0, c1):
+    """`q4_0_columns` for packed Q4_1 weights (uint8 [N, K/32*20])."""
+    _columns(w, xq, xd, xs, sx, out, c0, c1, q4_1_record1, q4_1_record2, q4_1_record3, q4_1_record4)
+
+
+@njit(inline="always", **_JIT)
+def q8_0_columns(w, xq, xd, xs, sx, out, c0, c1):
+    """`q4_0_columns` for packed Q8_0 weights (uint8 [N, K/32*34])."""
+    _columns(w, xq, xd, xs, sx, out, c0, c1, q8_0_record1, q8_0_record2, q8_0_record3, q8_0_record4)
+
+
+TASK_GROUPS = 2  # groups of 16 columns a parallel task computes
+
+
+@njit(inline="always", **_JIT)
+def packed_linear_driver(x, ws, outs, count, columns):
+    """outs[j] = x @ W_j.T for the first `count` (1..3) packed weights of the 3-tuple ws, by
+    `columns` (a type's column-range product): x rounded once (rows in parallel), then one
+    parallel region over tasks of TASK_GROUPS groups."""
+    M, K = x.shape
+    B = K // QB
+    xq, xd = np.empty((M, 2 * K), np.int8), np.empty((M, B), np.float32)
+    xs, sx = np.empty((M, B), np.int32), np.empty((M, B), np.float32)
+    for m in prange(M):
+        quantize_row(x, m, xq, xd, xs, sx)
+    cols = TASK_GROUPS * GROUP
+    t1 = (outs[0].shape[1] + cols - 1) // cols
+    t2 = t1 + ((outs[1].shape[1] + cols - 1) // cols if count > 1 else 0)
+    t3 = t2 + ((outs[2].shape[1] + cols - 1) // cols if count > 2 else 0)
+    for t in prange(t3):
+        j = 0 if t < t1 else (1 if t < t2 else 2)
+        n0 = (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
+        out = outs[j]
+        columns(ws[j], xq, xd, xs, sx, out, n0, min(n0 + cols, out.shape[1]))

@@ -1,0 +1,223 @@
+"""Q4_0, Q4_1 and Q8_0 over repacked records and int16 activations (`packed32`): the
+records are the file's bytes, the kernels give the numpy reference's bits in every form and
+at every row count, alone or batched, and stay at float32's distance from exact products."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import njit
+
+from panechat.backends.cpu import packed32 as pk
+from panechat.backends.cpu import q8k_dot
+from panechat.backends.cpu.numpy_backend import NumpyBackend, PackedWeight, _let_go_of_mapped
+from panechat.backends.quant import registry
+from panechat.backends.quant.gguf_tensor import GGUFTensor
+
+from .raw_types import assert_products_at_every_row_count
+from .test_numpy_kernels import _read_only
+
+TYPES = list(pk.PACKED)
+
+
+def _blocks(rng, qtype, N, K):
+    """`qtype` blocks of random weights as gguf quantizes them, uint8 [N, K/32 * bytes]."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    return np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[qtype]).view(np.uint8).reshape(N, -1))
+
+
+def _dense(blocks, qtype, N, K):
+    from gguf import GGMLQuantizationType, quants
+
+    return np.asarray(quants.dequantize(blocks, GGMLQuantizationType[qtype]), np.float32).reshape(N, K)
+
+
+def test_the_registry_names_a_packed_product_for_each_type():
+    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_record_holds_the_files_bytes_of_16_columns(qtype):
+    """pack keeps every byte (unpack restores the file's blocks) and puts column c's code of
+    weight k where the module docstring says: the records are the layout the kernels read."""
+    rng = np.random.default_rng(1)
+    N, K = 32, 96
+    blocks = _blocks(rng, qtype, N, K)
+    packed = pk.pack(blocks, qtype)
+    assert packed.shape == blocks.shape and packed.dtype == np.uint8
+    assert np.array_equal(pk.unpack(packed, qtype), blocks)
+    bb = blocks.shape[1] // (K // 32)
+    rec = packed.reshape(N // 16, K // 32, 16 * bb)
+    g, b, c, k = 1, 2, 5, 7  # column 21, weight 64 + 7
+    n = 16 * g + c
+    block = blocks[n, b * bb:(b + 1) * bb]
+    assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[:2].tobytes()  # d
+    if qtype == "Q8_0":
+        code = rec[g, b, 32 + 64 * (k // 4) + 4 * c + k % 4]
+        assert code == block[2 + k] ^ 0x80
+    else:
+        at = 64 if qtype == "Q4_1" else 32
+        if qtype == "Q4_1":
+            assert rec[g, b, 32 + 2 * c:32 + 2 * c + 2].tobytes() == block[2:4].tobytes()  # m
+        qs = block[at // 16:]
+        assert rec[g, b, at + 64 * (k // 4) + 4 * c + k % 4] == qs[k]  # low nibble k, high nibble k + 16
+
+
+def test_every_weight_is_packed_a_last_group_padded():
+    """A weight whose columns are not a multiple of 16 is packed too (its last group padded
+    with zero blocks), and its products are the reference's on the file's blocks."""
+    rng = np.random.default_rng(2)
+    be = NumpyBackend()
+    for qtype in TYPES:
+        for n in (48, 37):
+            blocks = _blocks(rng, qtype, n, 64)
+            w = be.linear_weight(GGUFTensor("w", (n, 64), qtype, _read_only(blocks)))
+            assert isinstance(w, PackedWeight) and w.shape == (n, 64) and w.data.shape[0] == -(-n // 16) * 16
+            assert np.array_equal(pk.unpack(w.data, qtype, n), blocks)
+            x = rng.standard_normal((5, 64), dtype=np.float32)
+            assert np.array_equal(be.linear(x, w), pk.reference(qtype, x, blocks))
+
+
+def test_activations_round_to_int16_in_two_int8_planes():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 128), dtype=np.float32) * np.float32(4.0)
+    x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+    x[1, 32:64] = np.float32(-2.5)  # every value the block's largest magnitude, negative
+    x[2, 64] = np.float32(1e-30)  # a tiny block beside ordinary ones
+    x[2, 65:96] = 0
+    xq, xd, xs, sx = pk.quantized_rows(x)
+    rq, rd, rs, rsx = pk.reference_rows(x)
+    assert np.array_equal(xq, pk.planes(rq)) and np.array_equal(xd, rd)
+    assert np.array_equal(xs, rs) and np.array_equal(sx, rsx)
+    assert np.abs(rq).max() == pk.QMAX and xd[0, 0] == 0 and not rq[0, :32].any()
+    assert (rq[1, 32:64] == -pk.QMAX).all()
+    a, b = xq[:, :128].astype(np.int32), xq[:, 128:].astype(np.int32)
+    assert np.array_equal(256 * a + b, rq)  # the planes are the int16 codes
+    # the rounding: within half a step of x / dx, and 256x finer than int8's
+    step = np.repeat(rd, 32, 1)
+    ok = step > 0
+    assert (np.abs(rq[ok] * step[ok] - x[ok]) <= step[ok] * 0.5001 + 1e-37).all()
+
+
+def _columns_source(qtype):
+    cols = getattr(pk, f"{qtype.lower()}_columns")
+
+    def run(x, w, out):
+        xq, xd, xs, sx = pk.quantized_rows(x)
+        cols(w, xq, xd, xs, sx, out, 0, out.shape[1])
+
+    return run
+
+
+def _check_reference_bits(shapes=((1, 16), (3, 32), (4, 16), (6, 48), (9, 16))):
+    rng = np.random.default_rng(4)
+    for qtype in TYPES:
+        run = njit(cache=False)(_columns_source(qtype))
+        for M, N in shapes:
+            K = 160
+            x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
+            x[0, 32:64] = 0
+            blocks = _blocks(rng, qtype, N, K)
+            out = np.empty((M, N), np.float32)
+            run(x, pk.pack(blocks, qtype), out)
+            assert np.array_equal(out, pk.reference(qtype, x, blocks)), (qtype, q8k_dot.FORM, M, N)
+
+
+@pytest.mark.parametrize("form", q8k_dot.FORMS)
+def test_every_form_gives_the_reference_bits(form, monkeypatch):
+    """vnni, avx512 (no VNNI), avx2 and generic: the same exact integers, so the same bits
+    (4-row tiles and tails of 1-3 rows). This CPU runs each form whose instructions it has."""
+    need = {"vnni": "vnni", "avx512": "avx512", "avx2": "avx2"}.get(form)
+    if need is not None and q8k_dot.FORMS.index(q8k_dot.target_form()) > q8k_dot.FORMS.index(need):
+        pytest.skip(f"this CPU cannot run the {form} form")
+    monkeypatch.setattr(q8k_dot, "FORM", form)
+    monkeypatch.setattr(pk, "FORM", form)
+    _check_reference_bits()
+
+
+_AVX2_TARGET = """
+from panechat.backends.cpu import packed32 as pk
+from panechat.backends.cpu import q8k_dot
+from tests.backends import test_packed32 as t
+assert q8k_dot.FORM == pk.FORM == "avx2", pk.FORM
+t._check_reference_bits(((5, 32),))
+print("ok")
+"""
+
+
+def test_an_avx2_target_compiles_the_avx2_form():
+    """numba compiling for a Haswell (no AVX-512; F16C) and for a generic x86-64 (no F16C:
+    the scales widened by bit moves) gives the reference bits."""
+    root = Path(__file__).resolve().parents[2]
+    feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
+             "+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats)
+    out = subprocess.run([sys.executable, "-c", _AVX2_TARGET], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    generic = _AVX2_TARGET.replace('== "avx2"', '== "generic"')
+    env = dict(os.environ, NUMBA_CPU_NAME="x86-64", NUMBA_CPU_FEATURES="+64bit,+cmov,+cx8,+fxsr,+mmx,+sse,+sse2")
+    out = subprocess.run([sys.executable, "-c", generic], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_products_at_every_row_count_are_the_reference(qtype):
+    """Rows 1..33 in shuffled order, on one thread and two, through `linear` and the fused
+    `linear_many` (two weights of 48 and 21 columns): every product is the reference's, so a
+    row's bits are its own whatever the batch."""
+    rng = np.random.default_rng(6)
+    be = NumpyBackend()
+    K = 256
+    blocks = [_read_only(_blocks(rng, qtype, n, K)) for n in (48, 21)]
+    kept = [be.linear_weight(GGUFTensor("w", (b.shape[0], K), qtype, b)) for b in blocks]
+    assert all(isinstance(w, PackedWeight) for w in kept)
+    pool = rng.standard_normal((33, K), dtype=np.float32)
+    want = [pk.reference(qtype, pool, b) for b in blocks]
+    alone = [np.concatenate([pk.reference(qtype, pool[i:i + 1], b) for i in range(33)]) for b in blocks]
+    assert all(np.array_equal(a, w) for a, w in zip(alone, want))  # the reference is row-invariant itself
+    assert_products_at_every_row_count(be, kept, pool, want, rng, qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_products_stay_at_float32s_distance_from_exact(qtype):
+    """Against the float64 product on gguf's weights, the int16 activations err about as much
+    as float32 arithmetic over the dequantized weights does, and far less than int8's rounding
+    would (whose error here is ~100x larger)."""
+    rng = np.random.default_rng(7)
+    N, K, M = 64, 1024, 8
+    blocks = _blocks(rng, qtype, N, K)
+    w = _dense(blocks, qtype, N, K)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    ours = NumpyBackend().linear(x, PackedWeight(qtype, pk.pack(blocks, qtype), (N, K)))
+    scale = np.abs(exact).max()
+    assert np.abs(ours - exact).max() < 2e-4 * scale
+
+
+def test_letting_go_of_mapped_pages_keeps_the_bytes(tmp_path):
+    """The file pages of a packed tensor are dropped from this process but read back the same;
+    anonymous memory is never touched (MADV_DONTNEED would zero it)."""
+    data = np.random.default_rng(8).integers(0, 256, 5 * mmap.PAGESIZE, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.ndarray((data.size,), np.uint8, buffer=buf)[100:4 * mmap.PAGESIZE + 7]
+    assert int(view.sum()) >= 0  # resident now
+    _let_go_of_mapped(view)
+    assert np.array_equal(view, data[100:4 * mmap.PAGESIZE + 7])
+    anon = data.copy()
+    _let_go_of_mapped(anon)
+    assert np.array_equal(anon, data)
+    del view
+    buf.close()
