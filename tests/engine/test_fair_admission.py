@@ -122,7 +122,7 @@ def test_a_place_taken_for_another_client_changes_no_reply(make_engine):
 
     from .test_engine import QUESTIONS, _msgs, _solo
 
-    params = SamplingParams(max_tokens=24)
+    params = SamplingParams(max_tokens=64)  # long enough that bob's two are still decoding when alice comes
     solo = _solo(make_engine, params)
     e = make_engine(max_concurrent=2)
     bob = [e.submit(_msgs(q), params=params, client="bob") for q in QUESTIONS[:3]]
