@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MB of weight copies a cell cycles through, more than the L3 (default 640)")
     kern.add_argument("--min-time", type=float, default=0.3, help="seconds each cell runs at least")
     kern.add_argument("--read-mb", type=int, default=1024, help="MiB the read-bandwidth measure streams (default 1024)")
+    kern.add_argument("--float32", action="store_true",
+                      help="time Q4_0/Q4_1/Q8_0 by the float32 kernels on their blocks as stored (the path "
+                           "before repacking), for a before/after in one sitting")
     kern.add_argument("--cpu-time", action="store_true",
                       help="time this thread's CPU time, not the wall clock (a shared machine; NUMBA_NUM_THREADS=1)")
     return parser

@@ -20,6 +20,7 @@ import time
 import numba
 import numpy as np
 
+from panechat.backends.cpu import packed32
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.cpu.read_bandwidth import read_bandwidth
 from panechat.backends.quant import registry
@@ -42,16 +43,19 @@ def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.nd
 
 
 class _Product:
-    """One matrix's product as the model calls it, through the type's compiled kernel."""
+    """One matrix's product as the model calls it, through the type's compiled kernel (a
+    `cpu_packed` type's over its repacked records, unless `float32`: the pair-loader kernel
+    on the blocks as stored, the path before repacking)."""
 
-    def __init__(self, qtype: str, blocks: np.ndarray):
+    def __init__(self, qtype: str, blocks: np.ndarray, float32: bool = False):
         t = registry.get(qtype)
-        self.blocks, self.at_load = blocks, t.scales_at_load
+        self.packed = bool(t.cpu_packed) and not float32
+        self.blocks, self.at_load = (packed32.pack(blocks, qtype) if self.packed else blocks), t.scales_at_load
         self.nbytes = blocks.nbytes
         if self.at_load:
             self.d, self.dmin = qk.superblock_scales(blocks, qtype)
             self.nbytes += self.d.nbytes + (self.dmin.nbytes if len(t.f16_at) > 1 else 0)
-        self.kernel = qk.kernel(qtype)
+        self.kernel = qk.packed_kernel(qtype) if self.packed else qk.kernel(qtype)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
         b = self.blocks
@@ -102,14 +106,15 @@ def run_kernels(args: argparse.Namespace) -> int:
     bw = read_bandwidth(args.read_mb << 20, threads=threads, clock=clock)
     rows = []
     if not args.json:
-        print(f"read bandwidth: {bw:.1f} GB/s ({args.read_mb} MiB, {threads} threads); pool {args.pool_mb} MB a cell")
+        path = "; float32 pair-loader kernels for Q4_0/Q4_1/Q8_0" if args.float32 else ""
+        print(f"read bandwidth: {bw:.1f} GB/s ({args.read_mb} MiB, {threads} threads); pool {args.pool_mb} MB a cell{path}")
         print(f"{'type':6} {'matrix':8} {'N':>6} {'K':>5} {'M':>4} {'ms':>9} {'GB/s':>7} {'%bw':>5} {'GFLOP/s':>8}")
     rng = np.random.default_rng(0)
     for q in types:
         for name, n, k in shapes:
-            one = _Product(q, random_blocks(rng, q, n, k))
+            one = _Product(q, random_blocks(rng, q, n, k), args.float32)
             copies = max(1, int(args.pool_mb * 1e6 // one.nbytes))
-            pool = [one] + [_Product(q, random_blocks(rng, q, n, k)) for _ in range(copies - 1)]
+            pool = [one] + [_Product(q, random_blocks(rng, q, n, k), args.float32) for _ in range(copies - 1)]
             for m in ms:
                 s = time_cell(pool if m <= 64 else pool[:1], m, k, n, args.min_time, rng, clock)
                 row = {"type": q, "matrix": name, "N": n, "K": k, "M": m, "ms": s * 1e3,
@@ -121,5 +126,5 @@ def run_kernels(args: argparse.Namespace) -> int:
                           f"{row['pct_bw']:5.0f} {row['GFLOP_s']:8.1f}", flush=True)
             del pool, one
     if args.json:
-        print(json.dumps({"read_GB_s": bw, "threads": threads, "cells": rows}))
+        print(json.dumps({"read_GB_s": bw, "threads": threads, "float32": args.float32, "cells": rows}))
     return 0

@@ -31,6 +31,19 @@ def test_cells_report_bandwidth_and_flops():
         assert abs(c["pct_bw"] - 100 * c["GB_s"] / out["read_GB_s"]) <= 1e-6 * c["pct_bw"]
 
 
+def test_float32_times_the_path_before_repacking():
+    """--float32 runs Q8_0 by its float32 kernel on the blocks as stored: the same cells,
+    and the output says which path ran."""
+    args = ("--types", "Q8_0", "--ms", "1", "--shapes", "k,v", "--pool-mb", "2", "--min-time", "0.01",
+            "--read-mb", "32")
+    r = _bench(*args, "--float32", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["float32"] is True and [c["M"] for c in out["cells"]] == [1]
+    assert json.loads(_bench(*args, "--json").stdout)["float32"] is False
+    assert "float32 pair-loader kernels" in _bench(*args, "--float32").stdout
+
+
 def test_an_unknown_type_is_one_line():
     r = _bench("--types", "Q9_9", timeout=120)
     assert r.returncode == 2 and r.stdout == ""
