@@ -73,26 +73,47 @@ def record_bytes(qtype: str) -> int:
 def pack(blocks: np.ndarray, qtype: str) -> np.ndarray:
     """The records of `qtype` blocks uint8 [N, K/32 * bytes], as uint8 [N', K/32 * bytes] with
     N' = N rounded up to 16 (the last group padded with all-zero blocks, whose products are
-    0): rows 16g..16g+15 hold group g's records, block by block."""
+    0): rows 16g..16g+15 hold group g's records, block by block. One parallel pass with no
+    copy but the result (a load's peak memory: the model plus one tensor's pages)."""
     N, rb = blocks.shape
     bb = _BLOCK_BYTES[qtype]
-    B = rb // bb
     if rb % bb:
         raise ValueError(f"pack: {qtype} blocks {blocks.shape} are not rows of whole blocks")
-    G = -(-N // GROUP)
-    b = np.asarray(blocks, np.uint8)
-    if G * GROUP != N:
-        b = np.concatenate([b, np.zeros((G * GROUP - N, rb), np.uint8)])
-    b = b.reshape(G, GROUP, B, bb).transpose(0, 2, 1, 3)  # [G, B, 16, bb]
-    nsc = 2 if qtype == "Q4_1" else 1
-    scales = b[..., :2 * nsc].reshape(G, B, GROUP, nsc, 2).transpose(0, 1, 3, 2, 4)  # [G, B, nsc, 16, 2]
-    qs = b[..., 2 * nsc:]
-    if qtype == "Q8_0":
-        qs = qs ^ np.uint8(0x80)
-    nj = qs.shape[-1] // 4
-    codes = qs.reshape(G, B, GROUP, nj, 4).transpose(0, 1, 3, 2, 4)  # [G, B, j, 16, 4]
-    rec = np.concatenate([scales.reshape(G, B, -1), codes.reshape(G, B, -1)], -1)
-    return np.ascontiguousarray(rec).reshape(G * GROUP, rb)
+    out = np.empty((-(-N // GROUP) * GROUP, rb), np.uint8)
+    _pack_into(np.ascontiguousarray(blocks, np.uint8), out, bb, 2 if qtype == "Q4_1" else 1,
+               np.uint8(0x80 if qtype == "Q8_0" else 0))
+    return out
+
+
+@njit(parallel=True, **_JIT)
+def _pack_into(blocks, out, bb, nsc, flip):
+    """`pack`'s loop: record (g, b) at row 16g, byte 16 * bb * b of out (flat); nsc f16
+    scales a block, then its code bytes 4 at a time (xor `flip`); padding columns' bytes 0
+    (codes: flip, the code of a zero weight)."""
+    N, rb = blocks.shape
+    flat = out.reshape(-1)
+    nj = (bb - 2 * nsc) // 4
+    G = out.shape[0] // GROUP
+    if G * GROUP > N:  # the padded last group: zero scales, zero-weight codes
+        for b in range(rb // bb):
+            o = (G - 1) * GROUP * rb + b * GROUP * bb
+            for e in range(32 * nsc):
+                flat[o + e] = 0
+            for e in range(32 * nsc, GROUP * bb):
+                flat[o + e] = flip
+    for g in prange(G):
+        for c in range(min(GROUP, N - GROUP * g)):
+            row = blocks[GROUP * g + c]
+            for b in range(rb // bb):
+                o = g * GROUP * rb + b * GROUP * bb
+                src = b * bb
+                for s in range(nsc):
+                    flat[o + 32 * s + 2 * c] = row[src + 2 * s]
+                    flat[o + 32 * s + 2 * c + 1] = row[src + 2 * s + 1]
+                at, q = o + 32 * nsc + 4 * c, src + 2 * nsc
+                for j in range(nj):
+                    for i in range(4):
+                        flat[at + 64 * j + i] = row[q + 4 * j + i] ^ flip
 
 
 def unpack(packed: np.ndarray, qtype: str, rows: int | None = None) -> np.ndarray:
