@@ -122,15 +122,18 @@ def test_a_place_taken_for_another_client_changes_no_reply(make_engine):
 
     from .test_engine import QUESTIONS, _msgs, _solo
 
-    params = SamplingParams(max_tokens=64)  # long enough that bob's two are still decoding when alice comes
-    solo = _solo(make_engine, params)
+    # bob's two first questions have long replies, so both still decode when alice comes (a
+    # short one first finished as she arrived and left her a free place: no preemption)
+    params = SamplingParams(max_tokens=64)
+    asked = [QUESTIONS[1], QUESTIONS[2], QUESTIONS[0], QUESTIONS[3]]
+    solo = _solo(make_engine, params, asked)
     e = make_engine(max_concurrent=2)
-    bob = [e.submit(_msgs(q), params=params, client="bob") for q in QUESTIONS[:3]]
+    bob = [e.submit(_msgs(q), params=params, client="bob") for q in asked[:3]]
     t0 = time.monotonic()
     while sum(1 for x in e.stats().streams if x.state == StreamState.DECODING and x.tokens >= 2) < 2:
         assert time.monotonic() - t0 < 60
         time.sleep(0.01)
-    alice = e.submit(_msgs(QUESTIONS[3]), params=params, client="alice")
+    alice = e.submit(_msgs(asked[3]), params=params, client="alice")
     replies = [g.result() for g in (*bob, alice)]
     assert e.stats().preemptions >= 1
     assert [f.token_ids for f in replies] == [f.token_ids for f in solo]
