@@ -40,6 +40,8 @@ from panechat.backends.cpu.numpy_kernels import (
     TILE_N,
     _column_panel,
     _store6,
+    column_task,
+    column_tasks,
     prefetch,
     vload,
     vmac,
@@ -230,11 +232,6 @@ MAX_WEIGHTS = 3  # weights one call may compute (q, k, v), all of one type and K
 
 
 @njit(inline="always", **_JIT)
-def _tasks(out, cols):
-    return (out.shape[1] + cols - 1) // cols
-
-
-@njit(inline="always", **_JIT)
 def block_linear_driver(x, ws, wds, wdms, outs, count, load2):
     """outs[j][M, N_j] = x[M, K] @ W_j.T for the first `count` (1..3) weights of the
     3-tuples `ws` (stored bytes), `wds`, `wdms` (per-weight scales, as `load2` reads them),
@@ -244,12 +241,9 @@ def block_linear_driver(x, ws, wds, wdms, outs, count, load2):
     M, K = x.shape
     reg = M <= REG_MAX_ROWS
     cols = TILE_N if reg else (PANEL_COLS if M <= _STREAM_MAX_ROWS else _COLS_PER_TASK)
-    t1 = _tasks(outs[0], cols)
-    t2 = t1 + (_tasks(outs[1], cols) if count > 1 else 0)
-    t3 = t2 + (_tasks(outs[2], cols) if count > 2 else 0)
+    t1, t2, t3 = column_tasks(outs, count, cols)
     for t in prange(t3):
-        j = 0 if t < t1 else (1 if t < t2 else 2)
-        n0 = (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
+        j, n0 = column_task(t, t1, t2, cols)
         w, wd, wdm, out = ws[j], wds[j], wdms[j], outs[j]
         n1 = min(n0 + cols, out.shape[1])
         if reg:

@@ -55,10 +55,8 @@ class KQuantWeight:
 
 
 @dataclass
-class StoredWeight:
-    """An F16/BF16 weight or one of blocks whose kernels read the scales in the blocks (Q4_0,
-    Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL) [N, K] as stored, a view of the memory map: `data` uint16 [N, K] (16-bit floats as integers)
-    or uint8 [N, K/32 * bytes] (blocks, f16 scales included)."""
+class _HeldWeight:
+    """A weight [N, K] of type `qtype` whose kernels read the bytes `data`."""
 
     qtype: str
     data: np.ndarray
@@ -70,19 +68,19 @@ class StoredWeight:
 
 
 @dataclass
-class PackedWeight:
-    """A weight [N, K] of a type whose products run over repacked blocks (registry
-    `cpu_packed`: Q4_0, Q4_1, Q8_0): `data` uint8 [N', K/32 * bytes] (N' = N rounded up to
-    16), the file's blocks regrouped into records of 16 columns at load (`packed32.pack`:
-    the same bytes in another order, in memory of its own; the file's pages are let go)."""
+class StoredWeight(_HeldWeight):
+    """An F16/BF16 weight or one of blocks whose kernels read the scales in the blocks (Q5_0,
+    Q5_1, IQ4_NL; Q4_0, Q4_1, Q8_0 where not repacked) as stored, a view of the memory map:
+    `data` uint16 [N, K] (16-bit floats as integers) or uint8 [N, K/32 * bytes] (blocks,
+    f16 scales included)."""
 
-    qtype: str
-    data: np.ndarray
-    shape: tuple[int, int]
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
+@dataclass
+class PackedWeight(_HeldWeight):
+    """A weight of a type whose products run over repacked blocks (registry `cpu_packed`:
+    Q4_0, Q4_1, Q8_0): `data` uint8 [N', K/32 * bytes] (N' = N rounded up to 16), the file's
+    blocks regrouped into records of 16 columns at load (`packed32.pack`: the same bytes in
+    another order, in memory of its own; the file's pages are let go)."""
 
 
 _HALF = ("F16", "BF16")  # quant_kernels.linear_half; the block types are the registry's

@@ -523,6 +523,23 @@ def _linear_f32(x, w, out):
                 out[m, n] = s
 
 
+@njit(inline="always", **_JIT)
+def column_tasks(outs, count, cols):
+    """Tasks of `cols` output columns over the first `count` (1..3) of the 3-tuple `outs`,
+    in order: their cumulative counts (t1, t2, t3), for one parallel region over all."""
+    t1 = (outs[0].shape[1] + cols - 1) // cols
+    t2 = t1 + ((outs[1].shape[1] + cols - 1) // cols if count > 1 else 0)
+    t3 = t2 + ((outs[2].shape[1] + cols - 1) // cols if count > 2 else 0)
+    return t1, t2, t3
+
+
+@njit(inline="always", **_JIT)
+def column_task(t, t1, t2, cols):
+    """(output j, first column n0) of task t of `column_tasks`."""
+    j = 0 if t < t1 else (1 if t < t2 else 2)
+    return j, (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
+
+
 def _require(name, a, dtype, ndim):
     """Raise ValueError unless a is a C-contiguous ndarray of dtype with ndim dims."""
     ok = isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim

@@ -50,7 +50,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from panechat.backends.cpu.decode_attention import HAS_F16C
-from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, f32vec, vstore, vzero
+from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
 from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32
 
 QB = 32  # weights (and activations) a block
@@ -159,13 +159,18 @@ def quantize_row(x, m, xq, xd, xs, sx):
 
 
 @njit(**_JIT)
+def row_arrays(M, K):
+    """Empty (xq, xd, xs, sx) for M rounded rows of K activations (`quantize_row`)."""
+    B = K // QB
+    return (np.empty((M, 2 * K), np.int8), np.empty((M, B), np.float32), np.empty((M, B), np.int32),
+            np.empty((M, B), np.float32))
+
+
+@njit(**_JIT)
 def quantized_rows(x):
     """Every row of x rounded as `quantize_row`: (xq, xd, xs, sx)."""
-    M, K = x.shape
-    B = K // QB
-    xq, xd = np.empty((M, 2 * K), np.int8), np.empty((M, B), np.float32)
-    xs, sx = np.empty((M, B), np.int32), np.empty((M, B), np.float32)
-    for m in range(M):
+    xq, xd, xs, sx = row_arrays(x.shape[0], x.shape[1])
+    for m in range(x.shape[0]):
         quantize_row(x, m, xq, xd, xs, sx)
     return xq, xd, xs, sx
 
@@ -414,18 +419,12 @@ def packed_linear_driver(x, ws, outs, count, columns):
     """outs[j] = x @ W_j.T for the first `count` (1..3) packed weights of the 3-tuple ws, by
     `columns` (a type's column-range product): x rounded once (rows in parallel), then one
     parallel region over tasks of TASK_GROUPS groups."""
-    M, K = x.shape
-    B = K // QB
-    xq, xd = np.empty((M, 2 * K), np.int8), np.empty((M, B), np.float32)
-    xs, sx = np.empty((M, B), np.int32), np.empty((M, B), np.float32)
-    for m in prange(M):
+    xq, xd, xs, sx = row_arrays(x.shape[0], x.shape[1])
+    for m in prange(x.shape[0]):
         quantize_row(x, m, xq, xd, xs, sx)
     cols = TASK_GROUPS * GROUP
-    t1 = (outs[0].shape[1] + cols - 1) // cols
-    t2 = t1 + ((outs[1].shape[1] + cols - 1) // cols if count > 1 else 0)
-    t3 = t2 + ((outs[2].shape[1] + cols - 1) // cols if count > 2 else 0)
+    t1, t2, t3 = column_tasks(outs, count, cols)
     for t in prange(t3):
-        j = 0 if t < t1 else (1 if t < t2 else 2)
-        n0 = (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
+        j, n0 = column_task(t, t1, t2, cols)
         out = outs[j]
         columns(ws[j], xq, xd, xs, sx, out, n0, min(n0 + cols, out.shape[1]))

@@ -39,7 +39,7 @@ from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, prefetch
+from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, prefetch
 
 QK = 256  # weights (and activations) a super-block
 
@@ -676,12 +676,9 @@ def q8k_linear_driver(x, ws, wds, wdms, outs, count, columns):
     for m in prange(M):
         quantize_row_q8k(x, m, xq, xd, xs)
     cols = Q8K_COLS
-    t1 = (outs[0].shape[1] + cols - 1) // cols
-    t2 = t1 + ((outs[1].shape[1] + cols - 1) // cols if count > 1 else 0)
-    t3 = t2 + ((outs[2].shape[1] + cols - 1) // cols if count > 2 else 0)
+    t1, t2, t3 = column_tasks(outs, count, cols)
     for t in prange(t3):
-        j = 0 if t < t1 else (1 if t < t2 else 2)
-        n0 = (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
+        j, n0 = column_task(t, t1, t2, cols)
         out = outs[j]
         columns(ws[j], wds[j], wdms[j], xq, xd, xs, out, n0, min(n0 + cols, out.shape[1]))
 
