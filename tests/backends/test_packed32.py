@@ -213,7 +213,7 @@ def test_letting_go_of_mapped_pages_keeps_the_bytes(tmp_path):
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = np.ndarray((data.size,), np.uint8, buffer=buf)[100:4 * mmap.PAGESIZE + 7]
-    assert int(view.sum()) >= 0  # resident now
+    view.sum()  # read: the pages are resident now
     _let_go_of_mapped(view)
     assert np.array_equal(view, data[100:4 * mmap.PAGESIZE + 7])
     anon = data.copy()
