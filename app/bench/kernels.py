@@ -20,7 +20,7 @@ import time
 import numba
 import numpy as np
 
-from panechat.backends.cpu import packed32
+from panechat.backends.cpu import repack
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.cpu.read_bandwidth import read_bandwidth
 from panechat.backends.quant import registry
@@ -50,7 +50,8 @@ class _Product:
     def __init__(self, qtype: str, blocks: np.ndarray, float32: bool = False):
         t = registry.get(qtype)
         self.packed = bool(t.cpu_packed) and not float32
-        self.blocks, self.at_load = (packed32.pack(blocks, qtype) if self.packed else blocks), t.scales_at_load
+        self.blocks = repack.pack(blocks, qtype) if self.packed else blocks
+        self.at_load = t.scales_at_load and not self.packed
         self.nbytes = blocks.nbytes
         if self.at_load:
             self.d, self.dmin = qk.superblock_scales(blocks, qtype)

@@ -27,7 +27,8 @@ from numba import cfunc, njit, types
 from panechat.backends.cpu.addresses import f32_at, u8_at
 from panechat.backends.cpu.block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from panechat.backends.cpu.numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
-from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, packed_columns_of, q8k_columns_of
+from panechat.backends.cpu.generated import (bind_loader, cacheable, kernel_name, loader_of, packed_activations,
+                                            packed_columns_of, q8k_columns_of)
 from panechat.backends.cpu.packed32 import quantized_rows as packed_rows
 from panechat.backends.cpu.q8k_dot import quantized_rows
 from panechat.backends.quant import registry
@@ -105,6 +106,22 @@ def _packed_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out
     columns(w, xq, xd, xs, sx, out, c0, c1)
 
 
+@njit(inline="always", **_JIT)
+def _packed_q8k_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_out, c0, c1, columns):
+    """`_packed_range_at` for a product over Q8_K rows (`packed256`)."""
+    if c1 <= c0:
+        return
+    x, out = numba.carray(f32_at(x_at), (M, K)), numba.carray(f32_at(out_at), (M, n_out))
+    w = numba.carray(u8_at(w_at), ((N + 15) // 16 * 16, rb))
+    xq, xd, xs = quantized_rows(x)
+    columns(w, xq, xd, xs, out, c0, c1)
+
+
+def _packed_q8k_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
+    """Template of the range function of a `cpu_packed` type over Q8_K rows."""
+    _packed_q8k_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
+
+
 def _packed_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
     """Template of the range function of a type with `cpu_packed` (`_load2`: its column product)."""
     _packed_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
@@ -140,7 +157,10 @@ def range_function(t: registry.QuantType):
     rows and columns; out's address and columns; c0, c1."""
     if t not in _COMPILED:
         q8k, packed = q8k_columns_of(t), packed_columns_of(t)
-        template = _packed_range_template if packed else (_q8k_range_template if q8k else _range_template)
+        if packed:
+            template = _packed_q8k_range_template if packed_activations(t) == "q8k" else _packed_range_template
+        else:
+            template = _q8k_range_template if q8k else _range_template
         f = bind_loader(template, kernel_name("_range", t), packed or q8k or loader_of(t))
         _COMPILED[t] = cfunc(RANGE_SIGNATURE, **dict(_JIT, cache=cacheable(t)))(f)
     return _COMPILED[t]

@@ -190,6 +190,8 @@ def _blocks_fit(qtype: str, blocks: np.ndarray, d, dmin, shape: tuple) -> bool:
     if not t.fits(K) or blocks.shape[1] != t.row_bytes(K):
         return False
     sb = (blocks.shape[0], K // t.block_weights)
+    if t.cpu_packed:  # a repacked weight's records hold its scales
+        return True
     return not t.scales_at_load or (d is not None and dmin is not None and d.shape == sb and dmin.shape == sb)
 
 

@@ -42,6 +42,13 @@ def packed_columns_of(t: QuantType):
     return getattr(importlib.import_module(module), name)
 
 
+def packed_activations(t: QuantType) -> str:
+    """The rows `t`'s repacked column product takes: "int16" (`packed32.quantized_rows`) or
+    "q8k" (`q8k_dot.quantized_rows`), its module's ACTIVATIONS."""
+    module, _, _ = t.cpu_packed.partition(":")
+    return getattr(importlib.import_module(module), "ACTIVATIONS", "int16")
+
+
 def cacheable(t: QuantType) -> bool:
     """Whether `t`'s generated code may go to numba's on-disk cache: only when its loader is
     panechat's own (a loader elsewhere, a test's, is not in the sources that key the cache)."""

@@ -94,14 +94,14 @@ class NumpyBackend(ArrayBackend):
 
     def __init__(self):
         from panechat.backends.cpu import (activation_kernels, decode_attention, norm_kernels,  # numba; else `cpu_backend()`
-                                           numpy_kernels, packed32, quant_kernels, step_threads)
+                                           numpy_kernels, quant_kernels, repack, step_threads)
         from panechat.backends.cpu import decoder as cpu_decoder
 
         self.kernels = numpy_kernels
         self.decode_attention = decode_attention
         self.norm_kernels = norm_kernels
         self.quant_kernels = quant_kernels
-        self.packed32 = packed32
+        self.repack = repack
         self.activation_kernels = activation_kernels
         self.cpu_decoder = cpu_decoder
         self.crew = step_threads.StepCrew()
@@ -149,7 +149,7 @@ class NumpyBackend(ArrayBackend):
         if kind is not None and kind.cpu_loader and len(t.shape) == 2 and kind.fits(t.shape[1]):
             blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
             if kind.cpu_packed:
-                packed = self.packed32.pack(blocks, t.qtype)
+                packed = self.repack.pack(blocks, t.qtype)
                 _let_go_of_mapped(blocks)
                 return PackedWeight(t.qtype, packed, t.shape)
             if kind.scales_at_load:

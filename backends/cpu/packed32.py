@@ -51,85 +51,17 @@ from numba.extending import intrinsic
 
 from panechat.backends.cpu.decode_attention import HAS_F16C
 from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
+from panechat.backends.cpu.repack import GROUP, LAYOUTS
 from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32
 
 QB = 32  # weights (and activations) a block
-GROUP = 16  # output columns a record holds: one lane each
 ROWS = 4  # activation rows a tile computes together (the record's codes loaded once for them)
 PACKED = ("Q4_0", "Q4_1", "Q8_0")  # the types this module repacks
 
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _OFFSET = {"Q4_0": 8, "Q4_1": 0, "Q8_0": 128}  # the code offset subtracted as offset * xs
 QMAX = 32639  # the largest activation code: 127 * 256 + 127, so q = 256 a + b with a, b int8
 _H16 = ir.VectorType(_I16, 16)
 _I64 = ir.IntType(64)
-
-
-def record_bytes(qtype: str) -> int:
-    """Bytes of one record: 16 columns' blocks (the file's bytes of those blocks)."""
-    return GROUP * _BLOCK_BYTES[qtype]
-
-
-def pack(blocks: np.ndarray, qtype: str) -> np.ndarray:
-    """The records of `qtype` blocks uint8 [N, K/32 * bytes], as uint8 [N', K/32 * bytes] with
-    N' = N rounded up to 16 (the last group padded with all-zero blocks, whose products are
-    0): rows 16g..16g+15 hold group g's records, block by block. One parallel pass with no
-    copy but the result (a load's peak memory: the model plus one tensor's pages)."""
-    N, rb = blocks.shape
-    bb = _BLOCK_BYTES[qtype]
-    if rb % bb:
-        raise ValueError(f"pack: {qtype} blocks {blocks.shape} are not rows of whole blocks")
-    out = np.empty((-(-N // GROUP) * GROUP, rb), np.uint8)
-    _pack_into(np.ascontiguousarray(blocks, np.uint8), out, bb, 2 if qtype == "Q4_1" else 1,
-               np.uint8(0x80 if qtype == "Q8_0" else 0))
-    return out
-
-
-@njit(parallel=True, **_JIT)
-def _pack_into(blocks, out, bb, nsc, flip):
-    """`pack`'s loop: record (g, b) at row 16g, byte 16 * bb * b of out (flat); nsc f16
-    scales a block, then its code bytes 4 at a time (xor `flip`); padding columns' bytes 0
-    (codes: flip, the code of a zero weight)."""
-    N, rb = blocks.shape
-    flat = out.reshape(-1)
-    nj = (bb - 2 * nsc) // 4
-    G = out.shape[0] // GROUP
-    if G * GROUP > N:  # the padded last group: zero scales, zero-weight codes
-        for b in range(rb // bb):
-            o = (G - 1) * GROUP * rb + b * GROUP * bb
-            for e in range(32 * nsc):
-                flat[o + e] = 0
-            for e in range(32 * nsc, GROUP * bb):
-                flat[o + e] = flip
-    for g in prange(G):
-        for c in range(min(GROUP, N - GROUP * g)):
-            row = blocks[GROUP * g + c]
-            for b in range(rb // bb):
-                o = g * GROUP * rb + b * GROUP * bb
-                src = b * bb
-                for s in range(nsc):
-                    flat[o + 32 * s + 2 * c] = row[src + 2 * s]
-                    flat[o + 32 * s + 2 * c + 1] = row[src + 2 * s + 1]
-                at, q = o + 32 * nsc + 4 * c, src + 2 * nsc
-                for j in range(nj):
-                    for i in range(4):
-                        flat[at + 64 * j + i] = row[q + 4 * j + i] ^ flip
-
-
-def unpack(packed: np.ndarray, qtype: str, rows: int | None = None) -> np.ndarray:
-    """`pack`'s inverse: the file's blocks again, the first `rows` (default all) of them."""
-    N, rb = packed.shape
-    bb = _BLOCK_BYTES[qtype]
-    B, G = rb // bb, N // GROUP
-    nsc = 2 if qtype == "Q4_1" else 1
-    rec = packed.reshape(G, B, GROUP * bb)
-    scales = rec[..., :GROUP * 2 * nsc].reshape(G, B, nsc, GROUP, 2).transpose(0, 1, 3, 2, 4).reshape(G, B, GROUP, -1)
-    nj = (bb - 2 * nsc) // 4
-    qs = rec[..., GROUP * 2 * nsc:].reshape(G, B, nj, GROUP, 4).transpose(0, 1, 3, 2, 4).reshape(G, B, GROUP, -1)
-    if qtype == "Q8_0":
-        qs = qs ^ np.uint8(0x80)
-    blocks = np.concatenate([scales, qs], -1)  # [G, B, 16, bb]
-    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(N, rb)[:rows]
 
 
 # ---------------------------------------------------------------------------
@@ -140,7 +72,7 @@ def unpack(packed: np.ndarray, qtype: str, rows: int | None = None) -> np.ndarra
 def quantize_row(x, m, xq, xd, xs, sx):
     """Row m of x (float32 [M, K], K a multiple of 32) rounded to int16 per 32 (module
     docstring), as two int8 planes: q = 256 * xq[m, k] + xq[m, K + k] (xq int8 [M, 2K]);
-    xd float32 [M, K/32], xs int32 [M, K/32], sx float32."""
+    xd float32 [M, K/32], xs int32 [M, K/32] (the codes' sum), sx float32 [M, K/32] (dx * f32(xs))."""
     K = x.shape[1]
     for b in range(K // QB):
         o = b * QB
@@ -203,7 +135,7 @@ def reference(qtype: str, x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     N = blocks.shape[0]
     B = K // QB
     xq, xd, xs, sx = reference_rows(x)
-    b = np.asarray(blocks, np.uint8).reshape(N, B, _BLOCK_BYTES[qtype])
+    b = np.asarray(blocks, np.uint8).reshape(N, B, LAYOUTS[qtype].block_bytes)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, B]
     if qtype == "Q8_0":
         codes = b[..., 2:].view(np.int8).astype(np.int64) + 128
@@ -249,14 +181,44 @@ def _dot4_wide(builder, acc, u8, s8):
     return acc
 
 
-def _record_rows(name, qtype, nr):
-    """An intrinsic (accs, w, wo, xq, xo, K, xd, xs, sx, so, B) -> accs: `nr` rows' float32
-    vectors of 16 columns after the record at byte wo of the uint8 C-array w, against rows
-    whose a plane starts at xq.flat[xo] (int8; b plane K further, row stride 2K), their
-    block scalars at xd/xs/sx.flat[so] (row stride B)."""
-    q4 = qtype != "Q8_0"
-    mins = qtype == "Q4_1"
-    off = _OFFSET[qtype]
+class RecordRow:
+    """Row r of a tile inside a record intrinsic's code: its activation planes (int8 pointers
+    `a`, `b`) at the record's first weight, and loads of its block scalars."""
+
+    def __init__(self, context, builder, sig, args, r):
+        self._c, self._b, self._sig, self._args = context, builder, sig, args
+        xo = context.cast(builder, args[4], sig.args[4], types.intp)
+        k = context.cast(builder, args[5], sig.args[5], types.intp)
+        so = context.cast(builder, args[9], sig.args[9], types.intp)
+        bstride = context.cast(builder, args[10], sig.args[10], types.intp)
+        row = builder.add(xo, builder.mul(k, ir.Constant(k.type, 2 * r)))  # a plane; b plane K later
+        self.a = _element_ptr(context, builder, sig.args[3], args[3], types.intp, row)
+        self.b = _element_ptr(context, builder, sig.args[3], args[3], types.intp, builder.add(row, k))
+        self._si = builder.add(so, builder.mul(bstride, ir.Constant(bstride.type, r)))  # its 32-block
+
+    def _at(self, arg):
+        return self._b.load(_element_ptr(self._c, self._b, self._sig.args[arg], self._args[arg], types.intp, self._si))
+
+    def dx(self):
+        """The block's scale (float32)."""
+        return self._at(6)
+
+    def xs(self):
+        """The codes' sum over the block (int32)."""
+        return self._at(7)
+
+    def sx(self):
+        """dx * f32(xs) (float32)."""
+        return self._at(8)
+
+
+def record_intrinsic(name, nr, emit):
+    """An intrinsic (accs, w, wo, xq, xo, K, xd, xs, sx, so, B) -> accs for `nr` rows: accs
+    (float32 vectors of 16 columns) after the record at byte wo of the uint8 C-array w,
+    against rows whose a plane starts at xq.flat[xo] (int8; b plane K further, row stride
+    2K) and whose block scalars start at xd/xs/sx.flat[so] (row stride B).
+    emit(builder, wp, rows, accs) -> the new accs: the type's arithmetic, wp the record's
+    uint8 pointer, rows a `RecordRow` each."""
     accs_t = types.UniTuple(f32vec, nr)
 
     def typer(typingctx, accs, w, wo, xq, xo, K, xd, xs, sx, so, B):
@@ -266,49 +228,10 @@ def _record_rows(name, qtype, nr):
             return None
 
         def codegen(context, builder, sig, args):
-            a, wv, wov, xv, xov, kv, dv, sv, fv, sov, bv = args
-            wp = _element_ptr(context, builder, sig.args[1], wv, sig.args[2], wov)
-            d = _widen_f16(builder, _load(builder, wp, 0, _H16))
-            m16 = _widen_f16(builder, _load(builder, wp, 32, _H16)) if mins else None
-            at = 64 if mins else 32
-            if q4:  # vector j: low nibbles weights 4j + i, high nibbles 16 + 4j + i
-                raw = [_load(builder, wp, at + 64 * j, _B64) for j in range(4)]
-                lo4 = _splat(builder, _B64, 0x0F)
-                vecs = ([builder.and_(r, lo4) for r in raw]
-                        + [builder.and_(builder.lshr(r, _splat(builder, _B64, 4)), lo4) for r in raw])
-            else:
-                vecs = [_load(builder, wp, at + 64 * j, _B64) for j in range(8)]
-            codes = vecs  # vector j: weights 4j..4j+3 of each column
-            xo = context.cast(builder, xov, sig.args[4], types.intp)
-            so = context.cast(builder, sov, sig.args[9], types.intp)
-            k = context.cast(builder, kv, sig.args[5], types.intp)
-            bstride = context.cast(builder, bv, sig.args[10], types.intp)
-            i32p = _I32.as_pointer()
-            dot = _dot4 if q4 else _dot4_wide
-            out = []
-            for r in range(nr):
-                row = builder.add(xo, builder.mul(k, ir.Constant(k.type, 2 * r)))  # a plane; b plane K later
-                xa = _element_ptr(context, builder, sig.args[3], xv, types.intp, row)
-                xb = _element_ptr(context, builder, sig.args[3], xv, types.intp, builder.add(row, k))
-                si = builder.add(so, builder.mul(bstride, ir.Constant(bstride.type, r)))
-                dx = builder.load(_element_ptr(context, builder, sig.args[6], dv, types.intp, si))
-                zero = ir.Constant(_V16, None)
-                hi, lo = [zero, zero], [zero, zero]  # two chains each (exact in any order)
-                for j in range(8):  # four activations 4j.. of each plane, broadcast
-                    for plane, parts in ((xa, hi), (xb, lo)):
-                        xw = builder.load(builder.bitcast(builder.gep(plane, [ir.Constant(_I64, 4 * j)]), i32p), align=1)
-                        parts[j & 1] = dot(builder, parts[j & 1], codes[j], builder.bitcast(_splat_i32(builder, xw), _B64))
-                isum = builder.add(builder.shl(builder.add(hi[0], hi[1]), _splat(builder, _V16, 8)), builder.add(lo[0], lo[1]))
-                if off:  # the codes' offset: - off * xs in every lane
-                    s = builder.load(_element_ptr(context, builder, sig.args[7], sv, types.intp, si))
-                    isum = builder.add(isum, _splat_i32(builder, builder.mul(s, ir.Constant(_I32, -off))))
-                acc = builder.extract_value(a, r)
-                acc = builder.fadd(acc, builder.fmul(builder.fmul(_splat_f32(builder, dx), d), builder.sitofp(isum, _F16V)))
-                if mins:
-                    sxv = builder.load(_element_ptr(context, builder, sig.args[8], fv, types.intp, si))
-                    acc = builder.fadd(acc, builder.fmul(m16, _splat_f32(builder, sxv)))
-                out.append(acc)
-            return context.make_tuple(builder, accs_t, out)
+            wp = _element_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2])
+            rows = [RecordRow(context, builder, sig, args, r) for r in range(nr)]
+            accs = [builder.extract_value(args[0], r) for r in range(nr)]
+            return context.make_tuple(builder, accs_t, emit(builder, wp, rows, accs))
 
         return accs_t(accs, w, wo, xq, xo, K, xd, xs, sx, so, B), codegen
 
@@ -316,12 +239,65 @@ def _record_rows(name, qtype, nr):
     return intrinsic(typer)
 
 
-def _splat_i32(builder, s):
+def _block32(qtype):
+    """The emit of a Q4_0 / Q4_1 / Q8_0 record (module docstring)."""
+    q4 = qtype != "Q8_0"
+    mins = qtype == "Q4_1"
+    off = _OFFSET[qtype]
+
+    def emit(builder, wp, rows, accs):
+        d = _widen_f16(builder, _load(builder, wp, 0, _H16))
+        m16 = _widen_f16(builder, _load(builder, wp, 32, _H16)) if mins else None
+        at = 64 if mins else 32
+        if q4:  # vector j: low nibbles weights 4j + i, high nibbles 16 + 4j + i
+            raw = [_load(builder, wp, at + 64 * j, _B64) for j in range(4)]
+            codes = low_nibbles(builder, raw) + high_nibbles(builder, raw)
+        else:  # vector j: weights 4j..4j+3
+            codes = [_load(builder, wp, at + 64 * j, _B64) for j in range(8)]
+        dot = _dot4 if q4 else _dot4_wide
+        out = []
+        for row, acc in zip(rows, accs):
+            isum = plane_dots(builder, row.a, row.b, 0, codes, dot)
+            if off:  # the codes' offset: - off * xs in every lane
+                isum = builder.add(isum, splat_i32(builder, builder.mul(row.xs(), ir.Constant(_I32, -off))))
+            acc = builder.fadd(acc, builder.fmul(builder.fmul(_splat_f32(builder, row.dx()), d), builder.sitofp(isum, _F16V)))
+            if mins:
+                acc = builder.fadd(acc, builder.fmul(m16, _splat_f32(builder, row.sx())))
+            out.append(acc)
+        return out
+
+    return emit
+
+
+def low_nibbles(builder, raw):
+    lo4 = _splat(builder, _B64, 0x0F)
+    return [builder.and_(r, lo4) for r in raw]
+
+
+def high_nibbles(builder, raw):
+    return [builder.lshr(r, _splat(builder, _B64, 4)) for r in raw]  # a byte's high nibble: 0..15
+
+
+def plane_dots(builder, xa, xb, at, codes, dot):
+    """int32 <16 x i32>: lane c's sum over the code vectors of codes[j][4c + i] * q[at + 4j + i]
+    (i < 4), q = 256 a + b the activations whose planes start at the int8 pointers xa, xb:
+    (A << 8) + B, each plane's sum in two chains of `dot` (exact in any order)."""
+    zero = ir.Constant(_V16, None)
+    hi, lo = [zero, zero], [zero, zero]
+    for j, code in enumerate(codes):  # four activations of each plane, broadcast
+        for plane, parts in ((xa, hi), (xb, lo)):
+            p = builder.bitcast(builder.gep(plane, [ir.Constant(_I64, at + 4 * j)]), _I32.as_pointer())
+            xw = builder.load(p, align=1)
+            parts[j & 1] = dot(builder, parts[j & 1], code, builder.bitcast(splat_i32(builder, xw), _B64))
+    return builder.add(builder.shl(builder.add(hi[0], hi[1]), _splat(builder, _V16, 8)), builder.add(lo[0], lo[1]))
+
+
+def splat_i32(builder, s):
     return builder.shuffle_vector(builder.insert_element(ir.Constant(_V16, None), s, ir.Constant(_I32, 0)),
                                   ir.Constant(_V16, None), ir.Constant(_V16, [0] * 16))
 
 
-_BLOCKS = {(t, r): _record_rows(f"{t.lower()}_record{r}", t, r) for t in PACKED for r in (1, 2, 3, 4)}
+_BLOCKS = {(t, r): record_intrinsic(f"{t.lower()}_record{r}", r, _block32(t)) for t in PACKED for r in (1, 2, 3, 4)}
 q4_0_record1, q4_0_record2, q4_0_record3, q4_0_record4 = (_BLOCKS["Q4_0", r] for r in (1, 2, 3, 4))
 q4_1_record1, q4_1_record2, q4_1_record3, q4_1_record4 = (_BLOCKS["Q4_1", r] for r in (1, 2, 3, 4))
 q8_0_record1, q8_0_record2, q8_0_record3, q8_0_record4 = (_BLOCKS["Q8_0", r] for r in (1, 2, 3, 4))
@@ -340,6 +316,12 @@ def _tile(w, xq, xd, xs, sx, out, m, g, acc, record):
     base = g * GROUP * w.shape[1]
     for b in range(B):
         acc = record(acc, w, base + b * rec, xq, 2 * m * K + b * QB, K, xd, xs, sx, m * B + b, B)
+    store_group(out, m, g, acc)
+
+
+@njit(inline="always", **_JIT)
+def store_group(out, m, g, acc):
+    """out[m + r, 16g:16g+16] = acc[r], the columns past out's last left out."""
     n0, N = g * GROUP, out.shape[1]
     if n0 + GROUP <= N:
         _store(out, m, n0, acc)

@@ -71,8 +71,10 @@ from numba.extending import intrinsic
 from panechat.backends.cpu.block_linear import block_linear_driver
 from panechat.backends.cpu.block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
                         vsplat_f16_pair)
-from panechat.backends.cpu.generated import bind_loader, cacheable, kernel_name, loader_of, packed_columns_of, q8k_columns_of
+from panechat.backends.cpu.generated import (bind_loader, cacheable, kernel_name, loader_of, packed_activations,
+                                            packed_columns_of, q8k_columns_of)
 from panechat.backends.cpu.packed32 import GROUP, packed_linear_driver
+from panechat.backends.cpu.packed256 import packed_q8k_linear_driver
 from panechat.backends.cpu.q8k_dot import q8k_linear_driver
 from panechat.backends.quant import registry
 from panechat.backends.cpu.numpy_kernels import (
@@ -694,6 +696,11 @@ def _linear_packed(x, ws, outs, count):
     packed_linear_driver(x, ws, outs, count, _load2)
 
 
+def _linear_packed_q8k(x, ws, outs, count):
+    """`_linear_packed` for a column product over Q8_K rows (`packed256`: ACTIVATIONS "q8k")."""
+    packed_q8k_linear_driver(x, ws, outs, count, _load2)
+
+
 # One kernel a type, parallel: on one numba thread (NUMBA_NUM_THREADS=1, or the governor's
 # choice while other processes hold the cores) its prange runs on that thread. A serial twin
 # used to skip that launch (15-20% of a 135M model's B=1 products op by op), but decode now
@@ -729,7 +736,8 @@ def packed_kernel(qtype: str):
         columns = packed_columns_of(t) if t is not None else None
         if columns is None:
             raise ValueError(f"no CPU product reads {qtype} weights repacked")
-        f = bind_loader(_linear_packed, kernel_name("_packed", t), columns)
+        template = _linear_packed_q8k if packed_activations(t) == "q8k" else _linear_packed
+        f = bind_loader(template, kernel_name("_packed", t), columns)
         built = _PACKED_BUILT[qtype] = (t, njit(parallel=True, **dict(_JIT, cache=cacheable(t)))(f))
     return built[1]
 

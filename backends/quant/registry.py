@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 _CPU = "panechat.backends.cpu.quant_kernels:"  # where the built-in pair loaders live
 _Q8K = "panechat.backends.cpu.q8k_panel:"  # where the int8-activation column products live
-_PACKED = "panechat.backends.cpu.packed32:"  # where the products over repacked 32-weight blocks live
+_PACKED = "panechat.backends.cpu."  # the module of a product over repacked records ("packed32:q4_0_columns")
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,9 @@ class QuantType:
     "module:function" of the CPU column-range product over activations rounded to 8 bits
     (llama.cpp's Q8_K, `q8k_dot`), which then computes every product of the type instead of
     the float32 pair-loader kernels; "" for none. `cpu_packed`: "module:function" of the CPU
-    column-range product over weights repacked at load into records of 16 columns, against
-    activations rounded to int8 per 32 (llama.cpp's Q8_0, `packed32`): a weight of the type
-    whose rows are a multiple of 16 is repacked and every product of it uses that; "" for
-    none."""
+    column-range product over weights repacked at load into records of 16 columns
+    (`repack`), against activations rounded to int16 per 32 (`packed32`, `packed256`): every
+    weight of the type is repacked and every product of it uses that; "" for none."""
 
     name: str
     type_id: int
@@ -67,14 +66,14 @@ _BUILT_IN = (
     QuantType("F32", 0, 1, 4),
     QuantType("F16", 1, 1, 2),
     QuantType("BF16", 30, 1, 2),
-    _block("Q4_0", 2, 32, 18, (0,), "q4", packed="q4_0_columns"),
-    _block("Q4_1", 3, 32, 20, (0, 2), "q4", packed="q4_1_columns"),
+    _block("Q4_0", 2, 32, 18, (0,), "q4", packed="packed32:q4_0_columns"),
+    _block("Q4_1", 3, 32, 20, (0, 2), "q4", packed="packed32:q4_1_columns"),
     _block("Q5_0", 6, 32, 22, (0,), "q5"),
     _block("Q5_1", 7, 32, 24, (0, 2), "q5"),
-    _block("Q8_0", 8, 32, 34, (0,), "q80", packed="q8_0_columns"),
+    _block("Q8_0", 8, 32, 34, (0,), "q80", packed="packed32:q8_0_columns"),
     _block("Q2_K", 10, 256, 84, (80, 82), at_load=True),
     _block("Q3_K", 11, 256, 110, (108,), at_load=True),
-    _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, q8k="q4k_columns"),
+    _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, packed="packed256:q4_k_columns"),
     _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True, q8k="q5k_columns"),
     _block("Q6_K", 14, 256, 210, (208,), "q6k", at_load=True, q8k="q6k_columns"),
     _block("IQ4_NL", 20, 32, 18, (0,)),

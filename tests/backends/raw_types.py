@@ -9,7 +9,7 @@ import numba
 import numpy as np
 
 from panechat.backends.cpu import numpy_kernels as nk
-from panechat.backends.cpu import packed32, q8k_dot
+from panechat.backends.cpu import q8k_dot, repack
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
@@ -74,10 +74,10 @@ def assert_products_at_every_row_count(be, kept, pool, want, rng, label):
 def product_reference(x, w, dense):
     """What the backend's product x @ W.T must be, bit for bit: for a type whose products
     round the activations to 8 bits (registry `cpu_q8k`) `q8k_dot.reference` on its blocks, for a
-    repacked one (registry `cpu_packed`) `packed32.reference` on the file's blocks,
+    repacked one (registry `cpu_packed`) `repack.reference` on the file's blocks,
     for the others the float32 kernel on gguf's weights `dense`."""
     if isinstance(w, PackedWeight):  # Q4_0, Q4_1, Q8_0 in records of 16 columns: int16 activations
-        return packed32.reference(w.qtype, x, packed32.unpack(w.data, w.qtype, w.shape[0]))
+        return repack.reference(w.qtype, x, repack.unpack(w.data, w.qtype, w.shape[0]))
     if registry.get(w.qtype).cpu_q8k:
         return q8k_dot.reference(w.qtype, x, w.blocks, w.d, w.dmin)
     return nk.linear(x, dense, np.empty((x.shape[0], dense.shape[0]), np.float32))
@@ -93,7 +93,7 @@ def assert_kernels_are_linear_at_every_row_count(qtype, seed):
     K = 512
     blocks = [_read_only(random_raw_blocks(rng, qtype, n, K)) for n in (37, 20)]
     kept = [be.linear_weight(GGUFTensor("w", (b.shape[0], K), qtype, b)) for b in blocks]
-    assert all(w.qtype == qtype and (np.array_equal(packed32.unpack(w.data, qtype, w.shape[0]), b)
+    assert all(w.qtype == qtype and (np.array_equal(repack.unpack(w.data, qtype, w.shape[0]), b)
                                      if isinstance(w, PackedWeight)  # the file's bytes regrouped
                                      else np.shares_memory(w.blocks if isinstance(w, KQuantWeight) else w.data, b))
                for w, b in zip(kept, blocks))  # kept as stored, no copy

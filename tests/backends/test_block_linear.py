@@ -124,7 +124,7 @@ def test_q4_1_weights_are_the_files_bytes_regrouped(tmp_path):
     """The default model's type: each matrix holds the file's tensor bytes, regrouped into
     records of 16 columns (unpacked, they are the file's blocks): no int8 widening, no
     float32 copy."""
-    from panechat.backends.cpu import packed32
+    from panechat.backends.cpu import repack
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", qtype="Q4_1", tied=False, seed=1)
@@ -132,4 +132,4 @@ def test_q4_1_weights_are_the_files_bytes_regrouped(tmp_path):
     m = Model.load(gf, NumpyBackend(), max_positions=64)
     w, t = m.layers[0].ffn_up, gf.tensor("blk.0.ffn_up.weight")
     assert w.nbytes == t.nbytes and not np.shares_memory(w.data, t.blocks)
-    assert np.array_equal(packed32.unpack(w.data, "Q4_1", t.shape[0]), t.blocks)
+    assert np.array_equal(repack.unpack(w.data, "Q4_1", t.shape[0]), t.blocks)

@@ -8,8 +8,8 @@ import mmap
 import numpy as np
 import pytest
 
-from panechat.backends.cpu import packed32, q8k_dot
-from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend
+from panechat.backends.cpu import q8k_dot, repack
+from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend, PackedWeight
 from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFile
 from panechat.engine.model.forward import Model
@@ -31,7 +31,7 @@ class _Q8KReference:
 
 class _PackedReference:
     """A weight of a type whose products run over repacked blocks (registry `cpu_packed`),
-    for the reference backend: the file's blocks, multiplied by `packed32.reference`."""
+    for the reference backend: the file's blocks, multiplied by `repack.reference`."""
 
     def __init__(self, t):
         self.qtype, self.blocks, self.shape = t.qtype, np.asarray(t.blocks, np.uint8), t.shape
@@ -39,7 +39,7 @@ class _PackedReference:
 
 class DequantizedBackend(NumpyBackend):
     """The reference: every weight dequantized to float32 by gguf, through the f32 kernel;
-    a `cpu_q8k` type's (Q4_K, Q6_K) or `cpu_packed` type's (Q4_0, Q4_1, Q8_0) through its
+    a `cpu_q8k` type's (Q6_K, Q5_K) or `cpu_packed` type's (Q4_0, Q4_1, Q8_0, Q4_K) through its
     numpy reference instead (one call per product)."""
 
     def linear_weight(self, t):
@@ -53,7 +53,7 @@ class DequantizedBackend(NumpyBackend):
         if isinstance(w, _Q8KReference):
             return q8k_dot.reference(w.w.qtype, x, w.w.blocks, w.w.d, w.w.dmin)
         if isinstance(w, _PackedReference):
-            return packed32.reference(w.qtype, np.ascontiguousarray(x, np.float32), w.blocks)
+            return repack.reference(w.qtype, np.ascontiguousarray(x, np.float32), w.blocks)
         return super().linear(x, w)
 
     def linear_many(self, x, ws):
@@ -82,11 +82,18 @@ def _root(a):
     return a
 
 
-def test_kquant_weights_stay_in_blocks(model):
-    """Every ffn_down is a K-quant whose blocks are the file's memory map, not a copy."""
+def test_kquant_weights_stay_in_blocks(model, kquant_file):
+    """Every ffn_down is a K-quant: a Q6_K one's blocks are the file's memory map, not a
+    copy; a Q4_K one is repacked (`repack`), the file's bytes regrouped by 16 columns."""
     downs = [layer.ffn_down for layer in model.layers]
-    assert all(isinstance(w, KQuantWeight) and isinstance(_root(w.blocks), mmap.mmap) for w in downs)
     assert {w.qtype for w in downs} == {"Q4_K", "Q6_K"}
+    f = GGUFFile.open(kquant_file)
+    for i, w in enumerate(downs):
+        if w.qtype == "Q6_K":
+            assert isinstance(w, KQuantWeight) and isinstance(_root(w.blocks), mmap.mmap)
+        else:
+            blocks = np.asarray(f.tensor(f"blk.{i}.ffn_down.weight").blocks, np.uint8)
+            assert isinstance(w, PackedWeight) and np.array_equal(repack.unpack(w.data, "Q4_K", w.shape[0]), blocks)
 
 
 def test_greedy_decode_equals_float32_reference(model, kquant_file):

@@ -153,11 +153,11 @@ def _expected(x, w, kept):
     """The product's bits: the float32 kernel on gguf's floats `w`, or for a type whose products
     round activations (registry `cpu_q8k`: Q4_K, Q5_K, Q6_K; a repacked weight of a `cpu_packed`
     type: Q4_0, Q4_1, Q8_0) its numpy reference."""
-    from panechat.backends.cpu import packed32, q8k_dot
+    from panechat.backends.cpu import q8k_dot, repack
     from panechat.backends.cpu.numpy_backend import PackedWeight
 
     if isinstance(kept, PackedWeight):  # Q4_0, Q4_1, Q8_0 in records of 16 columns: int16 activations
-        return packed32.reference(kept.qtype, x, packed32.unpack(kept.data, kept.qtype, kept.shape[0]))
+        return repack.reference(kept.qtype, x, repack.unpack(kept.data, kept.qtype, kept.shape[0]))
     if registry.get(kept.qtype).cpu_q8k:
         return q8k_dot.reference(kept.qtype, x, kept.blocks, kept.d, kept.dmin)
     return nk.linear(x, w, np.empty((x.shape[0], w.shape[0]), np.float32))
@@ -225,13 +225,13 @@ def test_backend_keeps_block_weights_in_the_mapped_bytes(rng, qtype):
     from panechat.backends.quant.gguf_tensor import GGUFTensor
     from panechat.backends.cpu.numpy_backend import NumpyBackend
 
-    from panechat.backends.cpu import packed32
+    from panechat.backends.cpu import repack
     from panechat.backends.cpu.numpy_backend import PackedWeight
 
     t = GGUFTensor("w", (70, 512), qtype, raw_blocks(rng, qtype, 70, 512))
     w = NumpyBackend().linear_weight(t)
     if isinstance(w, PackedWeight):  # Q4_0, Q4_1, Q8_0: the file's bytes regrouped, 80 rows (70 padded to 16s)
-        assert np.array_equal(packed32.unpack(w.data, qtype, 70), t.blocks)
+        assert np.array_equal(repack.unpack(w.data, qtype, 70), t.blocks)
         assert w.nbytes == t.nbytes // 70 * 80
         return
     stored = w.blocks if qtype in KQUANTS else w.data

@@ -18,6 +18,7 @@ from numba import njit
 from panechat.backends.cpu import q8k_dot as q
 from panechat.backends.cpu import q8k_panel as p
 from panechat.backends.cpu import quant_kernels as qk
+from panechat.backends.cpu.generated import packed_activations
 from panechat.backends.quant import registry
 
 from .test_numpy_kernels import raw_blocks
@@ -26,7 +27,11 @@ Q8K_TYPES = [t.name for t in registry.block_types() if t.cpu_q8k]
 
 
 def test_the_shipped_kquants_round_activations():
-    assert {"Q4_K", "Q6_K"} <= set(Q8K_TYPES)
+    """Q6_K and Q5_K by these kernels; Q4_K by `packed256` over its repacked records, on the
+    same Q8_K rows and this module's contract (test_repacked)."""
+    assert {"Q5_K", "Q6_K"} <= set(Q8K_TYPES)
+    packed = [t.name for t in registry.block_types() if t.cpu_packed and packed_activations(t) == "q8k"]
+    assert packed == ["Q4_K"]
 
 
 def _columns_source(module, prefix):

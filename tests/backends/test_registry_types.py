@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from panechat.backends.cpu.generated import loader_of
-from panechat.backends.cpu import packed32
+from panechat.backends.cpu import repack
 from panechat.backends.quant import registry
 
 from .raw_types import (assert_kernels_are_linear_at_every_row_count, assert_loader_is_gguf_any_scale,
@@ -80,7 +80,7 @@ def test_every_type_model_runs_the_one_call_step(every_type_model):
         for m in ("attn_q", "ffn_down"):
             w, t = getattr(model.layers[i], m), gf.tensor(f"blk.{i}.{m}.weight")
             kept = w.blocks if hasattr(w, "blocks") else w.data
-            same = (np.array_equal(packed32.unpack(kept, qtype, t.shape[0]), t.blocks) if registry.get(qtype).cpu_packed
+            same = (np.array_equal(repack.unpack(kept, qtype, t.shape[0]), t.blocks) if registry.get(qtype).cpu_packed
                     else np.shares_memory(kept, t.blocks))  # a repacked type: the file's bytes regrouped
             assert t.qtype == w.qtype == qtype and same, (qtype, m)
     assert model.decoder is not None  # the one-call step takes every type

@@ -1,6 +1,7 @@
-"""Q4_0, Q4_1 and Q8_0 over repacked records and int16 activations (`packed32`): the
-records are the file's bytes, the kernels give the numpy reference's bits in every form and
-at every row count, alone or batched, and stay at float32's distance from exact products."""
+"""Weights repacked into records of 16 columns and int16 activations (`repack`; Q4_0, Q4_1,
+Q8_0 by `packed32`, Q4_K by `packed256`): the records are the file's bytes, the kernels give
+the numpy reference's bits in every form and at every row count, alone or batched, and
+stay at float32's distance from exact products."""
 
 from __future__ import annotations
 
@@ -15,21 +16,34 @@ import pytest
 from numba import njit
 
 from panechat.backends.cpu import packed32 as pk
-from panechat.backends.cpu import q8k_dot
+from panechat.backends.cpu import packed256, q8k_dot, repack
 from panechat.backends.cpu.numpy_backend import NumpyBackend, PackedWeight, _let_go_of_mapped
 from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
 
 from .raw_types import assert_products_at_every_row_count
-from .test_numpy_kernels import _read_only
+from .test_numpy_kernels import _raw_blocks, _read_only
 
-TYPES = list(pk.PACKED)
+TYPES = [t for t in pk.PACKED + packed256.PACKED if registry.get(t).cpu_packed]
+_KQ = {"Q4_K", "Q6_K"}
+
+
+def _k(qtype, k32):
+    """A row length for `qtype`: k32 for the 32-weight types, a multiple of 256 for K-quants."""
+    return max(512, k32 // 256 * 256) if qtype in _KQ else k32
+
+
+def _module(qtype):
+    return packed256 if qtype in _KQ else pk
 
 
 def _blocks(rng, qtype, N, K):
-    """`qtype` blocks of random weights as gguf quantizes them, uint8 [N, K/32 * bytes]."""
+    """`qtype` blocks of random weights as gguf quantizes them (K-quants, which gguf cannot
+    quantize: random codes and scales), uint8 [N, K/w * bytes]."""
     from gguf import GGMLQuantizationType, quants
 
+    if qtype in _KQ:
+        return np.ascontiguousarray(_raw_blocks(rng, qtype, N, K).reshape(N, -1))
     w = rng.standard_normal((N, K)).astype(np.float32)
     return np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[qtype]).view(np.uint8).reshape(N, -1))
 
@@ -41,7 +55,24 @@ def _dense(blocks, qtype, N, K):
 
 
 def test_the_registry_names_a_packed_product_for_each_type():
-    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES
+    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES == ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+
+
+@pytest.mark.parametrize("qtype", sorted(repack.LAYOUTS))
+def test_a_layout_places_every_byte_where_its_field_says(qtype):
+    """Each field's byte i of column c at dest + 16u (i // u) + uc + i % u, and pack / unpack
+    are inverse on random bytes (every byte of 16 blocks placed once: `Layout.places`)."""
+    lay = repack.LAYOUTS[qtype]
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (32, 3 * lay.block_bytes), dtype=np.uint8)
+    packed = repack.pack(blocks, qtype)
+    assert np.array_equal(repack.unpack(packed, qtype), blocks)
+    rec = packed.reshape(2, 3, 16 * lay.block_bytes)
+    for f in lay.fields:
+        for c in (0, 9, 15):
+            for i in range(f.size):
+                at = f.dest + 16 * f.unit * (i // f.unit) + f.unit * c + i % f.unit
+                assert rec[1, 2, at] == blocks[16 + c, 2 * lay.block_bytes + f.src + i] ^ f.flip
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -49,16 +80,23 @@ def test_a_record_holds_the_files_bytes_of_16_columns(qtype):
     """pack keeps every byte (unpack restores the file's blocks) and puts column c's code of
     weight k where the module docstring says: the records are the layout the kernels read."""
     rng = np.random.default_rng(1)
-    N, K = 32, 96
+    N, K = 32, _k(qtype, 96)
     blocks = _blocks(rng, qtype, N, K)
-    packed = pk.pack(blocks, qtype)
+    packed = repack.pack(blocks, qtype)
     assert packed.shape == blocks.shape and packed.dtype == np.uint8
-    assert np.array_equal(pk.unpack(packed, qtype), blocks)
-    bb = blocks.shape[1] // (K // 32)
-    rec = packed.reshape(N // 16, K // 32, 16 * bb)
-    g, b, c, k = 1, 2, 5, 7  # column 21, weight 64 + 7
+    assert np.array_equal(repack.unpack(packed, qtype), blocks)
+    w = repack.LAYOUTS[qtype].weights
+    bb = blocks.shape[1] // (K // w)
+    rec = packed.reshape(N // 16, K // w, 16 * bb)
+    g, b, c, k = 1, K // w - 1, 5, 7  # column 21, weight 7 of the last block
     n = 16 * g + c
     block = blocks[n, b * bb:(b + 1) * bb]
+    if qtype == "Q4_K":  # d dmin | 12 scale bytes | qs; code byte q of column c at 256 + 64 (q // 4) + 4c + q % 4
+        assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[:2].tobytes()
+        assert rec[g, b, 32 + 2 * c:32 + 2 * c + 2].tobytes() == block[2:4].tobytes()
+        assert [rec[g, b, 64 + 16 * t + c] for t in range(12)] == list(block[4:16])
+        assert all(rec[g, b, 256 + 64 * (q // 4) + 4 * c + q % 4] == block[16 + q] for q in range(128))
+        return
     assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[:2].tobytes()  # d
     if qtype == "Q8_0":
         code = rec[g, b, 32 + 64 * (k // 4) + 4 * c + k % 4]
@@ -77,13 +115,14 @@ def test_every_weight_is_packed_a_last_group_padded():
     rng = np.random.default_rng(2)
     be = NumpyBackend()
     for qtype in TYPES:
+        K = _k(qtype, 64)
         for n in (48, 37):
-            blocks = _blocks(rng, qtype, n, 64)
-            w = be.linear_weight(GGUFTensor("w", (n, 64), qtype, _read_only(blocks)))
-            assert isinstance(w, PackedWeight) and w.shape == (n, 64) and w.data.shape[0] == -(-n // 16) * 16
-            assert np.array_equal(pk.unpack(w.data, qtype, n), blocks)
-            x = rng.standard_normal((5, 64), dtype=np.float32)
-            assert np.array_equal(be.linear(x, w), pk.reference(qtype, x, blocks))
+            blocks = _blocks(rng, qtype, n, K)
+            w = be.linear_weight(GGUFTensor("w", (n, K), qtype, _read_only(blocks)))
+            assert isinstance(w, PackedWeight) and w.shape == (n, K) and w.data.shape[0] == -(-n // 16) * 16
+            assert np.array_equal(repack.unpack(w.data, qtype, n), blocks)
+            x = rng.standard_normal((5, K), dtype=np.float32)
+            assert np.array_equal(be.linear(x, w), repack.reference(qtype, x, blocks))
 
 
 def test_activations_round_to_int16_in_two_int8_planes():
@@ -108,7 +147,13 @@ def test_activations_round_to_int16_in_two_int8_planes():
 
 
 def _columns_source(qtype):
-    cols = getattr(pk, f"{qtype.lower()}_columns")
+    cols = getattr(_module(qtype), f"{qtype.lower()}_columns")
+    if qtype in _KQ:  # Q8_K rows
+        def run(x, w, out):
+            xq, xd, xs = q8k_dot.quantized_rows(x)
+            cols(w, xq, xd, xs, out, 0, out.shape[1])
+
+        return run
 
     def run(x, w, out):
         xq, xd, xs, sx = pk.quantized_rows(x)
@@ -122,13 +167,13 @@ def _check_reference_bits(shapes=((1, 16), (3, 32), (4, 16), (6, 48), (9, 16))):
     for qtype in TYPES:
         run = njit(cache=False)(_columns_source(qtype))
         for M, N in shapes:
-            K = 160
+            K = _k(qtype, 160)
             x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
             x[0, 32:64] = 0
             blocks = _blocks(rng, qtype, N, K)
             out = np.empty((M, N), np.float32)
-            run(x, pk.pack(blocks, qtype), out)
-            assert np.array_equal(out, pk.reference(qtype, x, blocks)), (qtype, q8k_dot.FORM, M, N)
+            run(x, repack.pack(blocks, qtype), out)
+            assert np.array_equal(out, repack.reference(qtype, x, blocks)), (qtype, q8k_dot.FORM, M, N)
 
 
 @pytest.mark.parametrize("form", q8k_dot.FORMS)
@@ -146,7 +191,7 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
 _AVX2_TARGET = """
 from panechat.backends.cpu import packed32 as pk
 from panechat.backends.cpu import q8k_dot
-from tests.backends import test_packed32 as t
+from tests.backends import test_repacked as t
 assert q8k_dot.FORM == pk.FORM == "avx2", pk.FORM
 t._check_reference_bits(((5, 32),))
 print("ok")
@@ -177,18 +222,18 @@ def test_products_at_every_row_count_are_the_reference(qtype):
     row's bits are its own whatever the batch."""
     rng = np.random.default_rng(6)
     be = NumpyBackend()
-    K = 256
+    K = _k(qtype, 256)
     blocks = [_read_only(_blocks(rng, qtype, n, K)) for n in (48, 21)]
     kept = [be.linear_weight(GGUFTensor("w", (b.shape[0], K), qtype, b)) for b in blocks]
     assert all(isinstance(w, PackedWeight) for w in kept)
     pool = rng.standard_normal((33, K), dtype=np.float32)
-    want = [pk.reference(qtype, pool, b) for b in blocks]
-    alone = [np.concatenate([pk.reference(qtype, pool[i:i + 1], b) for i in range(33)]) for b in blocks]
+    want = [repack.reference(qtype, pool, b) for b in blocks]
+    alone = [np.concatenate([repack.reference(qtype, pool[i:i + 1], b) for i in range(33)]) for b in blocks]
     assert all(np.array_equal(a, w) for a, w in zip(alone, want))  # the reference is row-invariant itself
     assert_products_at_every_row_count(be, kept, pool, want, rng, qtype)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", pk.PACKED)  # Q4_K's products are Q8_K's, as before its repacking (test_q8k_dot)
 def test_products_stay_at_float32s_distance_from_exact(qtype):
     """Against the float64 product on gguf's weights, the int16 activations err about as much
     as float32 arithmetic over the dequantized weights does, and far less than int8's rounding
@@ -199,7 +244,7 @@ def test_products_stay_at_float32s_distance_from_exact(qtype):
     w = _dense(blocks, qtype, N, K)
     x = rng.standard_normal((M, K), dtype=np.float32)
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
-    ours = NumpyBackend().linear(x, PackedWeight(qtype, pk.pack(blocks, qtype), (N, K)))
+    ours = NumpyBackend().linear(x, PackedWeight(qtype, repack.pack(blocks, qtype), (N, K)))
     scale = np.abs(exact).max()
     assert np.abs(ours - exact).max() < 2e-4 * scale
 

@@ -1,0 +1,264 @@
+"""Q4_K and Q6_K products over super-blocks repacked at load into records of 16 output
+columns (`repack.LAYOUTS`), against llama.cpp's Q8_K activations: `q8k_dot`'s arithmetic
+(its docstring is the contract), the same bits, in a layout that costs no reductions.
+
+`q8k_dot` reads the file's blocks: four columns a tile, 16 lanes of partial sums reduced
+across lanes at every super-block, which at one row costs more than the block's bytes
+(15 GB/s on a 30 GB/s machine). Here a 64-byte vector's lane c is column c (four weights
+a lane), so a broadcast of four activations meets 16 columns in one `vpdpbusd`, and each
+sub-block's sum is scaled in its lane by the column's scale:
+
+  Q4_K: isum = sum_j sc[j] * (sum over sub-block j of c * x)   (j of 32 weights; exact int32)
+        msum = sum_j m[j] * (x sum of sub-block j)
+        acc  = (acc + (dx * d) * f32(isum)) - (dx * dmin) * f32(msum)
+  Q6_K: isum = sum_g sc[g] * (sum over group g of c * x - 32 * (x sum of g))   (g of 16)
+        acc  = acc + (dx * d) * f32(isum)
+
+with sc, m unpacked in the kernel from the block's 12 scale bytes (ggml's
+get_scale_min_k4; Q6_K: its int8 scales), c the unsigned code (Q6_K: ql | qh << 4,
+0..63), x the row's int8 codes, dx its super-block scale. These are the integers and float
+steps of the contract exactly (integer sums are exact in any order), so a product equals
+`q8k_dot.reference`'s bit for bit, whichever of the two kernels computes it, at every row
+count, and in every instruction-set form (codes below 64: `q8k_dot._dot4`'s `vpmaddubsw`
+forms never saturate). Bounds: |isum| <= 63 * 127 * 256 * 128 < 2**31.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
+from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_nibbles, low_nibbles, splat_i32,
+                                            store_group)
+from panechat.backends.cpu.q8k_dot import (_B16, _B64, _F16V, _H16, _I32, _V16, _dot2, _dot4, _load, _splat, _splat_f32,
+                                           quantize_row_q8k)
+from panechat.backends.cpu.repack import GROUP
+
+QK = 256  # weights a super-block
+PACKED = ("Q4_K", "Q6_K")  # the types this module multiplies
+ACTIVATIONS = "q8k"  # the rows its column products take (`q8k_dot.quantized_rows`)
+
+
+def reference(qtype: str, x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """x @ W.T by the contract in numpy, W the file's `qtype` blocks (not packed): bit for
+    bit what the kernels give (`q8k_dot.reference` with the blocks' f16 scales widened)."""
+    from panechat.backends.cpu import q8k_dot
+    from panechat.backends.cpu.quant_kernels import superblock_scales
+
+    blocks = np.ascontiguousarray(blocks, np.uint8)
+    d, dmin = superblock_scales(blocks, qtype)
+    return q8k_dot.reference(qtype, np.ascontiguousarray(x, np.float32), blocks, d, dmin)
+
+
+# ---------------------------------------------------------------------------
+# One record against rows
+# ---------------------------------------------------------------------------
+
+class _Row:
+    """Row r of a tile inside a record intrinsic: its int8 activations at the record's first
+    weight, its super-block scale dx, and its sums of 16."""
+
+    def __init__(self, context, builder, sig, args, r):
+        c = lambda i: context.cast(builder, args[i], sig.args[i], types.intp)  # noqa: E731
+        xo, k, so, nb = c(4), c(5), c(8), c(9)
+        self._b = builder
+        self.x = _element_ptr(context, builder, sig.args[3], args[3], types.intp,
+                              builder.add(xo, builder.mul(k, ir.Constant(k.type, r))))
+        si = builder.add(so, builder.mul(nb, ir.Constant(nb.type, r)))
+        self.dx = builder.load(_element_ptr(context, builder, sig.args[6], args[6], types.intp, si))
+        self._sums = _element_ptr(context, builder, sig.args[7], args[7], types.intp,
+                                  builder.mul(si, ir.Constant(si.type, QK // 16)))
+
+    def sums32(self, j):
+        """The sums of groups 2j and 2j + 1 (the int16 pair, as one int32) in every lane."""
+        p = self._b.gep(self._sums, [ir.Constant(ir.IntType(64), 2 * j)])
+        return splat_i32(self._b, self._b.load(self._b.bitcast(p, _I32.as_pointer()), align=2))
+
+    def sum16(self, g):
+        """The activations' sum over the record's weights 16g..16g+15 (int32)."""
+        p = self._b.gep(self._sums, [ir.Constant(ir.IntType(64), g)])
+        return self._b.sext(self._b.load(p), _I32)
+
+
+def _record_q8k(name, nr, emit):
+    """An intrinsic (accs, w, wo, xq, xo, K, xd, xs, so, nb) -> accs for `nr` rows: accs
+    (float32 vectors of 16 columns) after the record at byte wo of the uint8 C-array w,
+    against Q8_K rows whose activations start at xq.flat[xo] (int8, row stride K), their
+    scale at xd.flat[so] (row stride nb = K / 256) and sums of 16 at xs.flat[16 so] (int16).
+    emit(builder, wp, rows) -> per row (isum, msum or None) of the contract; here the float
+    step."""
+    accs_t = types.UniTuple(f32vec, nr)
+
+    def typer(typingctx, accs, w, wo, xq, xo, K, xd, xs, so, nb):
+        if not (accs == accs_t and _is_c_array(w, types.uint8) and _is_c_array(xq, types.int8)
+                and _is_c_array(xd, types.float32) and _is_c_array(xs, types.int16)
+                and all(isinstance(i, types.Integer) for i in (wo, xo, K, so, nb))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            wp = _element_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2])
+            rows = [_Row(context, builder, sig, args, r) for r in range(nr)]
+            d, dmin, ints = emit(builder, wp, rows)
+            out = []
+            for r, (row, (isum, msum)) in enumerate(zip(rows, ints)):
+                dx = _splat_f32(builder, row.dx)
+                acc = builder.extract_value(args[0], r)
+                acc = builder.fadd(acc, builder.fmul(builder.fmul(dx, d), builder.sitofp(isum, _F16V)))
+                if msum is not None:
+                    acc = builder.fsub(acc, builder.fmul(builder.fmul(dx, dmin), builder.sitofp(msum, _F16V)))
+                out.append(acc)
+            return context.make_tuple(builder, accs_t, out)
+
+        return accs_t(accs, w, wo, xq, xo, K, xd, xs, so, nb), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+def _dots(builder, xp, at, codes):
+    """<16 x i32>: lane c's sum over the code vectors j of codes[j][4c + i] * x[at + 4j + i]
+    (i < 4; x the int8 activations at xp), in two chains (exact in any order)."""
+    zero = ir.Constant(_V16, None)
+    part = [zero, zero]
+    for j, code in enumerate(codes):
+        p = builder.bitcast(builder.gep(xp, [ir.Constant(ir.IntType(64), at + 4 * j)]), _I32.as_pointer())
+        xw = builder.bitcast(splat_i32(builder, builder.load(p, align=1)), _B64)
+        part[j & 1] = _dot4(builder, part[j & 1], code, xw)
+    return builder.add(part[0], part[1])
+
+
+def _bytes16(builder, wp, at):
+    """16 bytes at wp + at, zero-extended to <16 x i32>."""
+    return builder.zext(_load(builder, wp, at, _B16), _V16)
+
+
+def _q4k(builder, wp, rows):
+    """A Q4_K record: d[16] dmin[16] f16 | 12 scale bytes x 16 | qs (vector v: bytes 4v..4v+3
+    of each column: low nibbles sub-block 2p = v // 8's weights 4(v % 8) + i, high nibbles
+    sub-block 2p + 1's). Each vector is loaded where it is used (a load from L1 is cheaper
+    than a register spilled across the record)."""
+    m63, m15 = _splat(builder, _V16, 63), _splat(builder, _V16, 15)
+    six, four = _splat(builder, _V16, 6), _splat(builder, _V16, 4)
+    zero = ir.Constant(_V16, None)
+    isum, msum = [zero] * len(rows), [zero] * len(rows)
+    for j in range(8):
+        s = lambda t: _bytes16(builder, wp, 64 + 16 * t)  # noqa: E731 (scale byte t of each column)
+        if j < 4:  # get_scale_min_k4
+            sc, mn = builder.and_(s(j), m63), builder.and_(s(j + 4), m63)
+        else:
+            sc = builder.or_(builder.and_(s(j + 4), m15), builder.shl(builder.lshr(s(j - 4), six), four))
+            mn = builder.or_(builder.lshr(s(j + 4), four), builder.shl(builder.lshr(s(j), six), four))
+        mn2 = builder.or_(mn, builder.shl(mn, _splat(builder, _V16, 16)))  # the min in both int16 halves
+        raw = [_load(builder, wp, 256 + 512 * (j // 2) + 64 * v, _B64) for v in range(8)]
+        codes = (high_nibbles if j & 1 else low_nibbles)(builder, raw)
+        for r, row in enumerate(rows):
+            isum[r] = builder.add(isum[r], builder.mul(_dots(builder, row.x, 32 * j, codes), sc))
+            msum[r] = _dot2(builder, msum[r], mn2, row.sums32(j))  # m * (sum 2j) + m * (sum 2j + 1)
+    d = _widen_f16(builder, _load(builder, wp, 0, _H16))
+    dmin = _widen_f16(builder, _load(builder, wp, 32, _H16))
+    return d, dmin, list(zip(isum, msum))
+
+
+def _q6k(builder, wp, rows):
+    """A Q6_K record: d[16] f16 | 16 int8 scales x 16 | ql, qh (vector v: bytes 4v..4v+3 of
+    each column; qh from vector 32). Half h, quadrant u, vector jj hold weights
+    128h + 32u + 4jj + i: ql vector 16h + jj (u = 0, 2) or 16h + 8 + jj (u = 1, 3), its low
+    nibble (u < 2) or high, and bits 2u, 2u+1 of qh vector 32 + 8h + jj as bits 4, 5.
+    Per group g of 16: isum += sc[g] * (sum c * x - 32 * (x sum of g)), exact."""
+    hbits = _splat(builder, _B64, 0x30)
+    zero = ir.Constant(_V16, None)
+    isum = [zero] * len(rows)
+    for j in range(8):  # 32 weights: half h, quadrant u
+        h, u = divmod(j, 4)
+        ql = [_load(builder, wp, 288 + 64 * (16 * h + 8 * (u & 1) + v), _B64) for v in range(8)]
+        qh = [_load(builder, wp, 288 + 64 * (32 + 8 * h + v), _B64) for v in range(8)]
+        nib = (low_nibbles if u < 2 else high_nibbles)(builder, ql)
+        shift = 4 - 2 * u  # bits 2u, 2u+1 of qh to bits 4, 5
+        top = [builder.shl(b, _splat(builder, _B64, shift)) if shift > 0 else
+               (builder.lshr(b, _splat(builder, _B64, -shift)) if shift < 0 else b) for b in qh]
+        codes = [builder.or_(n, builder.and_(t, hbits)) for n, t in zip(nib, top)]
+        for e in range(2):
+            g = 2 * j + e
+            sc = builder.sext(_load(builder, wp, 32 + 16 * g, _B16), _V16)
+            for r, row in enumerate(rows):
+                part = _dots(builder, row.x, 16 * g, codes[4 * e:4 * e + 4])
+                off = builder.mul(row.sum16(g), ir.Constant(_I32, -32))
+                isum[r] = builder.add(isum[r], builder.mul(builder.add(part, splat_i32(builder, off)), sc))
+    d = _widen_f16(builder, _load(builder, wp, 0, _H16))
+    return d, None, [(i, None) for i in isum]
+
+
+_EMIT = {"Q4_K": _q4k, "Q6_K": _q6k}
+_RECORDS = {(t, r): _record_q8k(f"{t.lower()}_record{r}", r, _EMIT[t]) for t in PACKED for r in (1, 2, 3, 4)}
+q4_k_record1, q4_k_record2, q4_k_record3, q4_k_record4 = (_RECORDS["Q4_K", r] for r in (1, 2, 3, 4))
+q6_k_record1, q6_k_record2, q6_k_record3, q6_k_record4 = (_RECORDS["Q6_K", r] for r in (1, 2, 3, 4))
+
+
+# ---------------------------------------------------------------------------
+# Tiles, column ranges and the parallel product
+# ---------------------------------------------------------------------------
+
+@njit(inline="always", **_JIT)
+def _tile(w, xq, xd, xs, out, m, g, acc, record):
+    """out[m:m+len(acc), 16g:16g+16]: group g's records against rows m.. (acc: zeros)."""
+    K = xq.shape[1]
+    nb = K // QK
+    rec = w.shape[1] * GROUP // nb
+    base = g * GROUP * w.shape[1]
+    for b in range(nb):
+        acc = record(acc, w, base + b * rec, xq, m * K + b * QK, K, xd, xs, m * nb + b, nb)
+    store_group(out, m, g, acc)
+
+
+@njit(inline="always", **_JIT)
+def _columns(w, xq, xd, xs, out, c0, c1, r1, r2, r3, r4):
+    """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column): each group of 16
+    columns against every row, four rows at a time, then the last one to three (eight at
+    a time, tried, spilled registers and was no faster)."""
+    M = xq.shape[0]
+    z = vzero()
+    for g in range(c0 // GROUP, (c1 + GROUP - 1) // GROUP):
+        m = 0
+        while m + ROWS <= M:
+            _tile(w, xq, xd, xs, out, m, g, (z, z, z, z), r4)
+            m += ROWS
+        rest = M - m
+        if rest == 3:
+            _tile(w, xq, xd, xs, out, m, g, (z, z, z), r3)
+        elif rest == 2:
+            _tile(w, xq, xd, xs, out, m, g, (z, z), r2)
+        elif rest == 1:
+            _tile(w, xq, xd, xs, out, m, g, (z,), r1)
+
+
+@njit(inline="always", **_JIT)
+def q4_k_columns(w, xq, xd, xs, out, c0, c1):
+    """out[:, c0:c1] for packed Q4_K weights w (uint8 [N', K/256*144]) and every row's Q8_K
+    activations (`q8k_dot.quantized_rows`)."""
+    _columns(w, xq, xd, xs, out, c0, c1, q4_k_record1, q4_k_record2, q4_k_record3, q4_k_record4)
+
+
+@njit(inline="always", **_JIT)
+def q6_k_columns(w, xq, xd, xs, out, c0, c1):
+    """`q4_k_columns` for packed Q6_K weights (uint8 [N', K/256*210])."""
+    _columns(w, xq, xd, xs, out, c0, c1, q6_k_record1, q6_k_record2, q6_k_record3, q6_k_record4)
+
+
+@njit(inline="always", **_JIT)
+def packed_q8k_linear_driver(x, ws, outs, count, columns):
+    """outs[j] = x @ W_j.T for the first `count` (1..3) packed weights of the 3-tuple ws, by
+    `columns`: x rounded to Q8_K once (rows in parallel), then one parallel region over
+    tasks of TASK_GROUPS groups."""
+    M, K = x.shape
+    xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // QK), np.float32), np.empty((M, K // 16), np.int16)
+    for m in prange(M):
+        quantize_row_q8k(x, m, xq, xd, xs)
+    cols = TASK_GROUPS * GROUP
+    t1, t2, t3 = column_tasks(outs, count, cols)
+    for t in prange(t3):
+        j, n0 = column_task(t, t1, t2, cols)
+        out = outs[j]
+        columns(ws[j], xq, xd, xs, out, n0, min(n0 + cols, out.shape[1]))
