@@ -3,8 +3,8 @@ x @ W.T, for the crew threads of the one-call decode step (`decoder`).
 
 The columns are computed by `block_linear`'s own paths (register tiles up to
 REG_MAX_ROWS rows, dequantized float32 panels above; a type with a `cpu_q8k` product by
-`q8k_panel`'s, one with `cpu_packed` by `packed32`'s over its repacked records, the rows
-quantized by each thread), so every output element has the bits
+`q8k_panel`'s, one with `cpu_packed` by `packed32`'s or `packed256`'s over its repacked
+records, the rows quantized by each thread), so every output element has the bits
 `quant_kernels.linear_block32` / `linear_kquant` / `linear_packed` give it: which thread computes a
 column, and with which neighbours, never changes its arithmetic. Each block type is its
 own C-callable function (`range_function`, made from the type's registry entry by

@@ -35,7 +35,9 @@ from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_
                                             store_group)
 from panechat.backends.cpu.q8k_dot import (_B16, _B64, _F16V, _H16, _I32, _V16, _dot2, _dot4, _load, _splat, _splat_f32,
                                            quantize_row_q8k)
+from panechat.backends.cpu.q8k_dot import reference as q8k_reference
 from panechat.backends.cpu.repack import GROUP
+from panechat.backends.quant import registry
 
 QK = 256  # weights a super-block
 PACKED = ("Q4_K", "Q6_K")  # the types this module multiplies
@@ -45,12 +47,17 @@ ACTIVATIONS = "q8k"  # the rows its column products take (`q8k_dot.quantized_row
 def reference(qtype: str, x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """x @ W.T by the contract in numpy, W the file's `qtype` blocks (not packed): bit for
     bit what the kernels give (`q8k_dot.reference` with the blocks' f16 scales widened)."""
-    from panechat.backends.cpu import q8k_dot
-    from panechat.backends.cpu.quant_kernels import superblock_scales
-
     blocks = np.ascontiguousarray(blocks, np.uint8)
-    d, dmin = superblock_scales(blocks, qtype)
-    return q8k_dot.reference(qtype, np.ascontiguousarray(x, np.float32), blocks, d, dmin)
+    t = registry.get(qtype)
+    b = blocks.reshape(blocks.shape[0], -1, t.block_bytes)
+    d, dmin = _scales(b, t.f16_at)
+    return q8k_reference(qtype, np.ascontiguousarray(x, np.float32), blocks, d, dmin)
+
+
+def _scales(b: np.ndarray, f16_at: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """d and dmin (d twice for a type without dmin) float32 [N, K/256] of blocks [N, K/256, bytes]."""
+    f16 = [b[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32) for o in f16_at]
+    return f16[0], f16[-1] if len(f16) > 1 else f16[0]
 
 
 # ---------------------------------------------------------------------------

@@ -3,8 +3,8 @@ records of 16 output columns, against activations rounded to int16 per 32.
 
 A float32 product over these blocks decodes every weight to a float and spends one FMA
 per 16 weights and row. Here, at load, the blocks of 16 consecutive output columns are
-regrouped block by block into one record each (the same bytes, reordered: a tensor keeps
-its size; llama.cpp's CPU "repack" of Q4_0 is the same idea):
+regrouped block by block into one record each (`repack`: the same bytes, reordered; a
+tensor keeps its size; llama.cpp's CPU "repack" of Q4_0 is the same idea):
 
   record (group g, block b): f16 d[16] | f16 m[16] (Q4_1) | codes
   codes: 8 vectors of 64 bytes (Q8_0: vector j for weights k = 4j..4j+3, byte 4c + i the

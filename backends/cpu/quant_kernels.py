@@ -8,12 +8,13 @@ into exactly the float32 values `gguf.quants.dequantize` gives, then runs the ti
 and fixed-order reduction of `numpy_kernels.linear` (its module docstring is the
 numerical contract). So a product here equals, bit for bit, ``linear(x, dequantize(w))``,
 and a row's bits never depend on the batch.
-Except for a type whose registry entry names a `cpu_q8k` product (Q4_K, Q5_K, Q6_K): its
+Except for a type whose registry entry names a `cpu_q8k` product (Q5_K, Q6_K): its
 kernels round each activation row to 8 bits as llama.cpp does and multiply integers
 (`q8k_dot`, whose docstring is that contract; its numpy reference gives their bits;
 `q8k_panel` computes them for many rows), and for one that names a `cpu_packed` product
-(Q4_0, Q4_1, Q8_0): its weights are repacked at load and multiplied in exact integers over
-activations rounded to int16 (`packed32`, `linear_packed`). The pair loaders below still
+(Q4_0, Q4_1, Q8_0, Q4_K): its weights are repacked at load (`repack`) and multiplied in
+exact integers over activations rounded to int16 (`packed32`) or, for Q4_K, to Q8_K by
+`q8k_dot`'s contract (`packed256`), by `linear_packed`. The pair loaders below still
 describe those types' weights (the tests, the float32 path of `linear_block32`).
 
 Block layouts (256 weights a super-block, sub-block scales packed in the block):

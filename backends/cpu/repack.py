@@ -17,12 +17,14 @@ not a multiple of 16 gets a last group padded with zero blocks (every byte `flip
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
 from panechat.backends.cpu.numpy_kernels import _JIT
+from panechat.backends.quant import registry
 
 GROUP = 16  # output columns a record holds: one lane each
 
@@ -125,8 +127,11 @@ def unpack(packed: np.ndarray, qtype: str, rows: int | None = None) -> np.ndarra
 
 
 def reference(qtype: str, x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """x @ W.T by the repacked product's arithmetic in numpy, W the file's `qtype` blocks
-    (not packed): bit for bit what the kernels give."""
-    from panechat.backends.cpu import packed32, packed256
-
-    return (packed256 if LAYOUTS[qtype].weights == 256 else packed32).reference(qtype, x, blocks)
+    """x @ W.T by the arithmetic of `qtype`'s repacked product (the `reference` of the module
+    its registry entry's `cpu_packed` names) in numpy, W the file's blocks (not packed): bit
+    for bit what the kernels give."""
+    t = registry.get(qtype)
+    if t is None or not t.cpu_packed:
+        raise ValueError(f"{qtype} is not a repacked type")
+    module, _, _ = t.cpu_packed.partition(":")
+    return importlib.import_module(module).reference(qtype, x, blocks)
