@@ -11,8 +11,10 @@ draft it disagrees with ends the run, and its own pick there is the next token. 
 reply is the same token sequence as without speculation, greedy or seeded.
 
 `NgramDrafter` proposes drafts like llama.cpp's `lookup` and vLLM's `ngram`: the tokens
-that followed the latest earlier occurrence of the sequence's last n tokens (n = 3, then 2).
-Its index (n-gram -> where its continuation starts) grows by a few dict writes per token.
+that followed an earlier occurrence of the sequence's longest suffix seen before (8 tokens
+down to 2), the latest one, or the place the last drafts came from while that copy still
+matches (quoting, rewriting a file). Its index (n-gram -> where its continuation starts)
+grows by a few dict writes per token.
 `AdaptiveK` bounds k from the sequence's recent acceptance and pauses drafting, for longer
 each time, while drafts keep failing; `StepCost` (the engine's measured step time by row
 count) and the request's acceptance estimate then take the k that speeds the step up most,
@@ -34,7 +36,7 @@ from typing import Protocol
 
 from panechat.engine.serving.logits_processors import LogitBias, RepeatPenalty
 
-NGRAM_MAX, NGRAM_MIN = 3, 2  # n-gram lengths tried, longest first
+NGRAM_MAX, NGRAM_MIN = 8, 2  # n-gram lengths tried, longest first
 K_START, K_MAX = 3, 8  # drafts per step: the first guess and the most
 PAUSE_MAX = 32  # steps without drafting after repeated misses, at most
 
@@ -60,26 +62,30 @@ class Drafter(Protocol):
 class NgramDrafter:
     """One sequence's tokens (prompt, then accepted reply) and the index of its n-grams.
 
-    `propose(k)` returns up to k tokens that followed the latest earlier occurrence of the
-    last NGRAM_MAX..NGRAM_MIN tokens (the longest match wins); `extend` adds accepted
-    tokens. Each token costs NGRAM_MAX - NGRAM_MIN + 1 dict writes, once."""
+    `propose(k)` returns up to k tokens that followed an earlier occurrence of the
+    sequence's longest suffix of NGRAM_MAX..NGRAM_MIN tokens seen before: the latest such
+    occurrence, unless the place the last drafts were copied from still matches that
+    suffix (a copy in progress: quoting, rewriting a file), which then goes on. `extend`
+    adds accepted tokens; each costs NGRAM_MAX - NGRAM_MIN + 1 dict writes, once."""
 
-    __slots__ = ("tokens", "_index")
+    __slots__ = ("tokens", "_index", "_source")
 
     def __init__(self, prompt: Sequence[int]):
         self.tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
+        self._source: int | None = None  # where the next token of the copy in progress sits
         self.extend(prompt)
 
     def extend(self, new: Sequence[int]) -> None:
         """Append accepted tokens; each n-gram ending just before a token maps to that
         token's position (its continuation), the latest occurrence winning."""
         toks, index = self.tokens, self._index
+        if self._source is not None:
+            self._source += len(new)
         for t in new:
             end = len(toks)
-            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
-                if end >= n:
-                    index[tuple(toks[end - n:end])] = end
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, end) + 1):
+                index[tuple(toks[end - n:end])] = end
             toks.append(t)
 
     def propose(self, k: int) -> list[int]:
@@ -88,12 +94,17 @@ class NgramDrafter:
         end = len(toks)
         if k <= 0:
             return []
-        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
-            if end < n:
+        for n in range(min(NGRAM_MAX, end), NGRAM_MIN - 1, -1):
+            suffix = tuple(toks[end - n:])
+            at = self._index.get(suffix)  # at < end: the index holds only n-grams with a continuation
+            if at is None:
                 continue
-            at = self._index.get(tuple(toks[end - n:]))
-            if at is not None:  # at < end: the index holds only n-grams with a continuation
-                return toks[at:at + k]
+            src = self._source
+            if src is not None and n <= src < end and tuple(toks[src - n:src]) == suffix:
+                at = src  # the copy in progress matches as long a suffix: it goes on
+            self._source = at
+            return toks[at:at + k]
+        self._source = None
         return []
 
 

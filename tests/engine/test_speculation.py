@@ -163,6 +163,21 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
     assert d.propose(4) == [7, 2, 5, 6]  # the latest "5 6" wins over the first
 
 
+def test_ngram_drafter_prefers_the_longest_suffix_seen_before():
+    d = NgramDrafter([1, 2, 3, 4, 10, 7, 2, 3, 4, 11, 1, 2, 3, 4])
+    assert d.propose(1) == [10]  # "1 2 3 4" once, followed by 10; the later "2 3 4" by 11
+
+
+def test_ngram_drafter_goes_on_with_the_copy_in_progress():
+    passage = [1, 2, 3, 4, 5, 6, 7, 8]
+    prompt = [9, *passage, 20, 0, *passage, 30]  # the passage twice, continued differently
+    d = NgramDrafter([*prompt, 9, 1])
+    assert d.propose(3) == [2, 3, 4]  # "9 1" only at the start: the copy starts there
+    d.extend(passage[1:])
+    assert d.propose(1) == [20]  # the copy goes on, though the latest "1 .. 8" ends in 30
+    assert NgramDrafter([*prompt, 9, *passage]).propose(1) == [30]  # no copy in progress: the latest
+
+
 def test_adaptive_k_grows_on_hits_and_pauses_on_misses():
     k = AdaptiveK()
     assert k.next_k() == K_START
