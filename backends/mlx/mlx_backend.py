@@ -283,7 +283,20 @@ class MLXBackend(Backend):
         return check_batch_invariance(self, self.check_plan, weights=weights)
 
     def copy_blocks(self, kv: PagedKV, src: list[int], dst: list[int]) -> None:
-        super().copy_blocks(kv, src, dst)
+        """The source blocks are read out first, so each store's scatter has no read of the
+        store pending and MLX can write into its buffer in place. A scatter whose rows were
+        gathered from the store itself could make MLX copy the whole store, in every layer,
+        at a copy-on-write of a shared prefix block: 0.26 s for a 655 MB pool in a
+        microbenchmark (0.3 ms this way), 4-8 s a copy in a tiny model's engine at the
+        default KV budget."""
+        if not src:
+            return
+        s, d = self.asarray(np.asarray(src, np.int32)), self.asarray(np.asarray(dst, np.int32))
+        rows = [(k[s], v[s]) for k, v in zip(kv.k, kv.v)]
+        mx.eval(rows)
+        for layer, (k, v) in enumerate(rows):
+            kv.k[layer][d] = k
+            kv.v[layer][d] = v
         mx.eval(kv.k, kv.v)
 
     def kv_export(self, kv: PagedKV, blocks: list[int], n_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:

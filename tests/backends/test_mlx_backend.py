@@ -156,6 +156,27 @@ def test_copy_blocks(tiny):
     assert np.array_equal(x, y)
 
 
+def test_a_block_copy_writes_in_place():
+    """copy_blocks writes the destination blocks into the stores' buffers: MLX allocates
+    about the copied blocks, not a new store per layer (a copy-on-write of a shared prefix
+    block once copied every layer's whole store: seconds for the default KV budget)."""
+    be = MLXBackend()
+    kv = be.new_paged_kv(2048, 2, 2, 64, "f16")  # 8 MiB a store
+    rng = np.random.default_rng(5)
+    for layer in range(2):
+        for store in (kv.k[layer], kv.v[layer]):
+            store[3] = be.asarray(rng.standard_normal(tuple(store.shape[1:]), dtype=np.float32).astype(np.float16))
+    mx.eval(kv.k, kv.v)
+    store_bytes = kv.k[0].nbytes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    be.copy_blocks(kv, [3], [7])
+    assert mx.get_peak_memory() - before < store_bytes // 16
+    for layer in range(2):
+        for store in (kv.k[layer], kv.v[layer]):
+            assert np.array_equal(be.to_numpy(store[7]), be.to_numpy(store[3])) and be.to_numpy(store[3]).any()
+
+
 def test_describe_names_device_and_policy():
     line = MLXBackend(policy="rowwise").describe()
     assert line.startswith("mlx") and ("cpu" in line or "Metal" in line) and "row-wise" in line

@@ -109,12 +109,13 @@ def test_logprobs_penalty_and_stop_string_see_the_accepted_tokens(engine, prompt
     assert outs[0] == outs[1]
 
 
-def test_tiny_model_on_numpy_and_emulated_cupy_the_same_tokens(tiny_lm):
-    """The device-sampling path (CuPy's numpy emulation: picks keyed on (seed, step)) and the
-    host one: spec on vs off, alone and four at once."""
-    e = Engine(tiny_lm, EngineConfig(max_concurrent=4, ctx_size=64, verify_invariance=False)).start()
+def _tiny_replies_the_same_with_drafts(lm) -> None:
+    """A tiny model's engine (every draft tried): greedy and seeded replies with drafts on,
+    alone and four at once, are the replies with drafts off, and drafts stood."""
+    e = Engine(lm, EngineConfig(max_concurrent=4, ctx_size=64, verify_invariance=False)).start()
     e.scheduler.step_cost = FreeRows()
     try:
+        assert check_speculation(e.lm.model, e.kv) is None  # what the start-up check runs
         prompts = [[1, 90, 198, 26, 90, 198], [50, 23, 63, 50, 23], [28, 198, 66, 11], [7, 7, 7]]
         params = [SamplingParams(max_tokens=10, temperature=t, seed=s) for t, s in ((0.0, None), (0.8, 3))] * 2
 
@@ -130,6 +131,22 @@ def test_tiny_model_on_numpy_and_emulated_cupy_the_same_tokens(tiny_lm):
         assert e.stats().spec_accepted > 0
     finally:
         e.stop()
+
+
+def test_tiny_model_on_numpy_and_emulated_cupy_the_same_tokens(tiny_lm):
+    """The device-sampling path (CuPy's numpy emulation: picks keyed on (seed, step)) and the
+    host one."""
+    _tiny_replies_the_same_with_drafts(tiny_lm)
+
+
+def test_tiny_model_on_mlx_the_same_tokens(tiny):
+    """The MLX backend (the CPU here)."""
+    pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'panechat[mlx]')")
+    from panechat.backends.mlx.mlx_backend import MLXBackend
+    from panechat.engine.model.loader import load_model
+
+    path, _ = tiny("llama", "Q8_0")
+    _tiny_replies_the_same_with_drafts(load_model(path, MLXBackend(), max_positions=64))
 
 
 def test_spec_off_engine_never_drafts(loaded_model, prompts):
