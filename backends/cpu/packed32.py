@@ -52,7 +52,7 @@ from numba.extending import intrinsic
 from panechat.backends.cpu.decode_attention import HAS_F16C
 from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
 from panechat.backends.cpu.repack import GROUP, LAYOUTS
-from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32
+from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32, dot4_plain
 
 QB = 32  # weights (and activations) a block
 ROWS = 4  # activation rows a tile computes together (the record's codes loaded once for them)
@@ -175,10 +175,7 @@ def _dot4_wide(builder, acc, u8, s8):
     vpmaddubsw would saturate): vpdpbusd with VNNI, plain LLVM integer vectors elsewhere."""
     if FORM == "vnni":
         return _dot4(builder, acc, u8, s8)
-    prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
-    for i in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
-    return acc
+    return dot4_plain(builder, acc, u8, s8)
 
 
 class RecordRow:

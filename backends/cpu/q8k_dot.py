@@ -138,6 +138,11 @@ def _dot4(builder, acc, u8, s8):
                      builder.bitcast(s8, _V16))
     if FORM in ("avx512", "avx2"):
         return builder.add(acc, _madd_words(builder, _pair_sums(builder, u8, s8), _splat(builder, _H32, 1)))
+    return dot4_plain(builder, acc, u8, s8)
+
+
+def dot4_plain(builder, acc, u8, s8):
+    """`_dot4` in plain LLVM integer vectors (any CPU; any u8, exact): the generic form."""
     prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
     for i in range(4):
         acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
@@ -163,10 +168,7 @@ def _scaled_dot(builder, acc, u8, s8, sc):
     if FORM in ("avx512", "avx2"):
         both = builder.or_(sc, builder.shl(sc, _splat(builder, _V16, 16)))  # the scale in each int16 half
         return builder.add(acc, _madd_words(builder, _pair_sums(builder, u8, s8), both))
-    prod = builder.mul(builder.zext(u8, ir.VectorType(_I32, 64)), builder.sext(s8, ir.VectorType(_I32, 64)))
-    dot = ir.Constant(_V16, None)
-    for i in range(4):
-        dot = builder.add(dot, builder.shuffle_vector(prod, prod, ir.Constant(_V16, [4 * l + i for l in range(16)])))
+    dot = dot4_plain(builder, ir.Constant(_V16, None), u8, s8)
     return builder.add(acc, builder.mul(dot, builder.sext(builder.trunc(sc, ir.VectorType(_I16, 16)), _V16)))
 
 
