@@ -18,6 +18,7 @@ def test_bench_spec_reports_identical_replies_and_the_drafts():
     out = json.loads(p.stdout)
     cost = out["verify_cost"]  # a verify step of 5 rows of one sequence, in the one-call step
     assert cost["rows"] == 5 and cost["one_call"] is True and cost["verify_ms"] > 0 and cost["one_row_ms"] > 0
+    assert cost["verify_op_by_op_ms"] > 0  # timed in a loop of its own, after the one-call steps
     (row,) = out["rows"]
     assert row["workload"] == "quote" and row["B"] == 1 and row["identical"] is True
     assert row["tok_s_off"] > 0 and row["tok_s_on"] > 0 and 0 <= row["accepted"] <= row["drafted"]

@@ -158,8 +158,9 @@ def test_copy_blocks(tiny):
 
 def test_a_block_copy_writes_in_place():
     """copy_blocks writes the destination blocks into the stores' buffers: MLX allocates
-    about the copied blocks, not a new store per layer (a copy-on-write of a shared prefix
-    block once copied every layer's whole store: seconds for the default KV budget)."""
+    about the copied blocks, not a new store per layer (a scatter reading the store itself
+    could copy every layer's whole store: 4-8 s a copy in a tiny model's engine at the
+    default KV budget)."""
     be = MLXBackend()
     kv = be.new_paged_kv(2048, 2, 2, 64, "f16")  # 8 MiB a store
     rng = np.random.default_rng(5)

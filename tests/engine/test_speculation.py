@@ -4,7 +4,6 @@ the drafts are really used (accepted > 0), so these tests can fail."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
@@ -13,6 +12,8 @@ from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.sampling import SamplingParams
 from panechat.engine.serving.speculation import (K_MAX, K_START, AdaptiveK, NgramDrafter, Speculation, StepCost,
                                                  can_speculate)
+
+from .speculation_checks import FreeRows, assert_drafts_change_nothing
 
 #: Raw completions that repeat themselves, so n-gram drafts get accepted.
 TEXTS = [
@@ -30,14 +31,6 @@ def _greedy(spec: bool) -> SamplingParams:
 
 def _seeded(spec: bool, seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=N, temperature=0.8, seed=seed, speculate=spec)
-
-
-class FreeRows(StepCost):
-    """Extra rows cost nothing: every draft the n-grams offer is tried, whatever this
-    machine's load (the cost model is tested on its own below; here, the identity)."""
-
-    def ratio(self, rows: int, extra: int) -> float:
-        return 1.0
 
 
 @pytest.fixture(scope="module")
@@ -110,25 +103,15 @@ def test_logprobs_penalty_and_stop_string_see_the_accepted_tokens(engine, prompt
 
 
 def _tiny_replies_the_same_with_drafts(lm) -> None:
-    """A tiny model's engine (every draft tried): greedy and seeded replies with drafts on,
-    alone and four at once, are the replies with drafts off, and drafts stood."""
+    """A tiny model's engine (every draft tried): the start-up check of k+1 rows passes, and
+    greedy and seeded replies are the same with drafts on, alone and four at once."""
     e = Engine(lm, EngineConfig(max_concurrent=4, ctx_size=64, verify_invariance=False)).start()
     e.scheduler.step_cost = FreeRows()
     try:
         assert check_speculation(e.lm.model, e.kv) is None  # what the start-up check runs
         prompts = [[1, 90, 198, 26, 90, 198], [50, 23, 63, 50, 23], [28, 198, 66, 11], [7, 7, 7]]
         params = [SamplingParams(max_tokens=10, temperature=t, seed=s) for t, s in ((0.0, None), (0.8, 3))] * 2
-
-        def run(spec: bool, together: bool) -> list[list[int]]:
-            jobs = [(p, replace(q, speculate=spec)) for p, q in zip(prompts, params)]
-            if together:
-                gens = [e.submit(prompt_ids=p, params=q) for p, q in jobs]
-                return [g.result().token_ids for g in gens]
-            return [_reply(e, p, q) for p, q in jobs]
-
-        plain = run(False, False)
-        assert run(True, False) == plain and run(True, True) == plain
-        assert e.stats().spec_accepted > 0
+        assert_drafts_change_nothing(e, prompts, params)
     finally:
         e.stop()
 

@@ -11,7 +11,8 @@ import pytest
 
 from panechat.engine.serving.engine import Engine, EngineConfig
 from panechat.engine.serving.sampling import SamplingParams
-from panechat.engine.serving.speculation import StepCost
+
+from .speculation_checks import FreeRows, assert_drafts_change_nothing
 
 #: Raw completions: repetitive ones (lists, code, quotes) where drafts stand, and ordinary
 #: prose where few do.
@@ -40,17 +41,10 @@ PROMPTS = [
 assert len(PROMPTS) == 20
 
 
-class FreeRows(StepCost):
-    """Extra rows cost nothing: every draft the n-grams offer is tried, whatever the machine."""
-
-    def ratio(self, rows: int, extra: int) -> float:
-        return 1.0
-
-
-def _params(kind: str, i: int, spec: bool, n: int) -> SamplingParams:
+def _params(kind: str, i: int, n: int) -> SamplingParams:
     if kind == "greedy":
-        return SamplingParams(max_tokens=n, speculate=spec)
-    return SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i, speculate=spec)
+        return SamplingParams(max_tokens=n)
+    return SamplingParams(max_tokens=n, temperature=0.8, seed=100 + i)
 
 
 def _check(lm, count: int, n: int) -> None:
@@ -60,20 +54,8 @@ def _check(lm, count: int, n: int) -> None:
         assert e.spec_problem is None, e.spec_problem
         prompts = [e.completion_ids(t) for t in PROMPTS[:count]]
         for kind in ("greedy", "seeded"):
-            plain = [e.submit(prompt_ids=p, params=_params(kind, i, False, n)).result().token_ids
-                     for i, p in enumerate(prompts)]
-            before = e.stats().spec_accepted
-            alone = [e.submit(prompt_ids=p, params=_params(kind, i, True, n)).result().token_ids
-                     for i, p in enumerate(prompts)]
-            assert e.stats().spec_accepted > before  # drafts stood: otherwise nothing was tested
-            batched = []
-            for g in range(0, count, 4):  # four at a time, each beside 3 others
-                gens = [e.submit(prompt_ids=prompts[i], params=_params(kind, i, True, n))
-                        for i in range(g, min(g + 4, count))]
-                batched += [x.result().token_ids for x in gens]
-            for i in range(count):
-                assert alone[i] == plain[i], f"{kind} prompt {i} alone: {PROMPTS[i]!r}"
-                assert batched[i] == plain[i], f"{kind} prompt {i} batched: {PROMPTS[i]!r}"
+            assert_drafts_change_nothing(e, prompts, [_params(kind, i, n) for i in range(count)],
+                                         [f"{kind} {t!r}" for t in PROMPTS[:count]])
     finally:
         e.stop()
 
