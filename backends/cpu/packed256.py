@@ -31,8 +31,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
-from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_nibbles, low_nibbles, splat_i32,
-                                            store_group)
+from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_nibbles, low_nibbles, prefetch_ahead,
+                                            splat_i32, store_group)
 from panechat.backends.cpu.q8k_dot import (_B16, _B64, _F16V, _H16, _I32, _V16, _dot2, _dot4, _load, _splat, _splat_f32,
                                            quantize_row_q8k)
 from panechat.backends.cpu.q8k_dot import reference as q8k_reference
@@ -216,7 +216,10 @@ def _tile(w, xq, xd, xs, out, m, g, acc, record):
     rec = w.shape[1] * GROUP // nb
     base = g * GROUP * w.shape[1]
     for b in range(nb):
-        acc = record(acc, w, base + b * rec, xq, m * K + b * QK, K, xd, xs, m * nb + b, nb)
+        at = base + b * rec
+        if m == 0:
+            prefetch_ahead(w, at, rec)
+        acc = record(acc, w, at, xq, m * K + b * QK, K, xd, xs, m * nb + b, nb)
     store_group(out, m, g, acc)
 
 
