@@ -24,9 +24,10 @@ acc + (dx * d) * f32(it)). Integer sums are exact, so how they are formed is fre
 16 lanes of partial sums per element, reduced at each super-block (few rows); in
 `q8k_panel` 16 columns per vector against codes decoded once (many rows). Nothing in it
 depends on other rows or on how many there are: a row's bits are the same alone or in any
-batch, and by either path. The row tiles here (used for 1-3 rows) compute four weight
-rows against two activation rows at a time (each block decoded once for both), in chunks
-of 64 rows that stay in L2; the tiles choose only which elements are computed together.
+batch, and by either path. The row tiles here (below `q8k_panel`'s row counts) compute four
+weight rows against four activation rows at a time, then two, then one (each block decoded
+once for the rows of a tile), in chunks of 64 rows that stay in L2; the tiles choose only
+which elements are computed together.
 `reference_q4_k` is the same arithmetic in numpy (the tests' exact reference).
 """
 
@@ -602,6 +603,23 @@ def _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
 
 
 @njit(inline="always", **_JIT)
+def _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
+    """out[m:m+4, n:n+4]: `_cols4x2` for four activation rows (each block decoded once for
+    four: a Q6_K verify step's 4 + 1 rows cost 20-30% less than in pairs or by panels)."""
+    a = b = c = e = _zero4()
+    rb, step = w.shape[1], w.shape[1] // wd.shape[1]
+    for s in range(wd.shape[1]):
+        if m == 0:
+            _prefetch_next(w, n, rb, s, step)
+        a, b = sb4(a, w, wd, wdm, xq, xd, xs, m, n, s), sb4(b, w, wd, wdm, xq, xd, xs, m + 1, n, s)
+        c, e = sb4(c, w, wd, wdm, xq, xd, xs, m + 2, n, s), sb4(e, w, wd, wdm, xq, xd, xs, m + 3, n, s)
+    _store4(out, m, n, a)
+    _store4(out, m + 1, n, b)
+    _store4(out, m + 2, n, c)
+    _store4(out, m + 3, n, e)
+
+
+@njit(inline="always", **_JIT)
 def _col1(w, wd, wdm, xq, xd, xs, out, m, n, sb):
     """out[m, n] alone (the columns past the last whole 4)."""
     a = np.float32(0.0)
@@ -615,8 +633,8 @@ ROW_CHUNK = 64  # activation rows a column range passes at a time: their int8 ro
 
 @njit(inline="always", **_JIT)
 def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb, sb4):
-    """out[:, c0:c1]: chunks of ROW_CHUNK rows; in each, every four columns against two
-    rows at a time, then one. The tiles choose only which elements are computed
+    """out[:, c0:c1]: chunks of ROW_CHUNK rows; in each, every four columns against four
+    rows at a time, then two, then one. The tiles choose only which elements are computed
     together, never an element's arithmetic: a row's bits do not depend on M."""
     M = out.shape[0]
     c4 = c0 + (c1 - c0) // 4 * 4
@@ -624,6 +642,9 @@ def _columns(w, wd, wdm, xq, xd, xs, out, c0, c1, sb, sb4):
         m1 = min(M, m0 + ROW_CHUNK)
         for n in range(c0, c4, 4):
             m = m0
+            while m + 4 <= m1:
+                _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb4)
+                m += 4
             while m + 2 <= m1:
                 _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb4)
                 m += 2

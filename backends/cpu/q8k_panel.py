@@ -14,7 +14,7 @@ sums of 16, and one float step for 16 columns at once.
 The integers are `q8k_dot`'s contract, isum and msum of each (row, column, super-block),
 exact, and the float step is the same IEEE operations lane by lane, so a panel's bits are
 the row tiles' bits: which of the two computes a product (by its row count,
-PANEL_MIN_ROWS) never shows in a row's result, and a row's bits stay those it has alone.
+PANEL_MIN_ROWS, Q6K_PANEL_MIN_ROWS) never shows in a row's result, and a row's bits stay those it has alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from panechat.backends.cpu.q8k_dot import QK, _F16V, _I32, _V16, _dot2, _dot4, _
 
 PANEL_COLS = 16  # columns a panel holds: one int32 / float32 lane each
 GROUPS = QK // 4  # groups of four weights a super-block (one vpdpbusd lane's bytes)
-PANEL_MIN_ROWS = 4  # from this many rows on, a product decodes panels (fewer: the row tiles)
+PANEL_MIN_ROWS = 4  # from this many rows on, a Q4_K or Q5_K product decodes panels (fewer: the row tiles)
+Q6K_PANEL_MIN_ROWS = 8  # Q6_K's: its 4-row tiles beat panels below 8 rows (a 5-row verify step 17-30%)
 ROW_GROUP = 4  # activation rows a panel pass computes together (the codes loaded once for them)
 
 _I64 = ir.IntType(64)
@@ -338,9 +339,9 @@ def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, row
 
 
 @njit(inline="always", **_JIT)
-def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, rows1, nsub, row_columns):
-    """Panels from PANEL_MIN_ROWS rows on, the row tiles `row_columns` below (the same bits)."""
-    if out.shape[0] >= PANEL_MIN_ROWS:
+def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, rows1, nsub, row_columns, min_rows):
+    """Panels from `min_rows` rows on, the row tiles `row_columns` below (the same bits)."""
+    if out.shape[0] >= min_rows:
         _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows, rows2, rows1, nsub)
     else:
         row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
@@ -351,18 +352,18 @@ def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256])
     and every row's Q8_K activations (`q8k_dot.quantize_row_q8k`)."""
     _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8, panel_rows8_2, panel_rows8_1, 8,
-            q8k_dot.q4k_row_columns)
+            q8k_dot.q4k_row_columns, PANEL_MIN_ROWS)
 
 
 @njit(inline="always", **_JIT)
 def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
     _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8, panel_rows8_2, panel_rows8_1, 8,
-            q8k_dot.q5k_row_columns)
+            q8k_dot.q5k_row_columns, PANEL_MIN_ROWS)
 
 
 @njit(inline="always", **_JIT)
 def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
     """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
     _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16, panel_rows16_2, panel_rows16_1, 16,
-            q8k_dot.q6k_row_columns)
+            q8k_dot.q6k_row_columns, Q6K_PANEL_MIN_ROWS)

@@ -140,10 +140,11 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
 
 
 def test_the_tiles_give_the_reference_bits():
-    """The column products at 1 and 3 rows (the 4x2 and one-row tiles), by panels at 7, 9 and
-    70 rows (a last group of three, one and two rows; a panel of fewer than 16 columns,
-    two panels) in this CPU's form."""
-    assert 2 < p.PANEL_MIN_ROWS <= 7
+    """The column products at 1 and 3 rows (the 4x2 and one-row tiles), Q6_K's at 7 rows too
+    (4x4, 4x2 and one-row tiles), by panels at 7 (Q4_K, Q5_K), 9 and 70 rows (a last group
+    of three, one and two rows; a panel of fewer than 16 columns, two panels) in this CPU's
+    form."""
+    assert 2 < p.PANEL_MIN_ROWS <= 7 < p.Q6K_PANEL_MIN_ROWS <= 9
     _check_reference_bits(njit(cache=False)(_products_source()), ((1, 9), (3, 6), (7, 5), (9, 8), (70, 37)))
     _check_reference_bits(njit(cache=False)(_row_tiles_source()), ((7, 9), (70, 5)))
 
