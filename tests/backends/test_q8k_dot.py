@@ -94,14 +94,14 @@ def _panels_source():
         xq, xd, xs = q.quantized_rows(x)
         n = out.shape[1]
         if code == 0:
-            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q4k, p.panel_rows8, p.panel_rows8_2,
-                             p.panel_rows8_1, 8)
+            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q4k, p.panel_rows8_8, p.panel_rows8,
+                             p.panel_rows8_2, p.panel_rows8_1, 8)
         elif code == 1:
-            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q5k, p.panel_rows8, p.panel_rows8_2,
-                             p.panel_rows8_1, 8)
+            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q5k, p.panel_rows8_8, p.panel_rows8,
+                             p.panel_rows8_2, p.panel_rows8_1, 8)
         else:
-            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q6k, p.panel_rows16, p.panel_rows16_2,
-                             p.panel_rows16_1, 16)
+            p._panel_columns(w, d, dm, xq, xd, xs, out, 0, n, p.decode_q6k, p.panel_rows16_8, p.panel_rows16,
+                             p.panel_rows16_2, p.panel_rows16_1, 16)
         return xq, xd, xs
 
     return run
@@ -136,14 +136,14 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
         pytest.skip(f"this CPU cannot run the {form} form")
     monkeypatch.setattr(q, "FORM", form)
     _check_reference_bits(njit(cache=False)(_blocks_source()))
-    _check_reference_bits(njit(cache=False)(_panels_source()), ((1, 9), (3, 6), (6, 21)))  # tails 1, 3, 2
+    _check_reference_bits(njit(cache=False)(_panels_source()), ((1, 9), (3, 6), (6, 21), (11, 5)))  # tails 1, 3, 2; 8 + 3
 
 
 def test_the_tiles_give_the_reference_bits():
     """The column products at 1 and 3 rows (the 4x2 and one-row tiles), Q6_K's at 7 rows too
-    (4x4, 4x2 and one-row tiles), by panels at 7 (Q4_K, Q5_K), 9 and 70 rows (a last group
-    of three, one and two rows; a panel of fewer than 16 columns, two panels) in this CPU's
-    form."""
+    (4x4, 4x2 and one-row tiles), by panels at 7 (Q4_K, Q5_K), 9 and 70 rows (passes of
+    eight, then four; a last group of three, one and two rows; a panel of fewer than 16
+    columns, two panels) in this CPU's form."""
     assert 2 < p.PANEL_MIN_ROWS <= 7 < p.Q6K_PANEL_MIN_ROWS <= 9
     _check_reference_bits(njit(cache=False)(_products_source()), ((1, 9), (3, 6), (7, 5), (9, 8), (70, 37)))
     _check_reference_bits(njit(cache=False)(_row_tiles_source()), ((7, 9), (70, 5)))
