@@ -97,6 +97,9 @@ class NumpyBackend(ArrayBackend):
         from panechat.backends.cpu import (activation_kernels, decode_attention, norm_kernels,  # numba; else `cpu_backend()`
                                            numpy_kernels, quant_kernels, repack, step_threads)
         from panechat.backends.cpu import decoder as cpu_decoder
+        from panechat.backends.cpu.freed_memory import keep_freed_memory
+
+        keep_freed_memory()  # a step's arrays reuse the last step's pages (no page faults in the kernels)
 
         self.kernels = numpy_kernels
         self.decode_attention = decode_attention
