@@ -6,8 +6,8 @@ glibc serves blocks that large by mmap and returns them by munmap when freed, so
 step touched new pages, and the kernels' threads took the page faults together. In the
 VMs this runs on those faults serialise: the gated activation of a 128 x 8192 prefill took
 7 ms writing a fresh output from two threads and 0.7 ms writing one already touched (every
-other layer, as glibc's threshold moved), and a Q6_K 1B prefill ran 5-10% faster with the
-blocks kept. Raising mmap's threshold and the heap's trim threshold makes freed blocks
+other layer, as glibc's threshold moved); op by op, a 128-token Q6_K 1B prefill took
+577-600 ms with the blocks kept against 597-666 ms without (in `bench sweep`, within its noise). Raising mmap's threshold and the heap's trim threshold makes freed blocks
 stay in the heap for the next step, as a server's allocator (jemalloc, tcmalloc) would;
 the peak memory is the same, only not returned between steps.
 """
