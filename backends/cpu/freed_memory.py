@@ -7,9 +7,12 @@ step touched new pages, and the kernels' threads took the page faults together. 
 VMs this runs on those faults serialise: the gated activation of a 128 x 8192 prefill took
 7 ms writing a fresh output from two threads and 0.7 ms writing one already touched (every
 other layer, as glibc's threshold moved); op by op, a 128-token Q6_K 1B prefill took
-577-600 ms with the blocks kept against 597-666 ms without (in `bench sweep`, within its noise). Raising mmap's threshold and the heap's trim threshold makes freed blocks
-stay in the heap for the next step, as a server's allocator (jemalloc, tcmalloc) would;
-the peak memory is the same, only not returned between steps.
+577-600 ms with the blocks kept against 597-666 ms without (in `bench sweep`, within its
+noise). Raising mmap's threshold and the heap's trim threshold makes freed blocks stay in
+the heap for the next step, as a server's allocator (jemalloc, tcmalloc) would; the peak
+memory is the same (`bench chat` on a 1B Q4_K_M shape: 901 / 1,660 MiB peak RSS at 1 / 4
+clients, 895 / 1,638 without), only not returned between steps. The setting is the
+process's: the numpy backend makes it when it is built, for every allocation after.
 """
 
 from __future__ import annotations

@@ -605,7 +605,7 @@ def _cols4x2(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
 @njit(inline="always", **_JIT)
 def _cols4x4(w, wd, wdm, xq, xd, xs, out, m, n, sb4):
     """out[m:m+4, n:n+4]: `_cols4x2` for four activation rows (each block decoded once for
-    four: a Q6_K verify step's 4 + 1 rows cost 20-30% less than in pairs or by panels)."""
+    four: a Q6_K verify step's 4 + 1 rows cost 17-30% less than in pairs or by panels)."""
     a = b = c = e = _zero4()
     rb, step = w.shape[1], w.shape[1] // wd.shape[1]
     for s in range(wd.shape[1]):

@@ -14,7 +14,8 @@ sums of 16, and one float step for 16 columns at once.
 The integers are `q8k_dot`'s contract, isum and msum of each (row, column, super-block),
 exact, and the float step is the same IEEE operations lane by lane, so a panel's bits are
 the row tiles' bits: which of the two computes a product (by its row count,
-PANEL_MIN_ROWS, Q6K_PANEL_MIN_ROWS) never shows in a row's result, and a row's bits stay those it has alone.
+PANEL_MIN_ROWS, Q6K_PANEL_MIN_ROWS) never shows in a row's result, and a row's bits stay
+those it has alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ GROUPS = QK // 4  # groups of four weights a super-block (one vpdpbusd lane's by
 PANEL_MIN_ROWS = 4  # from this many rows on, a Q4_K or Q5_K product decodes panels (fewer: the row tiles)
 Q6K_PANEL_MIN_ROWS = 8  # Q6_K's: its 4-row tiles beat panels below 8 rows (a 5-row verify step 17-30%)
 ROW_GROUP = 4  # activation rows a panel pass computes together (the codes loaded once for them)
-WIDE_ROWS = 8  # rows of the wide passes, taken first (per row 10-15% cheaper than four at a time)
+WIDE_ROWS = 8  # rows of the wide passes, taken first (per row 9-15% cheaper than four at a time)
 SUB_UNROLL = 2  # sub-blocks an iteration of a pass's inner loop computes
 
 _I64 = ir.IntType(64)
@@ -341,23 +342,25 @@ def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, row
         _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decode)
         for m in range(0, wide, WIDE_ROWS):
             rows8(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
-            for r in range(WIDE_ROWS):
-                for c in range(n1 - n0):
-                    out[m + r, n0 + c] = tmp[r, c]
+            _store_rows(out, tmp, m, WIDE_ROWS, n0, n1)
         for m in range(wide, M - tail, ROW_GROUP):
             rows(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, min(m + 1, M - 1), min(m + 2, M - 1),
                  min(m + 3, M - 1), K, nsb)
-            for r in range(min(ROW_GROUP, M - m)):
-                for c in range(n1 - n0):
-                    out[m + r, n0 + c] = tmp[r, c]
+            _store_rows(out, tmp, m, min(ROW_GROUP, M - m), n0, n1)
         m = M - tail
         if tail == 2:
             rows2(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m + 1, m + 1, m + 1, K, nsb)
         elif tail == 1:
             rows1(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
-        for r in range(tail):
-            for c in range(n1 - n0):
-                out[m + r, n0 + c] = tmp[r, c]
+        _store_rows(out, tmp, m, tail, n0, n1)
+
+
+@njit(inline="always", **_JIT)
+def _store_rows(out, tmp, m, n, n0, n1):
+    """out[m:m+n, n0:n1] = tmp[:n, :n1-n0]: a pass's rows, the panel's columns that exist."""
+    for r in range(n):
+        for c in range(n1 - n0):
+            out[m + r, n0 + c] = tmp[r, c]
 
 
 @njit(inline="always", **_JIT)

@@ -136,7 +136,8 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
         pytest.skip(f"this CPU cannot run the {form} form")
     monkeypatch.setattr(q, "FORM", form)
     _check_reference_bits(njit(cache=False)(_blocks_source()))
-    _check_reference_bits(njit(cache=False)(_panels_source()), ((1, 9), (3, 6), (6, 21), (11, 5)))  # tails 1, 3, 2; 8 + 3
+    # tails of 1, 3 and 2 rows; a pass of eight then a group of three
+    _check_reference_bits(njit(cache=False)(_panels_source()), ((1, 9), (3, 6), (6, 21), (11, 5)))
 
 
 def test_the_tiles_give_the_reference_bits():

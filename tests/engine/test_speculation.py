@@ -4,7 +4,6 @@ the drafts are really used (accepted > 0), so these tests can fail."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from panechat.engine.model.invariance import check_speculation
