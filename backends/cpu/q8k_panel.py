@@ -28,12 +28,13 @@ from numba.extending import intrinsic
 
 from panechat.backends.cpu import q8k_dot
 from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array, prefetch
-from panechat.backends.cpu.q8k_dot import QK, _F16V, _I32, _V16, _dot2, _dot4, _float_step, _splat, _splat_f32
+from panechat.backends.cpu.packed32 import _widen_f16
+from panechat.backends.cpu.q8k_dot import QK, _B16, _F16V, _H16, _I32, _V16, _dot2, _dot4, _float_step, _load, _splat, _splat_f32
 
 PANEL_COLS = 16  # columns a panel holds: one int32 / float32 lane each
 GROUPS = QK // 4  # groups of four weights a super-block (one vpdpbusd lane's bytes)
 PANEL_MIN_ROWS = 4  # from this many rows on, a Q4_K or Q5_K product decodes panels (fewer: the row tiles)
-Q6K_PANEL_MIN_ROWS = 8  # Q6_K's: its 4-row tiles beat panels below 8 rows (a 5-row verify step 17-30%)
+Q6K_PANEL_MIN_ROWS = 8  # Q6_K blocks': their 4-row tiles beat panels below 8 rows (repacked Q6_K: packed256)
 ROW_GROUP = 4  # activation rows a panel pass computes together (the codes loaded once for them)
 WIDE_ROWS = 8  # rows of the wide passes, taken first (per row 9-15% cheaper than four at a time)
 SUB_UNROLL = 2  # sub-blocks an iteration of a pass's inner loop computes
@@ -220,6 +221,28 @@ def _transpose16x4(builder, quads):
     return out
 
 
+def _q6k_panel(builder, t0, t1, th, sc, codes, scales, pairs):
+    """A Q6_K super-block's panel from its words with lane = column: t0, t1 the ql words
+    0-15, 16-31, th the qh words, sc the 16 scales (int32 lanes, sign-extended). The
+    `codes`, `scales`, `pairs` callbacks (index, vector) store vector i of each array."""
+    def k(v):
+        return _splat(builder, _V16, v)
+
+    m4, m2 = k(0x0F0F0F0F), k(0x03030303)
+    for h, th_ in enumerate((t0, t1)):
+        for t in range(8):
+            a, b, hq, g = th_[t], th_[8 + t], th[8 * h + t], 32 * h + t
+            for i, (low, sh) in enumerate(((builder.and_(a, m4), 0), (builder.and_(b, m4), 2),
+                                           (builder.and_(builder.lshr(a, k(4)), m4), 4),
+                                           (builder.and_(builder.lshr(b, k(4)), m4), 6))):
+                high = builder.and_(builder.lshr(hq, k(sh)) if sh else hq, m2)
+                codes(g + 8 * i, builder.or_(low, builder.shl(high, k(4))))
+    for q in range(16):
+        scales(q, sc[q])
+    for p in range(8):
+        pairs(p, builder.or_(builder.and_(sc[2 * p], k(0xFFFF)), builder.shl(sc[2 * p + 1], k(16))))
+
+
 def _panel_decoder(name, kind):
     """An intrinsic (w, wo, rb, ncols, codes, co, scales, so, pairs, po): the panel of one
     super-block, weight rows at bytes wo + c * rb of w for c < ncols (the rest repeat the
@@ -254,20 +277,10 @@ def _panel_decoder(name, kind):
             m4, m2, ones = k(0x0F0F0F0F), k(0x03030303), k(0x01010101)
             if kind == "q6k":
                 t0, t1, th = (_transpose16(builder, [_words(builder, bp, o, 16) for bp in cols]) for o in (0, 64, 128))
-                for h, th_ in enumerate((t0, t1)):
-                    for t in range(8):
-                        a, b, hq, g = th_[t], th_[8 + t], th[8 * h + t], 32 * h + t
-                        for i, (low, sh) in enumerate(((builder.and_(a, m4), 0), (builder.and_(b, m4), 2),
-                                                       (builder.and_(builder.lshr(a, k(4)), m4), 4),
-                                                       (builder.and_(builder.lshr(b, k(4)), m4), 6))):
-                            high = builder.and_(builder.lshr(hq, k(sh)) if sh else hq, m2)
-                            store(cp, co_, g + 8 * i, builder.or_(low, builder.shl(high, k(4))))
                 u = _transpose16x4(builder, [_words(builder, bp, 192, 4) for bp in cols])
                 sc = [builder.ashr(builder.shl(u[q // 4], k(24 - 8 * (q % 4))), k(24)) for q in range(16)]
-                for q in range(16):
-                    store(sp, so_, q, sc[q])
-                for p in range(8):
-                    store(pp, po_, p, builder.or_(builder.and_(sc[2 * p], k(0xFFFF)), builder.shl(sc[2 * p + 1], k(16))))
+                _q6k_panel(builder, t0, t1, th, sc, lambda i, v: store(cp, co_, i, v), lambda q, v: store(sp, so_, q, v),
+                           lambda p, v: store(pp, po_, p, v))
                 return context.get_dummy_value()
             qo = 48 if kind == "q5k" else 16
             t = [*_transpose16(builder, [_words(builder, bp, qo, 16) for bp in cols]),
@@ -306,6 +319,36 @@ decode_q5k = _panel_decoder("decode_q5k", "q5k")
 decode_q6k = _panel_decoder("decode_q6k", "q6k")
 
 
+@intrinsic
+def decode_q6k_record(typingctx, w, at, codes, co, scales, so, pairs, po, pd, pdo):
+    """The panel of the repacked Q6_K record at byte `at` of w (`repack.LAYOUTS`: vector v
+    of its ql/qh bytes already holds word v of every column, its scales one byte a column)
+    into codes[co:], scales[so:] and pairs[po:] as `decode_q6k`, and its 16 d widened to
+    float32 into pd[pdo:]: the same panel with no transposes."""
+    if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
+            and _is_c_array(pairs, types.int32) and _is_c_array(pd, types.float32)
+            and all(isinstance(a, types.Integer) for a in (at, co, so, po, pdo))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        wp, cp, sp, pp, dp = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in (0, 2, 4, 6, 8)]
+        at_, co_, so_, po_, pdo_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3, 5, 7, 9)]
+        rp = builder.gep(wp, [at_])
+
+        def store(ptr, off, index, v, ty=_V16):
+            p = builder.gep(ptr, [builder.add(off, _c64(16 * index))])
+            builder.store(v, builder.bitcast(p, ty.as_pointer()), align=4)
+
+        words = [_words(builder, rp, 288 + 64 * v, 16) for v in range(48)]
+        sc = [builder.sext(_load(builder, rp, 32 + 16 * q, _B16), _V16) for q in range(16)]
+        _q6k_panel(builder, words[:16], words[16:32], words[32:], sc, lambda i, v: store(cp, co_, i, v),
+                   lambda q, v: store(sp, so_, q, v), lambda p, v: store(pp, po_, p, v))
+        store(dp, pdo_, 0, _widen_f16(builder, _load(builder, rp, 0, _H16)), _F16V)
+        return context.get_dummy_value()
+
+    return types.void(w, at, codes, co, scales, so, pairs, po, pd, pdo), codegen
+
+
 @njit(inline="always", **_JIT)
 def _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decoder):
     """The panel of weight rows n0..n1 (at most 16; the rest repeat the last) of every
@@ -324,35 +367,71 @@ def _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decoder):
 
 
 @njit(inline="always", **_JIT)
-def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub):
-    """out[:, c0:c1] by panels of 16 columns: each decoded once, then every row against it,
-    eight at a time (`rows8`), then four (`rows`; a last group of three repeats its last row,
+def _scratch(nsb, nsub):
+    """A panel's arrays (codes, scales, pairs, pd, pdm) and a pass's rows (tmp)."""
+    return (np.empty((nsb, GROUPS, PANEL_COLS), np.uint32), np.empty((nsb, nsub, PANEL_COLS), np.int32),
+            np.empty((nsb, 8, PANEL_COLS), np.int32), np.empty((nsb, PANEL_COLS), np.float32),
+            np.empty((nsb, PANEL_COLS), np.float32), np.empty((WIDE_ROWS, PANEL_COLS), np.float32))
+
+
+@njit(inline="always", **_JIT)
+def _passes(panel, xq, xd, xs, out, n0, n1, rows8, rows, rows2, rows1):
+    """out[:, n0:n1] from a decoded panel (`_scratch`'s arrays): every row against it, eight
+    at a time (`rows8`), then four (`rows`; a last group of three repeats its last row,
     stored once), a last two or one by `rows2` / `rows1` (a verify step's 4 + 1 rows pays
     for 5, not 8)."""
-    M, K, nsb = out.shape[0], xq.shape[1], wd.shape[1]
-    codes = np.empty((nsb, GROUPS, PANEL_COLS), np.uint32)
-    scales = np.empty((nsb, nsub, PANEL_COLS), np.int32)
-    pairs = np.empty((nsb, 8, PANEL_COLS), np.int32)
-    pd, pdm = np.empty((nsb, PANEL_COLS), np.float32), np.empty((nsb, PANEL_COLS), np.float32)
-    tmp = np.empty((WIDE_ROWS, PANEL_COLS), np.float32)
+    codes, scales, pairs, pd, pdm, tmp = panel
+    M, K, nsb = out.shape[0], xq.shape[1], pd.shape[0]
     tail = M % ROW_GROUP if M % ROW_GROUP < 3 else 0  # rows left to rows2 / rows1
     wide = (M - tail) // WIDE_ROWS * WIDE_ROWS  # rows of the wide passes
+    for m in range(0, wide, WIDE_ROWS):
+        rows8(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
+        _store_rows(out, tmp, m, WIDE_ROWS, n0, n1)
+    for m in range(wide, M - tail, ROW_GROUP):
+        rows(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, min(m + 1, M - 1), min(m + 2, M - 1),
+             min(m + 3, M - 1), K, nsb)
+        _store_rows(out, tmp, m, min(ROW_GROUP, M - m), n0, n1)
+    m = M - tail
+    if tail == 2:
+        rows2(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m + 1, m + 1, m + 1, K, nsb)
+    elif tail == 1:
+        rows1(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
+    _store_rows(out, tmp, m, tail, n0, n1)
+
+
+@njit(inline="always", **_JIT)
+def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub):
+    """out[:, c0:c1] by panels of 16 columns of the file's blocks: each decoded once, then
+    every row against it (`_passes`)."""
+    panel = _scratch(wd.shape[1], nsub)
+    codes, scales, pairs, pd, pdm, _ = panel
     for n0 in range(c0, c1, PANEL_COLS):
         n1 = min(n0 + PANEL_COLS, c1)
         _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decode)
-        for m in range(0, wide, WIDE_ROWS):
-            rows8(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
-            _store_rows(out, tmp, m, WIDE_ROWS, n0, n1)
-        for m in range(wide, M - tail, ROW_GROUP):
-            rows(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, min(m + 1, M - 1), min(m + 2, M - 1),
-                 min(m + 3, M - 1), K, nsb)
-            _store_rows(out, tmp, m, min(ROW_GROUP, M - m), n0, n1)
-        m = M - tail
-        if tail == 2:
-            rows2(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m + 1, m + 1, m + 1, K, nsb)
-        elif tail == 1:
-            rows1(tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, m, m, m, m, K, nsb)
-        _store_rows(out, tmp, m, tail, n0, n1)
+        _passes(panel, xq, xd, xs, out, n0, n1, rows8, rows, rows2, rows1)
+
+
+@njit(inline="always", **_JIT)
+def q6k_record_panel_columns(w, xq, xd, xs, out, c0, c1):
+    """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column) for repacked Q6_K
+    weights (`repack.pack`: uint8 [N', K/256*210]) by panels, one a group of 16 columns,
+    each decoded from its records (`decode_q6k_record`) with the next group's record
+    prefetched (it comes from memory), then `_passes`: `q6k_columns`' panels, bit for bit."""
+    nsb = xq.shape[1] // QK
+    rb = w.shape[1]
+    rec = rb * PANEL_COLS // nsb
+    panel = _scratch(nsb, 16)
+    codes, scales, pairs, pd, _, _ = panel
+    for g in range(c0 // PANEL_COLS, (c1 + PANEL_COLS - 1) // PANEL_COLS):
+        base = g * PANEL_COLS * rb
+        for s in range(nsb):
+            at = base + s * rec
+            for b in range(0, rec, 64):  # the next group's record (never faults past the end)
+                prefetch(w, at + PANEL_COLS * rb + b)
+            decode_q6k_record(w, at, codes, s * GROUPS * PANEL_COLS, scales, s * 16 * PANEL_COLS, pairs,
+                              s * 8 * PANEL_COLS, pd, s * PANEL_COLS)
+        _passes(panel, xq, xd, xs, out, g * PANEL_COLS, min(g * PANEL_COLS + PANEL_COLS, c1), panel_rows16_8,
+                panel_rows16, panel_rows16_2, panel_rows16_1)
 
 
 @njit(inline="always", **_JIT)

@@ -3,13 +3,11 @@ Q4_K / Q6_K blocks (tests/backends/kquant_model.py) decodes, through the block k
 the float32 kernel does on the same weights dequantized by gguf (Q4_K, Q6_K: as their int8-activation
 numpy references), and stays batch-invariant."""
 
-import mmap
-
 import numpy as np
 import pytest
 
 from panechat.backends.cpu import q8k_dot, repack
-from panechat.backends.cpu.numpy_backend import KQuantWeight, NumpyBackend, PackedWeight
+from panechat.backends.cpu.numpy_backend import NumpyBackend, PackedWeight
 from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFile
 from panechat.engine.model.forward import Model
@@ -76,24 +74,15 @@ def model(kquant_file):
     return Model.load(GGUFFile.open(kquant_file), NumpyBackend(), max_positions=128)
 
 
-def _root(a):
-    while isinstance(a, np.ndarray) and a.base is not None:
-        a = a.base
-    return a
-
-
-def test_kquant_weights_stay_in_blocks(model, kquant_file):
-    """Every ffn_down is a K-quant: a Q6_K one's blocks are the file's memory map, not a
-    copy; a Q4_K one is repacked (`repack`), the file's bytes regrouped by 16 columns."""
+def test_kquant_weights_are_repacked(model, kquant_file):
+    """Every ffn_down is a K-quant (Q4_K or Q6_K), repacked (`repack`): the file's bytes
+    regrouped by 16 columns, none lost."""
     downs = [layer.ffn_down for layer in model.layers]
     assert {w.qtype for w in downs} == {"Q4_K", "Q6_K"}
     f = GGUFFile.open(kquant_file)
     for i, w in enumerate(downs):
-        if w.qtype == "Q6_K":
-            assert isinstance(w, KQuantWeight) and isinstance(_root(w.blocks), mmap.mmap)
-        else:
-            blocks = np.asarray(f.tensor(f"blk.{i}.ffn_down.weight").blocks, np.uint8)
-            assert isinstance(w, PackedWeight) and np.array_equal(repack.unpack(w.data, "Q4_K", w.shape[0]), blocks)
+        blocks = np.asarray(f.tensor(f"blk.{i}.ffn_down.weight").blocks, np.uint8)
+        assert isinstance(w, PackedWeight) and np.array_equal(repack.unpack(w.data, w.qtype, w.shape[0]), blocks)
 
 
 def test_greedy_decode_equals_float32_reference(model, kquant_file):

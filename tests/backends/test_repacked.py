@@ -55,7 +55,7 @@ def _dense(blocks, qtype, N, K):
 
 
 def test_the_registry_names_a_packed_product_for_each_type():
-    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES == ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES == ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("qtype", sorted(repack.LAYOUTS))
@@ -96,6 +96,11 @@ def test_a_record_holds_the_files_bytes_of_16_columns(qtype):
         assert rec[g, b, 32 + 2 * c:32 + 2 * c + 2].tobytes() == block[2:4].tobytes()
         assert [rec[g, b, 64 + 16 * t + c] for t in range(12)] == list(block[4:16])
         assert all(rec[g, b, 256 + 64 * (q // 4) + 4 * c + q % 4] == block[16 + q] for q in range(128))
+        return
+    if qtype == "Q6_K":  # d | 16 int8 scales | ql, qh; byte q of ql/qh at 288 + 64 (q // 4) + 4c + q % 4
+        assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[208:210].tobytes()
+        assert [rec[g, b, 32 + 16 * t + c] for t in range(16)] == list(block[192:208])
+        assert all(rec[g, b, 288 + 64 * (q // 4) + 4 * c + q % 4] == block[q] for q in range(192))
         return
     assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[:2].tobytes()  # d
     if qtype == "Q8_0":
@@ -162,7 +167,7 @@ def _columns_source(qtype):
     return run
 
 
-def _check_reference_bits(shapes=((1, 16), (3, 32), (4, 16), (6, 48), (9, 16))):
+def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (6, 48), (9, 16), (21, 40))):
     rng = np.random.default_rng(4)
     for qtype in TYPES:
         run = njit(cache=False)(_columns_source(qtype))
@@ -179,8 +184,9 @@ def _check_reference_bits(shapes=((1, 16), (3, 32), (4, 16), (6, 48), (9, 16))):
 @pytest.mark.parametrize("form", q8k_dot.FORMS)
 def test_every_form_gives_the_reference_bits(form, monkeypatch):
     """vnni, avx512 (no VNNI), avx2 and generic: the same exact integers, so the same bits
-    (4-row tiles, tails of 1-3 rows, and Q4_K's 5-row tile at 9 rows). This CPU runs each form
-    whose instructions it has."""
+    (4-row tiles, tails of 1-3 rows, the K-quants' 5-row tile at 9 rows, one row against
+    pairs of groups and a last one at 48 columns, Q6_K's record panels at 21 rows and a
+    last group of 8 columns). This CPU runs each form whose instructions it has."""
     need = {"vnni": "vnni", "avx512": "avx512", "avx2": "avx2"}.get(form)
     if need is not None and q8k_dot.FORMS.index(q8k_dot.target_form()) > q8k_dot.FORMS.index(need):
         pytest.skip(f"this CPU cannot run the {form} form")
