@@ -7,11 +7,11 @@ arithmetic is fixed by the source. Quantized weights (Q4_0, Q4_1, Q8_0, Q5_0, Q5
 IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) stay in their ggml blocks and F16/BF16
 weights in 16 bits (`quant_kernels`, `block_linear`): a Q4_1 weight costs 5 bits a step,
 as in the file, and no quantized matrix ever gets a float32 copy. Most are read from the
-file's memory map; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are regrouped at load into records of
-16 columns (the same bytes in memory of their own, `repack`). Each product is bit-identical
+file's memory map; Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K are regrouped at load into
+records of 16 columns (the same bytes in memory of their own, `repack`). Each product is bit-identical
 to the float32 kernel on gguf's dequantized weights, except the K-quants Q4_K, Q5_K and
 Q6_K, whose products round the activations to 8 bits as llama.cpp does (`q8k_dot`'s
-contract; Q4_K's and Q6_K's by `packed256`), and Q4_0, Q4_1 and Q8_0, which round them to int16
+contract, by `packed256` over their records), and Q4_0, Q4_1 and Q8_0, which round them to int16
 (`packed32`). Elementwise ops and per-row reductions use numpy (`ArrayBackend`).
 
 The kernels run on as many threads as other processes leave cores idle

@@ -243,6 +243,35 @@ def _q6k_panel(builder, t0, t1, th, sc, codes, scales, pairs):
         pairs(p, builder.or_(builder.and_(sc[2 * p], k(0xFFFF)), builder.shl(sc[2 * p + 1], k(16))))
 
 
+def _k4_panel(builder, t, tq, u, codes, scales, pairs):
+    """A Q4_K or Q5_K super-block's panel from its words with lane = column: t the 32 qs
+    words, tq the 8 qh words (Q5_K; None for Q4_K), u the 3 words of the 12 scale bytes.
+    The `codes`, `scales`, `pairs` callbacks (index, vector) store vector i of each array."""
+    def k(v):
+        return _splat(builder, _V16, v)
+
+    m4, ones = k(0x0F0F0F0F), k(0x01010101)
+    for wt in range(32):
+        g, kk = wt // 8, wt % 8
+        lo, hi = builder.and_(t[wt], m4), builder.and_(builder.lshr(t[wt], k(4)), m4)
+        if tq is not None:  # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g)), ones), k(4)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g + 1)), ones), k(4)))
+        codes(16 * g + kk, lo)
+        codes(16 * g + 8 + kk, hi)
+    u0, u1, u2 = u
+    for j in range(4):  # llama.cpp's get_scale_min_k4, on 16 columns' words at once
+        sh = 8 * j
+        sc_lo, m_lo = builder.and_(builder.lshr(u0, k(sh)), k(63)), builder.and_(builder.lshr(u1, k(sh)), k(63))
+        sc_hi = builder.or_(builder.and_(builder.lshr(u2, k(sh)), k(15)),
+                            builder.shl(builder.and_(builder.lshr(u0, k(sh + 6)), k(3)), k(4)))
+        m_hi = builder.or_(builder.and_(builder.lshr(u2, k(sh + 4)), k(15)),
+                           builder.shl(builder.and_(builder.lshr(u1, k(sh + 6)), k(3)), k(4)))
+        for jj, scv, mv in ((j, sc_lo, m_lo), (j + 4, sc_hi, m_hi)):
+            scales(jj, scv)
+            pairs(jj, builder.or_(mv, builder.shl(mv, k(16))))
+
+
 def _panel_decoder(name, kind):
     """An intrinsic (w, wo, rb, ncols, codes, co, scales, so, pairs, po): the panel of one
     super-block, weight rows at bytes wo + c * rb of w for c < ncols (the rest repeat the
@@ -285,27 +314,12 @@ def _panel_decoder(name, kind):
             qo = 48 if kind == "q5k" else 16
             t = [*_transpose16(builder, [_words(builder, bp, qo, 16) for bp in cols]),
                  *_transpose16(builder, [_words(builder, bp, qo + 64, 16) for bp in cols])]
-            if kind == "q5k":  # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
+            tq = None
+            if kind == "q5k":
                 tq = _transpose16(builder, [_wide(builder, _words(builder, bp, 16, 8)) for bp in cols])
-            for wt in range(32):
-                g, kk = wt // 8, wt % 8
-                lo, hi = builder.and_(t[wt], m4), builder.and_(builder.lshr(t[wt], k(4)), m4)
-                if kind == "q5k":
-                    lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g)), ones), k(4)))
-                    hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g + 1)), ones), k(4)))
-                store(cp, co_, 16 * g + kk, lo)
-                store(cp, co_, 16 * g + 8 + kk, hi)
-            u0, u1, u2, _ = _transpose16x4(builder, [_words(builder, bp, 4, 4) for bp in cols])
-            for j in range(4):  # llama.cpp's get_scale_min_k4, on 16 columns' words at once
-                sh = 8 * j
-                sc_lo, m_lo = builder.and_(builder.lshr(u0, k(sh)), k(63)), builder.and_(builder.lshr(u1, k(sh)), k(63))
-                sc_hi = builder.or_(builder.and_(builder.lshr(u2, k(sh)), k(15)),
-                                    builder.shl(builder.and_(builder.lshr(u0, k(sh + 6)), k(3)), k(4)))
-                m_hi = builder.or_(builder.and_(builder.lshr(u2, k(sh + 4)), k(15)),
-                                   builder.shl(builder.and_(builder.lshr(u1, k(sh + 6)), k(3)), k(4)))
-                for jj, scv, mv in ((j, sc_lo, m_lo), (j + 4, sc_hi, m_hi)):
-                    store(sp, so_, jj, scv)
-                    store(pp, po_, jj, builder.or_(mv, builder.shl(mv, k(16))))
+            u = _transpose16x4(builder, [_words(builder, bp, 4, 4) for bp in cols])[:3]
+            _k4_panel(builder, t, tq, u, lambda i, v: store(cp, co_, i, v), lambda q, v: store(sp, so_, q, v),
+                      lambda p, v: store(pp, po_, p, v))
             return context.get_dummy_value()
 
         return types.void(w, wo, rb, ncols, codes, co, scales, so, pairs, po), codegen
@@ -319,34 +333,61 @@ decode_q5k = _panel_decoder("decode_q5k", "q5k")
 decode_q6k = _panel_decoder("decode_q6k", "q6k")
 
 
-@intrinsic
-def decode_q6k_record(typingctx, w, at, codes, co, scales, so, pairs, po, pd, pdo):
-    """The panel of the repacked Q6_K record at byte `at` of w (`repack.LAYOUTS`: vector v
-    of its ql/qh bytes already holds word v of every column, its scales one byte a column)
-    into codes[co:], scales[so:] and pairs[po:] as `decode_q6k`, and its 16 d widened to
-    float32 into pd[pdo:]: the same panel with no transposes."""
-    if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
-            and _is_c_array(pairs, types.int32) and _is_c_array(pd, types.float32)
-            and all(isinstance(a, types.Integer) for a in (at, co, so, po, pdo))):
-        return None
+def _record_decoder(name, kind):
+    """An intrinsic (w, at, codes, co, scales, so, pairs, po, pd, pdm, pdo): the panel of the
+    repacked record at byte `at` of w (`repack.LAYOUTS`: vector v of its code bytes already
+    holds word v of every column, its scale bytes one a column) into codes[co:], scales[so:]
+    and pairs[po:] as `_panel_decoder`'s, and its 16 d (and dmin) widened to float32 into
+    pd[pdo:] (pdm[pdo:]): the same panel with no transposes. kind: "q5k" or "q6k"."""
 
-    def codegen(context, builder, sig, args):
-        wp, cp, sp, pp, dp = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in (0, 2, 4, 6, 8)]
-        at_, co_, so_, po_, pdo_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3, 5, 7, 9)]
-        rp = builder.gep(wp, [at_])
+    def typer(typingctx, w, at, codes, co, scales, so, pairs, po, pd, pdm, pdo):
+        if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
+                and _is_c_array(pairs, types.int32) and _is_c_array(pd, types.float32)
+                and _is_c_array(pdm, types.float32) and all(isinstance(a, types.Integer) for a in (at, co, so, po, pdo))):
+            return None
 
-        def store(ptr, off, index, v, ty=_V16):
-            p = builder.gep(ptr, [builder.add(off, _c64(16 * index))])
-            builder.store(v, builder.bitcast(p, ty.as_pointer()), align=4)
+        def codegen(context, builder, sig, args):
+            wp, cp, sp, pp, dp, mp = [context.make_array(sig.args[k])(context, builder, args[k]).data
+                                      for k in (0, 2, 4, 6, 8, 9)]
+            at_, co_, so_, po_, pdo_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 3, 5, 7, 10)]
+            rp = builder.gep(wp, [at_])
 
-        words = [_words(builder, rp, 288 + 64 * v, 16) for v in range(48)]
-        sc = [builder.sext(_load(builder, rp, 32 + 16 * q, _B16), _V16) for q in range(16)]
-        _q6k_panel(builder, words[:16], words[16:32], words[32:], sc, lambda i, v: store(cp, co_, i, v),
-                   lambda q, v: store(sp, so_, q, v), lambda p, v: store(pp, po_, p, v))
-        store(dp, pdo_, 0, _widen_f16(builder, _load(builder, rp, 0, _H16)), _F16V)
-        return context.get_dummy_value()
+            def store(ptr, off, index, v, ty=_V16):
+                p = builder.gep(ptr, [builder.add(off, _c64(16 * index))])
+                builder.store(v, builder.bitcast(p, ty.as_pointer()), align=4)
 
-    return types.void(w, at, codes, co, scales, so, pairs, po, pd, pdo), codegen
+            def byte(at):  # byte `at` of each column's block (a field of unit 1), as int32 lanes
+                return builder.zext(_load(builder, rp, at, _B16), _V16)
+
+            codes_, scales_, pairs_ = (lambda i, v: store(cp, co_, i, v), lambda q, v: store(sp, so_, q, v),
+                                       lambda p, v: store(pp, po_, p, v))
+            store(dp, pdo_, 0, _widen_f16(builder, _load(builder, rp, 0, _H16)), _F16V)
+            if kind == "q6k":  # d | 16 int8 scales from 32 | ql, qh words from 288
+                words = [_words(builder, rp, 288 + 64 * v, 16) for v in range(48)]
+                sc = [builder.sext(_load(builder, rp, 32 + 16 * q, _B16), _V16) for q in range(16)]
+                _q6k_panel(builder, words[:16], words[16:32], words[32:], sc, codes_, scales_, pairs_)
+                return context.get_dummy_value()
+            # q5k: d dmin | 12 scale bytes from 64 | qh words from 256 | qs words from 768
+            store(mp, pdo_, 0, _widen_f16(builder, _load(builder, rp, 32, _H16)), _F16V)
+            t = [_words(builder, rp, 768 + 64 * v, 16) for v in range(32)]
+            tq = [_words(builder, rp, 256 + 64 * v, 16) for v in range(8)]
+            u = []
+            for i in range(3):  # scale word i: bytes 4i..4i+3 of each column
+                v = byte(64 + 16 * 4 * i)
+                for b in range(1, 4):
+                    v = builder.or_(v, builder.shl(byte(64 + 16 * (4 * i + b)), _splat(builder, _V16, 8 * b)))
+                u.append(v)
+            _k4_panel(builder, t, tq, u, codes_, scales_, pairs_)
+            return context.get_dummy_value()
+
+        return types.void(w, at, codes, co, scales, so, pairs, po, pd, pdm, pdo), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+decode_q5k_record = _record_decoder("decode_q5k_record", "q5k")
+decode_q6k_record = _record_decoder("decode_q6k_record", "q6k")
 
 
 @njit(inline="always", **_JIT)
@@ -412,26 +453,40 @@ def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, row
 
 
 @njit(inline="always", **_JIT)
-def q6k_record_panel_columns(w, xq, xd, xs, out, c0, c1):
-    """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column) for repacked Q6_K
-    weights (`repack.pack`: uint8 [N', K/256*210]) by panels, one a group of 16 columns,
-    each decoded from its records (`decode_q6k_record`) with the next group's record
-    prefetched (it comes from memory), then `_passes`: `q6k_columns`' panels, bit for bit."""
+def _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub):
+    """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column) for repacked weights
+    (`repack.pack`: uint8 [N', K/256 * bytes]) by panels, one a group of 16 columns, each
+    decoded from its records (`decode`: a `_record_decoder`) with the next group's record
+    prefetched (it comes from memory), then `_passes`: the blocks' panels, bit for bit."""
     nsb = xq.shape[1] // QK
     rb = w.shape[1]
     rec = rb * PANEL_COLS // nsb
-    panel = _scratch(nsb, 16)
-    codes, scales, pairs, pd, _, _ = panel
+    panel = _scratch(nsb, nsub)
+    codes, scales, pairs, pd, pdm, _ = panel
     for g in range(c0 // PANEL_COLS, (c1 + PANEL_COLS - 1) // PANEL_COLS):
         base = g * PANEL_COLS * rb
         for s in range(nsb):
             at = base + s * rec
             for b in range(0, rec, 64):  # the next group's record (never faults past the end)
                 prefetch(w, at + PANEL_COLS * rb + b)
-            decode_q6k_record(w, at, codes, s * GROUPS * PANEL_COLS, scales, s * 16 * PANEL_COLS, pairs,
-                              s * 8 * PANEL_COLS, pd, s * PANEL_COLS)
-        _passes(panel, xq, xd, xs, out, g * PANEL_COLS, min(g * PANEL_COLS + PANEL_COLS, c1), panel_rows16_8,
-                panel_rows16, panel_rows16_2, panel_rows16_1)
+            decode(w, at, codes, s * GROUPS * PANEL_COLS, scales, s * nsub * PANEL_COLS, pairs,
+                   s * 8 * PANEL_COLS, pd, pdm, s * PANEL_COLS)
+        _passes(panel, xq, xd, xs, out, g * PANEL_COLS, min(g * PANEL_COLS + PANEL_COLS, c1), rows8, rows, rows2,
+                rows1)
+
+
+@njit(inline="always", **_JIT)
+def q5k_record_panel_columns(w, xq, xd, xs, out, c0, c1):
+    """`_record_panel_columns` for repacked Q5_K weights: `q5k_columns`' panels."""
+    _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode_q5k_record, panel_rows8_8, panel_rows8, panel_rows8_2,
+                          panel_rows8_1, 8)
+
+
+@njit(inline="always", **_JIT)
+def q6k_record_panel_columns(w, xq, xd, xs, out, c0, c1):
+    """`_record_panel_columns` for repacked Q6_K weights: `q6k_columns`' panels."""
+    _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode_q6k_record, panel_rows16_8, panel_rows16,
+                          panel_rows16_2, panel_rows16_1, 16)
 
 
 @njit(inline="always", **_JIT)

@@ -1,6 +1,6 @@
 """Weights repacked at load into records of 16 output columns: the layouts, pack and unpack.
 
-A record holds one block (Q4_0, Q4_1, Q8_0: 32 weights) or super-block (Q4_K, Q6_K: 256)
+A record holds one block (Q4_0, Q4_1, Q8_0: 32 weights) or super-block (Q4_K, Q5_K, Q6_K: 256)
 of 16 consecutive output columns, the file's bytes of those 16 blocks in another order, so
 that a 64-byte vector holds the same part of every column (lane c = column c) and a kernel
 meets 16 columns' codes with one broadcast of the activations and no shuffles
@@ -70,6 +70,8 @@ LAYOUTS = {
     "Q8_0": Layout(34, 32, (Field(0, 2, 0, 2), Field(2, 32, 32, 4, 0x80))),  # d[16] | codes + 128
     # d[16] dmin[16] | the 12 scale bytes, each 16 wide | qs (4-byte columns)
     "Q4_K": Layout(144, 256, (Field(0, 4, 0, 2), Field(4, 12, 64, 1), Field(16, 128, 256, 4))),
+    # d[16] dmin[16] | the 12 scale bytes, each 16 wide | qh then qs (4-byte columns)
+    "Q5_K": Layout(176, 256, (Field(0, 4, 0, 2), Field(4, 12, 64, 1), Field(16, 32, 256, 4), Field(48, 128, 768, 4))),
     # d[16] | the 16 int8 scales, each 16 wide | ql then qh (4-byte columns)
     "Q6_K": Layout(210, 256, (Field(208, 2, 0, 2), Field(192, 16, 32, 1), Field(0, 192, 288, 4))),
 }

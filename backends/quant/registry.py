@@ -74,7 +74,7 @@ _BUILT_IN = (
     _block("Q2_K", 10, 256, 84, (80, 82), at_load=True),
     _block("Q3_K", 11, 256, 110, (108,), at_load=True),
     _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, packed="packed256:q4_k_columns"),
-    _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True, q8k="q5k_columns"),
+    _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True, packed="packed256:q5_k_columns"),
     _block("Q6_K", 14, 256, 210, (208,), "q6k", at_load=True, packed="packed256:q6_k_columns"),
     _block("IQ4_NL", 20, 32, 18, (0,)),
     _block("IQ4_XS", 23, 256, 136, (0,), at_load=True),

@@ -23,16 +23,14 @@ from panechat.backends.quant import registry
 
 from .test_numpy_kernels import raw_blocks
 
-Q8K_TYPES = [t.name for t in registry.block_types() if t.cpu_q8k]
 
 
 def test_the_shipped_kquants_round_activations():
-    """Q5_K by these kernels; Q4_K and Q6_K by `packed256` over their repacked records, on the
-    same Q8_K rows and this module's contract (test_repacked). The Q4_K and Q6_K kernels here
-    on the file's blocks stay the contract's second implementation, tested below."""
-    assert "Q5_K" in Q8K_TYPES
+    """Q4_K, Q5_K and Q6_K by `packed256` over their repacked records, on the same Q8_K rows
+    and this module's contract (test_repacked); the kernels here, on the file's blocks, are
+    the contract's second implementation, tested below."""
     packed = [t.name for t in registry.block_types() if t.cpu_packed and packed_activations(t) == "q8k"]
-    assert packed == ["Q4_K", "Q6_K"]
+    assert packed == ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def _columns_source(module, prefix):

@@ -25,7 +25,7 @@ from .raw_types import assert_products_at_every_row_count
 from .test_numpy_kernels import _raw_blocks, _read_only
 
 TYPES = [t for t in pk.PACKED + packed256.PACKED if registry.get(t).cpu_packed]
-_KQ = {"Q4_K", "Q6_K"}
+_KQ = {"Q4_K", "Q5_K", "Q6_K"}
 
 
 def _k(qtype, k32):
@@ -55,7 +55,7 @@ def _dense(blocks, qtype, N, K):
 
 
 def test_the_registry_names_a_packed_product_for_each_type():
-    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES == ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+    assert [t.name for t in registry.types() if t.cpu_packed] == TYPES == ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("qtype", sorted(repack.LAYOUTS))
@@ -96,6 +96,13 @@ def test_a_record_holds_the_files_bytes_of_16_columns(qtype):
         assert rec[g, b, 32 + 2 * c:32 + 2 * c + 2].tobytes() == block[2:4].tobytes()
         assert [rec[g, b, 64 + 16 * t + c] for t in range(12)] == list(block[4:16])
         assert all(rec[g, b, 256 + 64 * (q // 4) + 4 * c + q % 4] == block[16 + q] for q in range(128))
+        return
+    if qtype == "Q5_K":  # d dmin | 12 scale bytes | qh | qs, 4-byte columns from 256 and 768
+        assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[:2].tobytes()
+        assert rec[g, b, 32 + 2 * c:32 + 2 * c + 2].tobytes() == block[2:4].tobytes()
+        assert [rec[g, b, 64 + 16 * t + c] for t in range(12)] == list(block[4:16])
+        assert all(rec[g, b, 256 + 64 * (q // 4) + 4 * c + q % 4] == block[16 + q] for q in range(32))
+        assert all(rec[g, b, 768 + 64 * (q // 4) + 4 * c + q % 4] == block[48 + q] for q in range(128))
         return
     if qtype == "Q6_K":  # d | 16 int8 scales | ql, qh; byte q of ql/qh at 288 + 64 (q // 4) + 4c + q % 4
         assert rec[g, b, 2 * c:2 * c + 2].tobytes() == block[208:210].tobytes()
