@@ -25,6 +25,9 @@ from .raw_types import assert_products_at_every_row_count
 from .test_numpy_kernels import _raw_blocks, _read_only
 
 TYPES = [t for t in pk.PACKED + packed256.PACKED if registry.get(t).cpu_packed]
+#: the types whose kernels every run compiles; Q5_K's (no shipped model's type, the costliest
+#: to compile) are checked in `make test-slow`, as test_registry_types does
+EVERY_RUN = [t for t in TYPES if t != "Q5_K"]
 _KQ = {"Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -126,7 +129,7 @@ def test_every_weight_is_packed_a_last_group_padded():
     with zero blocks), and its products are the reference's on the file's blocks."""
     rng = np.random.default_rng(2)
     be = NumpyBackend()
-    for qtype in TYPES:
+    for qtype in EVERY_RUN:
         K = _k(qtype, 64)
         for n in (48, 37):
             blocks = _blocks(rng, qtype, n, K)
@@ -174,9 +177,9 @@ def _columns_source(qtype):
     return run
 
 
-def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (6, 48), (9, 16), (21, 40))):
+def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (6, 48), (9, 16), (25, 40)), types=EVERY_RUN):
     rng = np.random.default_rng(4)
-    for qtype in TYPES:
+    for qtype in types:
         run = njit(cache=False)(_columns_source(qtype))
         for M, N in shapes:
             K = _k(qtype, 160)
@@ -192,7 +195,7 @@ def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (6, 48), (
 def test_every_form_gives_the_reference_bits(form, monkeypatch):
     """vnni, avx512 (no VNNI), avx2 and generic: the same exact integers, so the same bits
     (4-row tiles, tails of 1-3 rows, the K-quants' 5-row tile at 9 rows, one row against
-    pairs of groups and a last one at 48 columns, Q6_K's record panels at 21 rows and a
+    pairs of groups and a last one at 48 columns, Q6_K's record panels at 25 rows and a
     last group of 8 columns). This CPU runs each form whose instructions it has."""
     need = {"vnni": "vnni", "avx512": "avx512", "avx2": "avx2"}.get(form)
     if need is not None and q8k_dot.FORMS.index(q8k_dot.target_form()) > q8k_dot.FORMS.index(need):
@@ -202,19 +205,31 @@ def test_every_form_gives_the_reference_bits(form, monkeypatch):
     _check_reference_bits()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("form", q8k_dot.FORMS)
+def test_every_form_gives_q5_k_reference_bits(form, monkeypatch):
+    """`test_every_form_gives_the_reference_bits` for Q5_K."""
+    need = {"vnni": "vnni", "avx512": "avx512", "avx2": "avx2"}.get(form)
+    if need is not None and q8k_dot.FORMS.index(q8k_dot.target_form()) > q8k_dot.FORMS.index(need):
+        pytest.skip(f"this CPU cannot run the {form} form")
+    monkeypatch.setattr(q8k_dot, "FORM", form)
+    _check_reference_bits(types=("Q5_K",))
+
+
 _AVX2_TARGET = """
 from panechat.backends.cpu import packed32 as pk
 from panechat.backends.cpu import q8k_dot
 from tests.backends import test_repacked as t
 assert q8k_dot.FORM == pk.FORM == "avx2", pk.FORM
-t._check_reference_bits(((5, 32),))
+t._check_reference_bits(((5, 32),), ("Q4_0", "Q4_K"))
 print("ok")
 """
 
 
 def test_an_avx2_target_compiles_the_avx2_form():
     """numba compiling for a Haswell (no AVX-512; F16C) and for a generic x86-64 (no F16C:
-    the scales widened by bit moves) gives the reference bits."""
+    the scales widened by bit moves) gives the reference bits: one type of each module (the
+    others' forms are checked in this process, above)."""
     root = Path(__file__).resolve().parents[2]
     feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
              "+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
@@ -229,7 +244,7 @@ def test_an_avx2_target_compiles_the_avx2_form():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", [t if t in EVERY_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES])
 def test_products_at_every_row_count_are_the_reference(qtype):
     """Rows 1..33 in shuffled order, on one thread and two, through `linear` and the fused
     `linear_many` (two weights of 48 and 21 columns): every product is the reference's, so a
