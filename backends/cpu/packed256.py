@@ -150,26 +150,7 @@ def _q4k(builder, wp, rows):
     of each column: low nibbles sub-block 2p = v // 8's weights 4(v % 8) + i, high nibbles
     sub-block 2p + 1's). Each vector is loaded where it is used (a load from L1 is cheaper
     than a register spilled across the record)."""
-    m63, m15 = _splat(builder, _V16, 63), _splat(builder, _V16, 15)
-    six, four = _splat(builder, _V16, 6), _splat(builder, _V16, 4)
-    zero = ir.Constant(_V16, None)
-    isum, msum = [zero] * len(rows), [zero] * len(rows)
-    for j in range(8):
-        s = lambda t: _bytes16(builder, wp, 64 + 16 * t)  # noqa: E731 (scale byte t of each column)
-        if j < 4:  # get_scale_min_k4
-            sc, mn = builder.and_(s(j), m63), builder.and_(s(j + 4), m63)
-        else:
-            sc = builder.or_(builder.and_(s(j + 4), m15), builder.shl(builder.lshr(s(j - 4), six), four))
-            mn = builder.or_(builder.lshr(s(j + 4), four), builder.shl(builder.lshr(s(j), six), four))
-        mn2 = builder.or_(mn, builder.shl(mn, _splat(builder, _V16, 16)))  # the min in both int16 halves
-        raw = [_load(builder, wp, 256 + 512 * (j // 2) + 64 * v, _B64) for v in range(8)]
-        codes = (high_nibbles if j & 1 else low_nibbles)(builder, raw)
-        for r, row in enumerate(rows):
-            isum[r] = builder.add(isum[r], builder.mul(_dots(builder, row.x, 32 * j, codes), sc))
-            msum[r] = _dot2(builder, msum[r], mn2, row.sums32(j))  # m * (sum 2j) + m * (sum 2j + 1)
-    d = _widen_f16(builder, _load(builder, wp, 0, _H16))
-    dmin = _widen_f16(builder, _load(builder, wp, 32, _H16))
-    return d, dmin, list(zip(isum, msum))
+    return _scaled_sub_blocks(builder, wp, rows, 256, None)
 
 
 def _q5k(builder, wp, rows):
@@ -177,9 +158,14 @@ def _q5k(builder, wp, rows):
     bit j of byte l the fifth bit of sub-block j's weight l) and qs from byte 768. Sub-block
     j's code vector u is its nibble | (bit j of qh vector u) << 4: one shift of 32-bit words
     and a mask (no bit crosses into a neighbouring byte)."""
+    return _scaled_sub_blocks(builder, wp, rows, 768, 256)
+
+
+def _scaled_sub_blocks(builder, wp, rows, qs_at, qh_at):
+    """`_q4k` (qh_at None) or `_q5k`: the 8 sub-blocks of 32 weights with their 6-bit scales
+    and mins, the nibbles from byte qs_at and the fifth bits from byte qh_at."""
     m63, m15 = _splat(builder, _V16, 63), _splat(builder, _V16, 15)
     six, four = _splat(builder, _V16, 6), _splat(builder, _V16, 4)
-    bit4 = _splat(builder, _V16, 0x10101010)
     zero = ir.Constant(_V16, None)
     isum, msum = [zero] * len(rows), [zero] * len(rows)
     for j in range(8):
@@ -190,14 +176,15 @@ def _q5k(builder, wp, rows):
             sc = builder.or_(builder.and_(s(j + 4), m15), builder.shl(builder.lshr(s(j - 4), six), four))
             mn = builder.or_(builder.lshr(s(j + 4), four), builder.shl(builder.lshr(s(j), six), four))
         mn2 = builder.or_(mn, builder.shl(mn, _splat(builder, _V16, 16)))  # the min in both int16 halves
-        raw = [_load(builder, wp, 768 + 512 * (j // 2) + 64 * v, _B64) for v in range(8)]
-        nib = (high_nibbles if j & 1 else low_nibbles)(builder, raw)
-        codes = []
-        for v in range(8):
-            qh = _load(builder, wp, 256 + 64 * v, _V16)
-            top = builder.shl(qh, _splat(builder, _V16, 4 - j)) if j <= 4 else \
-                builder.lshr(qh, _splat(builder, _V16, j - 4))
-            codes.append(builder.or_(nib[v], builder.bitcast(builder.and_(top, bit4), _B64)))
+        raw = [_load(builder, wp, qs_at + 512 * (j // 2) + 64 * v, _B64) for v in range(8)]
+        codes = (high_nibbles if j & 1 else low_nibbles)(builder, raw)
+        if qh_at is not None:
+            bit4 = _splat(builder, _V16, 0x10101010)
+            for v in range(8):
+                qh = _load(builder, wp, qh_at + 64 * v, _V16)
+                top = builder.shl(qh, _splat(builder, _V16, 4 - j)) if j <= 4 else \
+                    builder.lshr(qh, _splat(builder, _V16, j - 4))
+                codes[v] = builder.or_(codes[v], builder.bitcast(builder.and_(top, bit4), _B64))
         for r, row in enumerate(rows):
             isum[r] = builder.add(isum[r], builder.mul(_dots(builder, row.x, 32 * j, codes), sc))
             msum[r] = _dot2(builder, msum[r], mn2, row.sums32(j))  # m * (sum 2j) + m * (sum 2j + 1)
