@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K products over super-blocks repacked at load into records of 16 output
+"""Q4_K, Q5_K and Q6_K products over super-blocks repacked at load into records of 16 output
 columns (`repack.LAYOUTS`), against llama.cpp's Q8_K activations: `q8k_dot`'s arithmetic
 (its docstring is the contract), the same bits, in a layout that costs no reductions.
 
@@ -11,6 +11,7 @@ sub-block's sum is scaled in its lane by the column's scale:
   Q4_K: isum = sum_j sc[j] * (sum over sub-block j of c * x)   (j of 32 weights; exact int32)
         msum = sum_j m[j] * (x sum of sub-block j)
         acc  = (acc + (dx * d) * f32(isum)) - (dx * dmin) * f32(msum)
+  Q5_K: Q4_K's, c = nibble | fifth bit << 4 (0..31)
   Q6_K: isum = sum_g sc[g] * (sum over group g of c * x - 32 * (x sum of g))   (g of 16)
         acc  = acc + (dx * d) * f32(isum)
 
@@ -305,11 +306,9 @@ def _columns(w, xq, xd, xs, out, c0, c1, r1, r2, r3, r4, t5):
     stop = M - 5 if five else M  # rows the four-row tiles cover
     g0, g1 = c0 // GROUP, (c1 + GROUP - 1) // GROUP
     if M == 1:
-        g = g0
-        while g + 2 <= g1:
-            _row_pair(w, xq, xd, xs, out, g, r1)
-            g += 2
-        g0 = g
+        while g0 + 2 <= g1:
+            _row_pair(w, xq, xd, xs, out, g0, r1)
+            g0 += 2
     for g in range(g0, g1):
         m = 0
         while m + ROWS <= stop:
