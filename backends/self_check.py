@@ -46,7 +46,7 @@ class CheckPlan:
     limits, weights (GGUF type, N, K) that reach each kernel variant, norm widths, and
     attention cases."""
 
-    batches: tuple[int, ...] = (2, 3, 5, 8, 17, 32)
+    batches: tuple[int, ...] = (2, 3, 5, 8, 17, 32, 64)  # 64: Q4_K's AMX form (packed256.Q4K_AMX_MIN_ROWS)
     linear: tuple[tuple[str, int, int], ...] = (
         ("F32", 70, 96), ("F32", 64, 200),  # leftover columns; a K tail
         ("Q8_0", 70, 96), ("Q4_0", 64, 192), ("Q4_1", 64, 192))

@@ -28,7 +28,7 @@ from panechat.backends.cpu.addresses import f32_at, u8_at
 from panechat.backends.cpu.block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from panechat.backends.cpu.numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
 from panechat.backends.cpu.generated import (bind_loader, cacheable, kernel_name, loader_of, packed_activations,
-                                            packed_columns_of, q8k_columns_of)
+                                            packed_columns_of, q8k_columns_of, uses_amx)
 from panechat.backends.cpu.packed32 import quantized_rows as packed_rows
 from panechat.backends.cpu.q8k_dot import quantized_rows
 from panechat.backends.quant import registry
@@ -161,7 +161,7 @@ def range_function(t: registry.QuantType):
             template = _packed_q8k_range_template if packed_activations(t) == "q8k" else _packed_range_template
         else:
             template = _q8k_range_template if q8k else _range_template
-        f = bind_loader(template, kernel_name("_range", t), packed or q8k or loader_of(t))
+        f = bind_loader(template, kernel_name("_range", t, uses_amx(t)), packed or q8k or loader_of(t))
         _COMPILED[t] = cfunc(RANGE_SIGNATURE, **dict(_JIT, cache=cacheable(t)))(f)
     return _COMPILED[t]
 

@@ -35,11 +35,23 @@ def q8k_columns_of(t: QuantType):
 
 
 def packed_columns_of(t: QuantType):
-    """The column product over repacked weights that `t.cpu_packed` names, or None."""
+    """The column product over repacked weights that `t.cpu_packed` names, or None; its AMX
+    form ("<name>_amx", the same bits) where `uses_amx(t)`."""
     if not t.cpu_packed:
         return None
     module, _, name = t.cpu_packed.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(module), name + ("_amx" if uses_amx(t) else ""))
+
+
+def uses_amx(t: QuantType) -> bool:
+    """Whether `t`'s repacked product runs in its AMX form: its module has one
+    ("<name>_amx") and this process may run AMX tiles (`amx_tiles.enabled()`)."""
+    if not t.cpu_packed:
+        return False
+    from panechat.backends.cpu import amx_tiles
+
+    module, _, name = t.cpu_packed.partition(":")
+    return hasattr(importlib.import_module(module), name + "_amx") and amx_tiles.enabled()
 
 
 def packed_activations(t: QuantType) -> str:
@@ -66,6 +78,7 @@ def bind_loader(template, name: str, load2):
     return f
 
 
-def kernel_name(prefix: str, t: QuantType) -> str:
-    """The generated function's name for type `t`: "_linear_q4_k" for ("_linear", Q4_K)."""
-    return f"{prefix}_{t.name.lower()}"
+def kernel_name(prefix: str, t: QuantType, amx: bool = False) -> str:
+    """The generated function's name for type `t`: "_linear_q4_k" for ("_linear", Q4_K);
+    "_packed_q4_k_amx" for ("_packed", Q4_K, amx) (its own cache entry)."""
+    return f"{prefix}_{t.name.lower()}" + ("_amx" if amx else "")

@@ -31,6 +31,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from panechat.backends.cpu import amx_tiles
 from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
 from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_nibbles, low_nibbles, prefetch_ahead,
                                             splat_i32, store_group)
@@ -46,6 +47,8 @@ PACKED = ("Q4_K", "Q5_K", "Q6_K")  # the types this module multiplies
 ACTIVATIONS = "q8k"  # the rows its column products take (`q8k_dot.quantized_rows`)
 Q5K_PANEL_MIN_ROWS = 24  # Q5_K's (tiles 5-28% faster up to 20 rows, even at 24)
 Q6K_PANEL_MIN_ROWS = 20  # Q6_K from this many rows on by panels of its records (16 rows: the tiles 5-12% faster)
+AMX_MIN_ROWS = 16  # Q5_K's and Q6_K's AMX forms from this many rows on (below: the record tiles, 1.1-2x faster at 8-12)
+Q4K_AMX_MIN_ROWS = 64  # Q4_K's (at 16-32 rows from memory even, or slower when K = 8192; a B=16 step 8% slower)
 
 
 def reference(qtype: str, x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -355,17 +358,60 @@ def q6_k_columns(w, xq, xd, xs, out, c0, c1):
 
 
 @njit(inline="always", **_JIT)
+def q4_k_columns_amx(w, xq, xd, xs, out, c0, c1):
+    """`q4_k_columns` where AMX tiles may run (`generated.uses_amx`): from Q4K_AMX_MIN_ROWS
+    rows on by `amx_tiles` (the same bits)."""
+    if xq.shape[0] >= Q4K_AMX_MIN_ROWS:
+        amx_tiles.q4k_columns(w, xq, xd, xs, out, c0, c1)
+    else:
+        q4_k_columns(w, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
+def q5_k_columns_amx(w, xq, xd, xs, out, c0, c1):
+    """`q4_k_columns_amx` for Q5_K, from AMX_MIN_ROWS rows on."""
+    if xq.shape[0] >= AMX_MIN_ROWS:
+        amx_tiles.q5k_columns(w, xq, xd, xs, out, c0, c1)
+    else:
+        q5_k_columns(w, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
+def q6_k_columns_amx(w, xq, xd, xs, out, c0, c1):
+    """`q4_k_columns_amx` for Q6_K, from AMX_MIN_ROWS rows on."""
+    if xq.shape[0] >= AMX_MIN_ROWS:
+        amx_tiles.q6k_columns(w, xq, xd, xs, out, c0, c1)
+    else:
+        q6_k_columns(w, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
 def packed_q8k_linear_driver(x, ws, outs, count, columns):
     """outs[j] = x @ W_j.T for the first `count` (1..3) packed weights of the 3-tuple ws, by
     `columns`: x rounded to Q8_K once (rows in parallel), then one parallel region over
-    tasks of TASK_GROUPS groups."""
+    tasks of TASK_GROUPS groups and a block of `task_rows(K)` rows, block by block (a
+    thread's tasks in a row share the block's activations in its L2: prefill's 2,048 rows
+    streamed for every group of 16 columns cost more than the products)."""
     M, K = x.shape
     xq, xd, xs = np.empty((M, K), np.int8), np.empty((M, K // QK), np.float32), np.empty((M, K // 16), np.int16)
     for m in prange(M):
         quantize_row_q8k(x, m, xq, xd, xs)
     cols = TASK_GROUPS * GROUP
     t1, t2, t3 = column_tasks(outs, count, cols)
-    for t in prange(t3):
-        j, n0 = column_task(t, t1, t2, cols)
+    rows = task_rows(K)
+    for t in prange(t3 * ((M + rows - 1) // rows)):
+        r0 = t // t3 * rows
+        r1 = min(r0 + rows, M)
+        j, n0 = column_task(t % t3, t1, t2, cols)
         out = outs[j]
-        columns(ws[j], xq, xd, xs, out, n0, min(n0 + cols, out.shape[1]))
+        columns(ws[j], xq[r0:r1], xd[r0:r1], xs[r0:r1], out[r0:r1], n0, min(n0 + cols, out.shape[1]))
+
+
+TASK_BYTES = 1 << 18  # int8 activations a task's block of rows holds (an eighth of a core's L2: 1 MiB was 10-40% slower)
+
+
+@njit(inline="always", **_JIT)
+def task_rows(K):
+    """Rows of a task's block: TASK_BYTES of K int8 activations, a multiple of 16 (the AMX
+    passes'), at least 16."""
+    return max(16, TASK_BYTES // K // 16 * 16)

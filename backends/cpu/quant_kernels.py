@@ -73,7 +73,7 @@ from panechat.backends.cpu.block_linear import block_linear_driver
 from panechat.backends.cpu.block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
                         vsplat_f16_pair)
 from panechat.backends.cpu.generated import (bind_loader, cacheable, kernel_name, loader_of, packed_activations,
-                                            packed_columns_of, q8k_columns_of)
+                                            packed_columns_of, q8k_columns_of, uses_amx)
 from panechat.backends.cpu.packed32 import GROUP, packed_linear_driver
 from panechat.backends.cpu.packed256 import packed_q8k_linear_driver
 from panechat.backends.cpu.q8k_dot import q8k_linear_driver
@@ -738,7 +738,7 @@ def packed_kernel(qtype: str):
         if columns is None:
             raise ValueError(f"no CPU product reads {qtype} weights repacked")
         template = _linear_packed_q8k if packed_activations(t) == "q8k" else _linear_packed
-        f = bind_loader(template, kernel_name("_packed", t), columns)
+        f = bind_loader(template, kernel_name("_packed", t, uses_amx(t)), columns)
         built = _PACKED_BUILT[qtype] = (t, njit(parallel=True, **dict(_JIT, cache=cacheable(t)))(f))
     return built[1]
 
