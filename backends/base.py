@@ -46,6 +46,11 @@ class Backend(ABC):
         device): a type the backend keeps quantized from `t.blocks` (no float32 copy), any
         other from `t.dequantize()`."""
 
+    def loading_weights(self) -> contextlib.AbstractContextManager:
+        """Inside, `linear_weight` prepares one model's weights (the CPU backend: copies
+        it makes go to memory of that model's own, on 2 MiB pages). Nothing elsewhere."""
+        return contextlib.nullcontext()
+
     def free_memory(self) -> int | None:
         """Bytes the KV store could still take on this device (the default KV budget is a
         share of it): the host's available RAM (None where unknown)."""

@@ -114,10 +114,23 @@ class NumpyBackend(ArrayBackend):
 
         self._threads = numba.get_num_threads
         self._background = False  # inside `background()`: one thread, whatever the governor says
+        self._arena = None  # inside `loading_weights()`: where repacked weights go
         self.governor: ThreadGovernor | None = None
         if not os.environ.get("NUMBA_NUM_THREADS"):
             self.governor = ThreadGovernor(numba.get_num_threads(), numba.set_num_threads)
             self.governor.prime()  # the first step knows the load (start-up: the model loads meanwhile)
+
+    @contextlib.contextmanager
+    def loading_weights(self):
+        """Repacked weights go to one `WeightArena` while inside: 2 MiB pages, freed with
+        the model that holds them."""
+        from panechat.backends.cpu.weight_memory import WeightArena
+
+        was, self._arena = self._arena, WeightArena()
+        try:
+            yield
+        finally:
+            self._arena = was
 
     def describe(self) -> str:
         if self.governor is not None:
@@ -153,7 +166,7 @@ class NumpyBackend(ArrayBackend):
         if kind is not None and kind.cpu_loader and len(t.shape) == 2 and kind.fits(t.shape[1]):
             blocks = np.ascontiguousarray(t.blocks, dtype=np.uint8)  # the mapped bytes, no copy
             if kind.cpu_packed:
-                packed = self.repack.pack(blocks, t.qtype)
+                packed = self.repack.pack(blocks, t.qtype, self._arena)
                 _let_go_of_mapped(blocks)
                 return PackedWeight(t.qtype, packed, t.shape)
             if kind.scales_at_load:

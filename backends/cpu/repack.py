@@ -83,16 +83,18 @@ def record_bytes(qtype: str) -> int:
     return GROUP * LAYOUTS[qtype].block_bytes
 
 
-def pack(blocks: np.ndarray, qtype: str) -> np.ndarray:
+def pack(blocks: np.ndarray, qtype: str, arena=None) -> np.ndarray:
     """`qtype` blocks uint8 [N, K/w * bytes] as records, uint8 [N', same] with N' = N rounded
     up to 16: rows 16g..16g+15 hold group g's records, block by block. One parallel pass
-    with no copy but the result (a load's peak memory: the model plus one tensor's pages)."""
+    with no copy but the result (a load's peak memory: the model plus one tensor's pages),
+    which `arena` (a `weight_memory.WeightArena`) holds, else numpy."""
     N, rb = blocks.shape
     bb = LAYOUTS[qtype].block_bytes
     if rb % bb:
         raise ValueError(f"pack: {qtype} blocks {blocks.shape} are not rows of whole blocks")
     at, flip = _PLACES[qtype]
-    out = np.empty((-(-N // GROUP) * GROUP, rb), np.uint8)
+    shape = (-(-N // GROUP) * GROUP, rb)
+    out = np.empty(shape, np.uint8) if arena is None else arena.empty(shape, np.uint8)
     _pack_into(np.ascontiguousarray(blocks, np.uint8), out, at, flip)
     return out
 

@@ -107,7 +107,8 @@ class Model:
         """Hand every tensor of `gf` to `backend` as stored (`GGUFTensor`); the backend
         keeps or dequantizes it. Timed in `load_seconds`; raises ModelFileError."""
         try:
-            return cls._load(gf, backend, max_positions)
+            with backend.loading_weights():
+                return cls._load(gf, backend, max_positions)
         except TensorError as e:  # a tensor the backend could not dequantize
             raise ModelFileError(f"{gf.path}: {e}") from None
 
