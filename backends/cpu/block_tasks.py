@@ -2,11 +2,11 @@
 x @ W.T, for the crew threads of the one-call decode step (`decoder`).
 
 The columns are computed by `block_linear`'s own paths (register tiles up to
-REG_MAX_ROWS rows, dequantized float32 panels above; a type with a `cpu_q8k` product by
-`q8k_panel`'s, one with `cpu_packed` by `packed32`'s or `packed256`'s over its repacked
-records, the rows quantized by each thread), so every output element has the bits
-`quant_kernels.linear_block32` / `linear_kquant` / `linear_packed` give it: which thread computes a
-column, and with which neighbours, never changes its arithmetic. Each block type is its
+REG_MAX_ROWS rows, dequantized float32 panels above; a type with `cpu_packed` by
+`packed32`'s or `packed256`'s over its repacked records, the rows quantized by each
+thread), so every output element has the bits `quant_kernels.linear_block32` /
+`linear_kquant` / `linear_packed` give it: which thread computes a column, and with which
+neighbours, never changes its arithmetic. Each block type is its
 own C-callable function (`range_function`, made from the type's registry entry by
 `generated`), compiled on first use and cached; the step calls them through a table of
 pointers indexed by a small integer code (`step_codes`, from the registry's order),
@@ -28,7 +28,7 @@ from panechat.backends.cpu.addresses import f32_at, u8_at
 from panechat.backends.cpu.block_linear import PAIR, PANEL_COLS, REG_MAX_ROWS, _dequantize_panel, _load_panel, _register_panel
 from panechat.backends.cpu.numpy_kernels import _COLS_PER_TASK, _JIT, _STREAM_MAX_ROWS, TILE_N, _column_panel
 from panechat.backends.cpu.generated import (bind_loader, cacheable, kernel_name, loader_of, packed_activations,
-                                            packed_columns_of, q8k_columns_of, uses_amx)
+                                            packed_columns_of, uses_amx)
 from panechat.backends.cpu.packed32 import quantized_rows as packed_rows
 from panechat.backends.cpu.q8k_dot import quantized_rows
 from panechat.backends.quant import registry
@@ -82,19 +82,6 @@ def _range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_
 
 
 @njit(inline="always", **_JIT)
-def _q8k_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_out, c0, c1, columns):
-    """`_range_at` for a type with an int8-activation column product: the rows quantized
-    (each thread its own copy: a few microseconds at decode sizes), then `columns`."""
-    if c1 <= c0:
-        return
-    x, out = numba.carray(f32_at(x_at), (M, K)), numba.carray(f32_at(out_at), (M, n_out))
-    w = numba.carray(u8_at(w_at), (N, rb))
-    d, dmin = numba.carray(f32_at(d_at), (d_rows, d_cols)), numba.carray(f32_at(dmin_at), (d_rows, d_cols))
-    xq, xd, xs = quantized_rows(x)
-    columns(w, d, dmin, xq, xd, xs, out, c0, c1)
-
-
-@njit(inline="always", **_JIT)
 def _packed_range_at(x_at, M, K, w_at, N, rb, d_at, dmin_at, d_rows, d_cols, out_at, n_out, c0, c1, columns):
     """`_range_at` for a repacked weight (`packed32`; c0 a multiple of 16, c1 too or N): the
     rows rounded to int16 (each thread its own copy), then `columns`. d and dmin are unused."""
@@ -127,11 +114,6 @@ def _packed_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1)
     _packed_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
 
 
-def _q8k_range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
-    """Template of the range function of a type with `cpu_q8k` (`_load2`: its column product)."""
-    _q8k_range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
-
-
 def _range_template(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1):
     """Template of each type's range function (`generated.bind_loader` binds `_load2`)."""
     _range_at(x, M, K, w, N, rb, d, dm, dr, dc, out, n_out, c0, c1, _load2)
@@ -156,12 +138,12 @@ def range_function(t: registry.QuantType):
     int64: x address, M, K; the blocks' address, N, bytes a row; d and dmin addresses, their
     rows and columns; out's address and columns; c0, c1."""
     if t not in _COMPILED:
-        q8k, packed = q8k_columns_of(t), packed_columns_of(t)
-        if packed:
-            template = _packed_q8k_range_template if packed_activations(t) == "q8k" else _packed_range_template
+        packed = packed_columns_of(t)
+        if not packed:
+            template = _range_template
         else:
-            template = _q8k_range_template if q8k else _range_template
-        f = bind_loader(template, kernel_name("_range", t, uses_amx(t)), packed or q8k or loader_of(t))
+            template = _packed_q8k_range_template if packed_activations(t) == "q8k" else _packed_range_template
+        f = bind_loader(template, kernel_name("_range", t, uses_amx(t)), packed or loader_of(t))
         _COMPILED[t] = cfunc(RANGE_SIGNATURE, **dict(_JIT, cache=cacheable(t)))(f)
     return _COMPILED[t]
 

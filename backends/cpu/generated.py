@@ -26,14 +26,6 @@ def loader_of(t: QuantType):
     return getattr(importlib.import_module(module), name)
 
 
-def q8k_columns_of(t: QuantType):
-    """The int8-activation column product that `t.cpu_q8k` names, or None (the float32 path)."""
-    if not t.cpu_q8k:
-        return None
-    module, _, name = t.cpu_q8k.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def packed_columns_of(t: QuantType):
     """The column product over repacked weights that `t.cpu_packed` names, or None; its AMX
     form ("<name>_amx", the same bits) where `uses_amx(t)`."""

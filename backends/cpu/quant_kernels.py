@@ -8,14 +8,12 @@ into exactly the float32 values `gguf.quants.dequantize` gives, then runs the ti
 and fixed-order reduction of `numpy_kernels.linear` (its module docstring is the
 numerical contract). So a product here equals, bit for bit, ``linear(x, dequantize(w))``,
 and a row's bits never depend on the batch.
-Except for a type whose registry entry names a `cpu_q8k` product (Q5_K, Q6_K): its
-kernels round each activation row to 8 bits as llama.cpp does and multiply integers
-(`q8k_dot`, whose docstring is that contract; its numpy reference gives their bits;
-`q8k_panel` computes them for many rows), and for one that names a `cpu_packed` product
-(Q4_0, Q4_1, Q8_0, Q4_K): its weights are repacked at load (`repack`) and multiplied in
-exact integers over activations rounded to int16 (`packed32`) or, for Q4_K, to Q8_K by
-`q8k_dot`'s contract (`packed256`), by `linear_packed`. The pair loaders below still
-describe those types' weights (the tests, the float32 path of `linear_block32`).
+Except for a type whose registry entry names a `cpu_packed` product (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K): its weights are repacked at load (`repack`) and multiplied in exact
+integers over activations rounded to int16 (`packed32`) or, for the K-quants, to 8 bits
+as llama.cpp does (its Q8_K: `q8k_dot`, whose docstring is that contract; `packed256`),
+by `linear_packed`. The pair loaders below still describe those types' weights (the
+tests, the float32 path of `linear_block32` / `linear_kquant`).
 
 Block layouts (256 weights a super-block, sub-block scales packed in the block):
 
@@ -73,10 +71,9 @@ from panechat.backends.cpu.block_linear import block_linear_driver
 from panechat.backends.cpu.block_lut import (HAS_LUT, vfma_exact, viota, vlut16_bits, vlut16_nibbles, vlut32_bits, vlut32_q5,
                         vsplat_f16_pair)
 from panechat.backends.cpu.generated import (bind_loader, cacheable, kernel_name, loader_of, packed_activations,
-                                            packed_columns_of, q8k_columns_of, uses_amx)
+                                            packed_columns_of, uses_amx)
 from panechat.backends.cpu.packed32 import GROUP, packed_linear_driver
 from panechat.backends.cpu.packed256 import packed_q8k_linear_driver
-from panechat.backends.cpu.q8k_dot import q8k_linear_driver
 from panechat.backends.quant import registry
 from panechat.backends.cpu.numpy_kernels import (
     _JIT,
@@ -685,12 +682,6 @@ def _linear_at_load(x, ws, wds, wdms, outs, count):
     block_linear_driver(x, ws, wds, wdms, outs, count, _load2)
 
 
-def _linear_q8k(x, ws, wds, wdms, outs, count):
-    """Template: a product over 1-3 weights of a type with an int8-activation column product
-    (registry `cpu_q8k`, bound as `_load2`): `q8k_dot`'s arithmetic at every row count."""
-    q8k_linear_driver(x, ws, wds, wdms, outs, count, _load2)
-
-
 def _linear_packed(x, ws, outs, count):
     """Template: a product over 1-3 weights repacked at load (registry `cpu_packed`, its column
     product bound as `_load2`): `packed32`'s arithmetic at every row count."""
@@ -718,10 +709,9 @@ def kernel(qtype: str):
     if built is None or built[0] is not t:
         if t is None or not t.cpu_loader:
             raise ValueError(f"no CPU block kernel reads {qtype}")
-        q8k = q8k_columns_of(t)
-        template = _linear_q8k if q8k else (_linear_at_load if t.scales_at_load else _linear_in_block)
-        load2, jit = q8k or loader_of(t), dict(_JIT, cache=cacheable(t))
-        built = _BUILT[qtype] = (t, njit(parallel=True, **jit)(bind_loader(template, kernel_name("_linear", t), load2)))
+        template = _linear_at_load if t.scales_at_load else _linear_in_block
+        f = bind_loader(template, kernel_name("_linear", t), loader_of(t))
+        built = _BUILT[qtype] = (t, njit(parallel=True, **dict(_JIT, cache=cacheable(t)))(f))
     return built[1]
 
 

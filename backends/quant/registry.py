@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _CPU = "panechat.backends.cpu.quant_kernels:"  # where the built-in pair loaders live
-_Q8K = "panechat.backends.cpu.q8k_panel:"  # where the int8-activation column products live
 _PACKED = "panechat.backends.cpu."  # the module of a product over repacked records ("packed32:q4_0_columns")
 
 
@@ -27,13 +26,12 @@ class QuantType:
     float32 arrays [N, K / block_weights] at load (d, then dmin or d again), instead of
     reading them from the block in the kernel. `cpu_loader`: "module:function" of the CPU
     pair loader (`block_linear`'s load2), "" when the CPU keeps no blocks of it. `cuda_form`:
-    the CuPy kernel family that reads it as stored ("" when none does). `cpu_q8k`:
-    "module:function" of the CPU column-range product over activations rounded to 8 bits
-    (llama.cpp's Q8_K, `q8k_dot`), which then computes every product of the type instead of
-    the float32 pair-loader kernels; "" for none. `cpu_packed`: "module:function" of the CPU
-    column-range product over weights repacked at load into records of 16 columns
-    (`repack`), against activations rounded to int16 per 32 (`packed32`, `packed256`): every
-    weight of the type is repacked and every product of it uses that; "" for none."""
+    the CuPy kernel family that reads it as stored ("" when none does). `cpu_packed`:
+    "module:function" of the CPU column-range product over weights repacked at load into
+    records of 16 columns (`repack`), against activations rounded to int16 per 32
+    (`packed32`) or to 8 bits per 256 (llama.cpp's Q8_K: `packed256`): every weight of the
+    type is repacked and every product of it uses that instead of the float32 pair-loader
+    kernels; "" for none."""
 
     name: str
     type_id: int
@@ -43,7 +41,6 @@ class QuantType:
     scales_at_load: bool = False
     cpu_loader: str = ""
     cuda_form: str = ""
-    cpu_q8k: str = ""
     cpu_packed: str = ""
 
     def fits(self, k: int) -> bool:
@@ -55,9 +52,9 @@ class QuantType:
         return k // self.block_weights * self.block_bytes
 
 
-def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, q8k="", packed="") -> QuantType:
+def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, packed="") -> QuantType:
     return QuantType(name, type_id, weights, nbytes, f16_at, at_load, f"{_CPU}_pair_{name.lower()}", cuda_form,
-                     q8k and f"{_Q8K}{q8k}", packed and f"{_PACKED}{packed}")
+                     packed and f"{_PACKED}{packed}")
 
 
 # In the order messages list them (`read_types_text`); ids from ggml.h enum ggml_type,

@@ -9,7 +9,7 @@ import numba
 import numpy as np
 
 from panechat.backends.cpu import numpy_kernels as nk
-from panechat.backends.cpu import q8k_dot, repack
+from panechat.backends.cpu import repack
 from panechat.backends.cpu import quant_kernels as qk
 from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
@@ -72,21 +72,19 @@ def assert_products_at_every_row_count(be, kept, pool, want, rng, label):
 
 
 def product_reference(x, w, dense):
-    """What the backend's product x @ W.T must be, bit for bit: for a type whose products
-    round the activations to 8 bits (registry `cpu_q8k`) `q8k_dot.reference` on its blocks, for a
-    repacked one (registry `cpu_packed`) `repack.reference` on the file's blocks,
-    for the others the float32 kernel on gguf's weights `dense`."""
-    if isinstance(w, PackedWeight):  # Q4_0, Q4_1, Q8_0 in records of 16 columns: int16 activations
+    """What the backend's product x @ W.T must be, bit for bit: for a repacked type (registry
+    `cpu_packed`) `repack.reference` on the file's blocks (its activations rounded to int16,
+    or for a K-quant to 8 bits: `q8k_dot`'s contract), for the others the float32 kernel on
+    gguf's weights `dense`."""
+    if isinstance(w, PackedWeight):  # in records of 16 columns
         return repack.reference(w.qtype, x, repack.unpack(w.data, w.qtype, w.shape[0]))
-    if registry.get(w.qtype).cpu_q8k:
-        return q8k_dot.reference(w.qtype, x, w.blocks, w.d, w.dmin)
     return nk.linear(x, dense, np.empty((x.shape[0], dense.shape[0]), np.float32))
 
 
 def assert_kernels_are_linear_at_every_row_count(qtype, seed):
     """Rows 1..33 picked from a pool in shuffled order, through `linear` and the fused
     `linear_many`, on one numba thread (the serial kernels) and two: every product is the
-    float32 kernel's on gguf's weights (a `cpu_q8k` type's: its int8-activation reference),
+    float32 kernel's on gguf's weights (a `cpu_packed` type's: its repacked product's reference),
     and each row's bits are the row's alone."""
     rng = np.random.default_rng(seed)
     be = NumpyBackend()

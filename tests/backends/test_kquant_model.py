@@ -6,7 +6,7 @@ numpy references), and stays batch-invariant."""
 import numpy as np
 import pytest
 
-from panechat.backends.cpu import q8k_dot, repack
+from panechat.backends.cpu import repack
 from panechat.backends.cpu.numpy_backend import NumpyBackend, PackedWeight
 from panechat.backends.quant import registry
 from panechat.engine.gguf.file import GGUFFile
@@ -19,17 +19,10 @@ PROMPTS = [[1, 9690, 198, 2683, 359, 253], [504, 2365, 6354]]
 STEPS = 16
 
 
-class _Q8KReference:
-    """A weight of a type whose products round activations to 8 bits (registry `cpu_q8k`),
-    for the reference backend: its blocks and scales, multiplied by `q8k_dot.reference`."""
-
-    def __init__(self, w):
-        self.w = w
-
-
 class _PackedReference:
     """A weight of a type whose products run over repacked blocks (registry `cpu_packed`),
-    for the reference backend: the file's blocks, multiplied by `repack.reference`."""
+    for the reference backend: the file's blocks, multiplied by `repack.reference` (for a
+    K-quant `q8k_dot`'s contract: activations rounded to 8 bits)."""
 
     def __init__(self, t):
         self.qtype, self.blocks, self.shape = t.qtype, np.asarray(t.blocks, np.uint8), t.shape
@@ -37,19 +30,15 @@ class _PackedReference:
 
 class DequantizedBackend(NumpyBackend):
     """The reference: every weight dequantized to float32 by gguf, through the f32 kernel;
-    a `cpu_q8k` type's (Q6_K, Q5_K) or `cpu_packed` type's (Q4_0, Q4_1, Q8_0, Q4_K) through its
-    numpy reference instead (one call per product)."""
+    a `cpu_packed` type's (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) through its numpy reference
+    instead (one call per product)."""
 
     def linear_weight(self, t):
-        if registry.get(t.qtype).cpu_q8k:
-            return _Q8KReference(super().linear_weight(t))
         if registry.get(t.qtype).cpu_packed and len(t.shape) == 2:
             return _PackedReference(t)
         return t.dequantize()
 
     def linear(self, x, w):
-        if isinstance(w, _Q8KReference):
-            return q8k_dot.reference(w.w.qtype, x, w.w.blocks, w.w.d, w.w.dmin)
         if isinstance(w, _PackedReference):
             return repack.reference(w.qtype, np.ascontiguousarray(x, np.float32), w.blocks)
         return super().linear(x, w)

@@ -150,16 +150,14 @@ def _block_weight(rng, qtype, N, K):
 
 
 def _expected(x, w, kept):
-    """The product's bits: the float32 kernel on gguf's floats `w`, or for a type whose products
-    round activations (registry `cpu_q8k`: Q4_K, Q5_K, Q6_K; a repacked weight of a `cpu_packed`
-    type: Q4_0, Q4_1, Q8_0) its numpy reference."""
-    from panechat.backends.cpu import q8k_dot, repack
+    """The product's bits: the float32 kernel on gguf's floats `w`, or for a weight repacked
+    (registry `cpu_packed`), whose products round activations (Q4_0, Q4_1, Q8_0 to int16;
+    Q4_K, Q5_K, Q6_K to 8 bits, `q8k_dot`'s contract), its numpy reference."""
+    from panechat.backends.cpu import repack
     from panechat.backends.cpu.numpy_backend import PackedWeight
 
-    if isinstance(kept, PackedWeight):  # Q4_0, Q4_1, Q8_0 in records of 16 columns: int16 activations
+    if isinstance(kept, PackedWeight):  # in records of 16 columns
         return repack.reference(kept.qtype, x, repack.unpack(kept.data, kept.qtype, kept.shape[0]))
-    if registry.get(kept.qtype).cpu_q8k:
-        return q8k_dot.reference(kept.qtype, x, kept.blocks, kept.d, kept.dmin)
     return nk.linear(x, w, np.empty((x.shape[0], w.shape[0]), np.float32))
 
 
