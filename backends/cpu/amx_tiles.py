@@ -16,8 +16,8 @@ super-block and pass of up to 16 rows, three tile products sum exactly
 
 the contract's integers (`packed256`'s docstring), then the same float step lane by lane
 (`q8k_dot._float_step`; Q6_K: acc + (dx * d) * f32(isum)). Integer sums are exact in any
-order, so a row's bits are those of the row tiles and of `q8k_panel`'s panels, whichever
-computes it and beside whichever rows. Bounds: |sum x * lo| <= 256 * 255 * 128,
+order, so a row's bits are those of `packed256`'s record tiles and of `q8k_panel`'s panels,
+whichever computes it and beside whichever rows. Bounds: |sum x * lo| <= 256 * 255 * 128,
 |256 * sum x * hi| <= 256 * 256 * 16 * 128, both < 2**31.
 
 A panel is decoded from the repacked records (`repack.LAYOUTS`) of one group of 16

@@ -2,11 +2,11 @@
 columns (`repack.LAYOUTS`), against llama.cpp's Q8_K activations: `q8k_dot`'s arithmetic
 (its docstring is the contract), the same bits, in a layout that costs no reductions.
 
-`q8k_dot` reads the file's blocks: four columns a tile, 16 lanes of partial sums reduced
-across lanes at every super-block, which at one row costs more than the block's bytes
-(15 GB/s on a 30 GB/s machine). Here a 64-byte vector's lane c is column c (four weights
-a lane), so a broadcast of four activations meets 16 columns in one `vpdpbusd`, and each
-sub-block's sum is scaled in its lane by the column's scale:
+Kernels on the file's blocks (panechat's before the repacking: four columns a tile, 16
+lanes of partial sums reduced across lanes at every super-block) cost more at one row than
+the block's bytes (15 GB/s on a 30 GB/s machine). Here a 64-byte vector's lane c is
+column c (four weights a lane), so a broadcast of four activations meets 16 columns in one
+`vpdpbusd`, and each sub-block's sum is scaled in its lane by the column's scale:
 
   Q4_K: isum = sum_j sc[j] * (sum over sub-block j of c * x)   (j of 32 weights; exact int32)
         msum = sum_j m[j] * (x sum of sub-block j)

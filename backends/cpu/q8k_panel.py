@@ -1,21 +1,21 @@
-"""K-quant products for many rows: each weight panel decoded once, 16 columns a vector.
+"""K-quant products for many rows over repacked records: each group of 16 columns
+decoded once into a panel, 16 columns a vector.
 
-At prefill and in large batches every weight block meets many activation rows, and the
-row tiles of `q8k_dot` spend most of their time on what does not grow with the rows they
-share it with: decoding a block's codes, scales and mins, and reducing 16 lanes of
-partial sums to each element's integers. Here a task decodes 16 weight rows (output
+At prefill and in large batches every weight record meets many activation rows, and
+`packed256`'s record tiles decode a record's codes, scales and mins again for every few
+rows they compute. Here a task decodes a group's records (16 weight rows: output
 columns) once into a panel laid out for the integer dot products: lane c of a vector is
 column c, its four bytes four consecutive weights of that column. Then every activation
-row passes the panel, four rows at a time; per row, sub-block and vector of 16 columns:
-one `vpdpbusd` per four weights against the row's four activations broadcast, one
-multiply by the 16 columns' sub-block scales, `vpdpwssd` for the mins against the row's
-sums of 16, and one float step for 16 columns at once.
+row passes the panel, eight rows at a time, then four; per row, sub-block and vector of 16
+columns: one `vpdpbusd` per four weights against the row's four activations broadcast,
+one multiply by the 16 columns' sub-block scales, `vpdpwssd` for the mins against the
+row's sums of 16, and one float step for 16 columns at once. `packed256` takes them for
+Q5_K and Q6_K from its Q5K_PANEL_MIN_ROWS and Q6K_PANEL_MIN_ROWS rows on.
 
 The integers are `q8k_dot`'s contract, isum and msum of each (row, column, super-block),
 exact, and the float step is the same IEEE operations lane by lane, so a panel's bits are
-the row tiles' bits: which of the two computes a product (by its row count,
-PANEL_MIN_ROWS, Q6K_PANEL_MIN_ROWS) never shows in a row's result, and a row's bits stay
-those it has alone.
+the record tiles' bits: which of the two computes a product (by its row count) never
+shows in a row's result, and a row's bits stay those it has alone.
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from panechat.backends.cpu import q8k_dot
 from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array, prefetch
 from panechat.backends.cpu.packed32 import _widen_f16
 from panechat.backends.cpu.q8k_dot import QK, _B16, _F16V, _H16, _I32, _V16, _dot2, _dot4, _float_step, _load, _splat, _splat_f32
 
 PANEL_COLS = 16  # columns a panel holds: one int32 / float32 lane each
 GROUPS = QK // 4  # groups of four weights a super-block (one vpdpbusd lane's bytes)
-PANEL_MIN_ROWS = 4  # from this many rows on, a Q4_K or Q5_K product decodes panels (fewer: the row tiles)
-Q6K_PANEL_MIN_ROWS = 8  # Q6_K blocks': their 4-row tiles beat panels below 8 rows (repacked Q6_K: packed256)
 ROW_GROUP = 4  # activation rows a panel pass computes together (the codes loaded once for them)
 WIDE_ROWS = 8  # rows of the wide passes, taken first (per row 9-15% cheaper than four at a time)
 SUB_UNROLL = 2  # sub-blocks an iteration of a pass's inner loop computes
@@ -50,7 +47,7 @@ def _panel_rows(name, nsub, nr=ROW_GROUP):
     """An intrinsic (tmp, codes, scales, pairs, pd, pdm, xq, xs, xd, r0, r1, r2, r3, K, nsb):
     tmp float32 [nr, 16] <- rows r0..r(nr-1) of the activations (the rest of r0..r3 unread;
     nr = 8: rows r0..r0+7, r1..r3 unread)
-    against a decoded panel, every super-block in order. nsub: sub-blocks a super-block (8 of 32 weights: Q4_K, Q5_K, whose
+    against a decoded panel, every super-block in order. nsub: sub-blocks a super-block (8 of 32 weights: Q5_K, whose
     msum is the mins' part; 16 of 16: Q6_K, whose pairs are its scales, msum the offset
     32's correction, and the float step acc + dd * f32(isum - 32 * msum))."""
     gps = GROUPS // nsub
@@ -137,8 +134,8 @@ def _panel_rows(name, nsub, nr=ROW_GROUP):
     return intrinsic(typer)
 
 
-panel_rows8_8 = _panel_rows("panel_rows8_8", 8, WIDE_ROWS)  # Q4_K, Q5_K panels: eight consecutive rows
-panel_rows8 = _panel_rows("panel_rows8", 8)  # Q4_K, Q5_K panels (8 sub-blocks of 32), four rows
+panel_rows8_8 = _panel_rows("panel_rows8_8", 8, WIDE_ROWS)  # Q5_K panels: eight consecutive rows
+panel_rows8 = _panel_rows("panel_rows8", 8)  # Q5_K panels (8 sub-blocks of 32), four rows
 panel_rows8_2 = _panel_rows("panel_rows8_2", 8, 2)  # the last two rows of an M = 4k + 2
 panel_rows8_1 = _panel_rows("panel_rows8_1", 8, 1)  # the last row of an M = 4k + 1
 panel_rows16_8 = _panel_rows("panel_rows16_8", 16, WIDE_ROWS)
@@ -147,78 +144,10 @@ panel_rows16_2 = _panel_rows("panel_rows16_2", 16, 2)
 panel_rows16_1 = _panel_rows("panel_rows16_1", 16, 1)
 
 
-def _unpack32(hi):
-    return [(16 if i % 2 else 0) + l + (2 if hi else 0) + i // 2 for l in range(0, 16, 4) for i in range(4)]
-
-
-def _unpack64(hi):
-    return [(16 if i >= 2 else 0) + l + (2 if hi else 0) + i % 2 for l in range(0, 16, 4) for i in range(4)]
-
-
-def _shuf128(imm):
-    return [(16 if k >= 2 else 0) + 4 * imm[k] + i for k in range(4) for i in range(4)]
-
-
-def _transpose_stages():
-    """The 16 x 16 int32 transpose as four stages of two-source shuffles (dword and qword
-    unpacks, then 128-bit lane selects: one instruction each on AVX-512): each stage maps
-    an output vector to (source a, source b, mask)."""
-    lo, hi = (0, 2, 0, 2), (1, 3, 1, 3)
-    s1 = {}
-    for k in range(0, 16, 2):
-        s1[k], s1[k + 1] = (k, k + 1, _unpack32(False)), (k, k + 1, _unpack32(True))
-    s2 = {}
-    for t in range(0, 16, 4):
-        s2[t], s2[t + 1] = (t, t + 2, _unpack64(False)), (t, t + 2, _unpack64(True))
-        s2[t + 2], s2[t + 3] = (t + 1, t + 3, _unpack64(False)), (t + 1, t + 3, _unpack64(True))
-    s3 = {}
-    for m in (0, 8):
-        for j in range(4):
-            s3[m + j], s3[m + 4 + j] = (m + j, m + 4 + j, _shuf128(lo)), (m + j, m + 4 + j, _shuf128(hi))
-    s4 = {}
-    for j in range(8):
-        s4[j], s4[8 + j] = (j, 8 + j, _shuf128(lo)), (j, 8 + j, _shuf128(hi))
-    return [s1, s2, s3, s4]
-
-
-_STAGES = _transpose_stages()
-
-
-def _transpose16(builder, rows):
-    """out[i] lane c = rows[c] lane i, for 16 vectors of 16 int32."""
-    for stage in _STAGES:
-        rows = [builder.shuffle_vector(rows[a], rows[b], ir.Constant(_V16, m))
-                for a, b, m in (stage[o] for o in range(16))]
-    return rows
-
-
 def _words(builder, bp, offset, n):
-    """<n x i32>: the n little-endian words at byte offset of the block at bp (unaligned)."""
+    """<n x i32>: the n little-endian words at byte offset of the record at bp (unaligned)."""
     ty = ir.VectorType(_I32, n)
     return builder.load(builder.bitcast(builder.gep(bp, [_c64(offset)]), ty.as_pointer()), align=1)
-
-
-def _wide(builder, v):
-    """A <8 x i32> as 16 lanes (the high 8 a copy, never read)."""
-    return builder.shuffle_vector(v, v, ir.Constant(_V16, list(range(8)) * 2))
-
-
-def _transpose16x4(builder, quads):
-    """Four vectors: out[i] lane c = quads[c] lane i, for 16 <4 x i32> (a block's scale words
-    per column)."""
-    v8 = ir.VectorType(_I32, 8)
-    rows = []
-    for q in range(0, 16, 4):
-        ab = builder.shuffle_vector(quads[q], quads[q + 1], ir.Constant(v8, list(range(8))))
-        cd = builder.shuffle_vector(quads[q + 2], quads[q + 3], ir.Constant(v8, list(range(8))))
-        rows.append(builder.shuffle_vector(ab, cd, ir.Constant(_V16, list(range(16)))))  # columns q..q+3
-    out = []
-    for i in range(4):
-        pick = [4 * r + i for r in range(4)] + [16 + 4 * r + i for r in range(4)] + [0] * 8
-        lo = builder.shuffle_vector(rows[0], rows[1], ir.Constant(_V16, pick))
-        hi = builder.shuffle_vector(rows[2], rows[3], ir.Constant(_V16, pick))
-        out.append(builder.shuffle_vector(lo, hi, ir.Constant(_V16, list(range(8)) + list(range(16, 24)))))
-    return out
 
 
 def _q6k_panel(builder, t0, t1, th, sc, codes, scales, pairs):
@@ -244,8 +173,8 @@ def _q6k_panel(builder, t0, t1, th, sc, codes, scales, pairs):
 
 
 def _k4_panel(builder, t, tq, u, codes, scales, pairs):
-    """A Q4_K or Q5_K super-block's panel from its words with lane = column: t the 32 qs
-    words, tq the 8 qh words (Q5_K; None for Q4_K), u the 3 words of the 12 scale bytes.
+    """A Q5_K super-block's panel (Q4_K's layout, a fifth bit a code) from its words with
+    lane = column: t the 32 qs words, tq the 8 qh words, u the 3 words of the 12 scale bytes.
     The `codes`, `scales`, `pairs` callbacks (index, vector) store vector i of each array."""
     def k(v):
         return _splat(builder, _V16, v)
@@ -254,9 +183,9 @@ def _k4_panel(builder, t, tq, u, codes, scales, pairs):
     for wt in range(32):
         g, kk = wt // 8, wt % 8
         lo, hi = builder.and_(t[wt], m4), builder.and_(builder.lshr(t[wt], k(4)), m4)
-        if tq is not None:  # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
-            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g)), ones), k(4)))
-            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g + 1)), ones), k(4)))
+        # weight 32j + l has bit j of qh[l]: group 8j + k takes bit j of qh word k
+        lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g)), ones), k(4)))
+        hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(tq[kk], k(2 * g + 1)), ones), k(4)))
         codes(16 * g + kk, lo)
         codes(16 * g + 8 + kk, hi)
     u0, u1, u2 = u
@@ -272,73 +201,14 @@ def _k4_panel(builder, t, tq, u, codes, scales, pairs):
             pairs(jj, builder.or_(mv, builder.shl(mv, k(16))))
 
 
-def _panel_decoder(name, kind):
-    """An intrinsic (w, wo, rb, ncols, codes, co, scales, so, pairs, po): the panel of one
-    super-block, weight rows at bytes wo + c * rb of w for c < ncols (the rest repeat the
-    last; never stored), into codes[co:] (uint32 [64, 16]), scales[so:] (int32 [nsub, 16])
-    and pairs[po:] (int32 [8, 16]). Each column's raw words are loaded and transposed to
-    lane = column (`_transpose16`: 64 shuffles for 16 words of 16 columns), then split
-    into codes, scales and mins with the same lane-wise operations for all 16 columns.
-    kind: "q4k", "q5k" or "q6k"."""
-
-    def typer(typingctx, w, wo, rb, ncols, codes, co, scales, so, pairs, po):
-        if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
-                and _is_c_array(pairs, types.int32)
-                and all(isinstance(a, types.Integer) for a in (wo, rb, ncols, co, so, po))):
-            return None
-
-        def codegen(context, builder, sig, args):
-            wp, cp, sp, pp = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in (0, 4, 6, 8)]
-            wo_, rb_, nc, co_, so_, po_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 2, 3, 5, 7, 9)]
-            last = builder.sub(nc, _c64(1))
-            cols = []
-            for c in range(PANEL_COLS):
-                cc = builder.select(builder.icmp_signed("<", _c64(c), nc), _c64(c), last)
-                cols.append(builder.gep(wp, [builder.add(wo_, builder.mul(cc, rb_))]))
-
-            def store(ptr, off, index, v):
-                p = builder.gep(ptr, [builder.add(off, _c64(16 * index))])
-                builder.store(v, builder.bitcast(p, _V16.as_pointer()), align=4)
-
-            def k(v):
-                return _splat(builder, _V16, v)
-
-            m4, m2, ones = k(0x0F0F0F0F), k(0x03030303), k(0x01010101)
-            if kind == "q6k":
-                t0, t1, th = (_transpose16(builder, [_words(builder, bp, o, 16) for bp in cols]) for o in (0, 64, 128))
-                u = _transpose16x4(builder, [_words(builder, bp, 192, 4) for bp in cols])
-                sc = [builder.ashr(builder.shl(u[q // 4], k(24 - 8 * (q % 4))), k(24)) for q in range(16)]
-                _q6k_panel(builder, t0, t1, th, sc, lambda i, v: store(cp, co_, i, v), lambda q, v: store(sp, so_, q, v),
-                           lambda p, v: store(pp, po_, p, v))
-                return context.get_dummy_value()
-            qo = 48 if kind == "q5k" else 16
-            t = [*_transpose16(builder, [_words(builder, bp, qo, 16) for bp in cols]),
-                 *_transpose16(builder, [_words(builder, bp, qo + 64, 16) for bp in cols])]
-            tq = None
-            if kind == "q5k":
-                tq = _transpose16(builder, [_wide(builder, _words(builder, bp, 16, 8)) for bp in cols])
-            u = _transpose16x4(builder, [_words(builder, bp, 4, 4) for bp in cols])[:3]
-            _k4_panel(builder, t, tq, u, lambda i, v: store(cp, co_, i, v), lambda q, v: store(sp, so_, q, v),
-                      lambda p, v: store(pp, po_, p, v))
-            return context.get_dummy_value()
-
-        return types.void(w, wo, rb, ncols, codes, co, scales, so, pairs, po), codegen
-
-    typer.__name__ = typer.__qualname__ = name
-    return intrinsic(typer)
-
-
-decode_q4k = _panel_decoder("decode_q4k", "q4k")
-decode_q5k = _panel_decoder("decode_q5k", "q5k")
-decode_q6k = _panel_decoder("decode_q6k", "q6k")
-
-
 def _record_decoder(name, kind):
     """An intrinsic (w, at, codes, co, scales, so, pairs, po, pd, pdm, pdo): the panel of the
-    repacked record at byte `at` of w (`repack.LAYOUTS`: vector v of its code bytes already
-    holds word v of every column, its scale bytes one a column) into codes[co:], scales[so:]
-    and pairs[po:] as `_panel_decoder`'s, and its 16 d (and dmin) widened to float32 into
-    pd[pdo:] (pdm[pdo:]): the same panel with no transposes. kind: "q5k" or "q6k"."""
+    repacked record at byte `at` of w (one super-block of 16 columns; `repack.LAYOUTS`:
+    vector v of its code bytes already holds word v of every column, its scale bytes one a
+    column, so no transposes) into codes[co:] (uint32 [64, 16]), scales[so:] (int32
+    [nsub, 16]) and pairs[po:] (int32 [8, 16]), split with the same lane-wise operations
+    for all 16 columns, and its 16 d (and dmin) widened to float32 into pd[pdo:]
+    (pdm[pdo:]). kind: "q5k" or "q6k"."""
 
     def typer(typingctx, w, at, codes, co, scales, so, pairs, po, pd, pdm, pdo):
         if not (_is_c_array(w, types.uint8) and _is_c_array(codes, types.uint32) and _is_c_array(scales, types.int32)
@@ -391,23 +261,6 @@ decode_q6k_record = _record_decoder("decode_q6k_record", "q6k")
 
 
 @njit(inline="always", **_JIT)
-def _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decoder):
-    """The panel of weight rows n0..n1 (at most 16; the rest repeat the last) of every
-    super-block, the next panel's weights prefetched meanwhile (they come from memory)."""
-    nsb, rb = wd.shape[1], w.shape[1]
-    step = rb // nsb
-    for s in range(nsb):
-        for c in range(PANEL_COLS):  # the next panel's blocks (never faults past the end)
-            for b in range(0, step, 64):
-                prefetch(w, (n0 + PANEL_COLS + c) * rb + s * step + b)
-        decoder(w, n0 * rb + s * step, rb, n1 - n0, codes, s * GROUPS * PANEL_COLS, scales,
-                s * scales.shape[1] * PANEL_COLS, pairs, s * 8 * PANEL_COLS)
-        for c in range(PANEL_COLS):
-            n = min(n0 + c, n1 - 1)
-            pd[s, c], pdm[s, c] = wd[n, s], wdm[n, s]
-
-
-@njit(inline="always", **_JIT)
 def _scratch(nsb, nsub):
     """A panel's arrays (codes, scales, pairs, pd, pdm) and a pass's rows (tmp)."""
     return (np.empty((nsb, GROUPS, PANEL_COLS), np.uint32), np.empty((nsb, nsub, PANEL_COLS), np.int32),
@@ -441,23 +294,11 @@ def _passes(panel, xq, xd, xs, out, n0, n1, rows8, rows, rows2, rows1):
 
 
 @njit(inline="always", **_JIT)
-def _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub):
-    """out[:, c0:c1] by panels of 16 columns of the file's blocks: each decoded once, then
-    every row against it (`_passes`)."""
-    panel = _scratch(wd.shape[1], nsub)
-    codes, scales, pairs, pd, pdm, _ = panel
-    for n0 in range(c0, c1, PANEL_COLS):
-        n1 = min(n0 + PANEL_COLS, c1)
-        _decode(w, wd, wdm, n0, n1, codes, scales, pairs, pd, pdm, decode)
-        _passes(panel, xq, xd, xs, out, n0, n1, rows8, rows, rows2, rows1)
-
-
-@njit(inline="always", **_JIT)
 def _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub):
     """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column) for repacked weights
     (`repack.pack`: uint8 [N', K/256 * bytes]) by panels, one a group of 16 columns, each
     decoded from its records (`decode`: a `_record_decoder`) with the next group's record
-    prefetched (it comes from memory), then `_passes`: the blocks' panels, bit for bit."""
+    prefetched (it comes from memory), then `_passes`."""
     nsb = xq.shape[1] // QK
     rb = w.shape[1]
     rec = rb * PANEL_COLS // nsb
@@ -477,14 +318,14 @@ def _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2
 
 @njit(inline="always", **_JIT)
 def q5k_record_panel_columns(w, xq, xd, xs, out, c0, c1):
-    """`_record_panel_columns` for repacked Q5_K weights: `q5k_columns`' panels."""
+    """`_record_panel_columns` for repacked Q5_K weights (8 sub-blocks of 32)."""
     _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode_q5k_record, panel_rows8_8, panel_rows8, panel_rows8_2,
                           panel_rows8_1, 8)
 
 
 @njit(inline="always", **_JIT)
 def q6k_record_panel_columns(w, xq, xd, xs, out, c0, c1):
-    """`_record_panel_columns` for repacked Q6_K weights: `q6k_columns`' panels."""
+    """`_record_panel_columns` for repacked Q6_K weights (16 sub-blocks of 16)."""
     _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode_q6k_record, panel_rows16_8, panel_rows16,
                           panel_rows16_2, panel_rows16_1, 16)
 
@@ -495,34 +336,3 @@ def _store_rows(out, tmp, m, n, n0, n1):
     for r in range(n):
         for c in range(n1 - n0):
             out[m + r, n0 + c] = tmp[r, c]
-
-
-@njit(inline="always", **_JIT)
-def _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub, row_columns, min_rows):
-    """Panels from `min_rows` rows on, the row tiles `row_columns` below (the same bits)."""
-    if out.shape[0] >= min_rows:
-        _panel_columns(w, wd, wdm, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub)
-    else:
-        row_columns(w, wd, wdm, xq, xd, xs, out, c0, c1)
-
-
-@njit(inline="always", **_JIT)
-def q4k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
-    """out[:, c0:c1] for Q4_K weights w (uint8 [N, K/256*144]; d, dmin float32 [N, K/256])
-    and every row's Q8_K activations (`q8k_dot.quantize_row_q8k`)."""
-    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q4k, panel_rows8_8, panel_rows8, panel_rows8_2,
-            panel_rows8_1, 8, q8k_dot.q4k_row_columns, PANEL_MIN_ROWS)
-
-
-@njit(inline="always", **_JIT)
-def q5k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
-    """`q4k_columns` for Q5_K weights (uint8 [N, K/256*176])."""
-    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q5k, panel_rows8_8, panel_rows8, panel_rows8_2,
-            panel_rows8_1, 8, q8k_dot.q5k_row_columns, PANEL_MIN_ROWS)
-
-
-@njit(inline="always", **_JIT)
-def q6k_columns(w, wd, wdm, xq, xd, xs, out, c0, c1):
-    """`q4k_columns` for Q6_K weights (uint8 [N, K/256*210]; d float32 [N, K/256], wdm unused)."""
-    _either(w, wd, wdm, xq, xd, xs, out, c0, c1, decode_q6k, panel_rows16_8, panel_rows16, panel_rows16_2,
-            panel_rows16_1, 16, q8k_dot.q6k_row_columns, Q6K_PANEL_MIN_ROWS)

@@ -1,7 +1,8 @@
-"""Weights repacked into records of 16 columns and int16 activations (`repack`; Q4_0, Q4_1,
-Q8_0 by `packed32`, Q4_K by `packed256`): the records are the file's bytes, the kernels give
-the numpy reference's bits in every form and at every row count, alone or batched, and
-stay at float32's distance from exact products."""
+"""Weights repacked into records of 16 columns (`repack`; Q4_0, Q4_1, Q8_0 by `packed32`
+over int16 activations, Q4_K, Q5_K, Q6_K by `packed256` and `q8k_panel` over Q8_K rows):
+the records are the file's bytes, the kernels give the numpy reference's bits in every
+form and at every row count, alone or batched, and stay at float32's distance from exact
+products."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from numba import njit
 
 from panechat.backends.cpu import packed32 as pk
-from panechat.backends.cpu import packed256, q8k_dot, repack
+from panechat.backends.cpu import packed256, q8k_dot, q8k_panel, repack
 from panechat.backends.cpu.numpy_backend import NumpyBackend, PackedWeight, _let_go_of_mapped
 from panechat.backends.quant import registry
 from panechat.backends.quant.gguf_tensor import GGUFTensor
@@ -242,6 +243,31 @@ def test_an_avx2_target_compiles_the_avx2_form():
     out = subprocess.run([sys.executable, "-c", generic], env=env, cwd=root, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("qtype", [t if t in EVERY_RUN else pytest.param(t, marks=pytest.mark.slow)
+                                   for t in ("Q5_K", "Q6_K")])
+def test_record_panels_at_every_pass_shape(qtype):
+    """`q8k_panel`'s record panels (`packed256` takes them from 24 rows, Q5_K, and 20, Q6_K)
+    give the reference's bits at any row count: one row, two, three (a group of four
+    repeating its last), passes of eight, then four, then a last two (6, 11, 70 rows), and a
+    last group of 8 columns; in this CPU's form."""
+    cols = getattr(q8k_panel, f"{qtype.lower().replace('_', '')}_record_panel_columns")
+
+    @njit(cache=False)
+    def run(x, w, out):
+        xq, xd, xs = q8k_dot.quantized_rows(x)
+        cols(w, xq, xd, xs, out, 0, out.shape[1])
+
+    rng = np.random.default_rng(8)
+    K = 512
+    for M, N in ((1, 24), (2, 16), (3, 16), (6, 40), (11, 16), (70, 24)):
+        x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
+        x[0, 32:64] = 0
+        blocks = _blocks(rng, qtype, N, K)
+        out = np.full((M, N), np.nan, np.float32)
+        run(x, repack.pack(blocks, qtype), out)
+        assert np.array_equal(out, repack.reference(qtype, x, blocks)), (qtype, M, N)
 
 
 @pytest.mark.parametrize("qtype", [t if t in EVERY_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES])
