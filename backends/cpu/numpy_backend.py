@@ -137,9 +137,12 @@ class NumpyBackend(ArrayBackend):
             threads = f"up to {self.governor.max_threads} threads, fewer while other processes hold cores"
         else:
             threads = f"{os.environ['NUMBA_NUM_THREADS']} threads (NUMBA_NUM_THREADS)"
+        from panechat.backends.cpu.generated import uses_amx
+
         stored = "/".join(t.name for t in registry.block_types())
+        amx = "/".join(t.name for t in registry.block_types() if uses_amx(t))
         return (f"numpy on CPU ({threads}), numba row-invariant kernels, "
-                f"{stored} read as stored, F16/BF16 in 16 bits")
+                f"{stored} read as stored, F16/BF16 in 16 bits" + (f", {amx} on AMX tiles for many rows" if amx else ""))
 
     def begin_step(self) -> None:
         if self.governor is not None and not self._background:

@@ -358,31 +358,31 @@ def q6_k_columns(w, xq, xd, xs, out, c0, c1):
 
 
 @njit(inline="always", **_JIT)
+def _amx_from(w, xq, xd, xs, out, c0, c1, min_rows, amx, tiles):
+    """`amx` (an `amx_tiles` product: the same bits) from `min_rows` rows on, else `tiles`."""
+    if xq.shape[0] >= min_rows:
+        amx(w, xq, xd, xs, out, c0, c1)
+    else:
+        tiles(w, xq, xd, xs, out, c0, c1)
+
+
+@njit(inline="always", **_JIT)
 def q4_k_columns_amx(w, xq, xd, xs, out, c0, c1):
     """`q4_k_columns` where AMX tiles may run (`generated.uses_amx`): from Q4K_AMX_MIN_ROWS
-    rows on by `amx_tiles` (the same bits)."""
-    if xq.shape[0] >= Q4K_AMX_MIN_ROWS:
-        amx_tiles.q4k_columns(w, xq, xd, xs, out, c0, c1)
-    else:
-        q4_k_columns(w, xq, xd, xs, out, c0, c1)
+    rows on by `amx_tiles`."""
+    _amx_from(w, xq, xd, xs, out, c0, c1, Q4K_AMX_MIN_ROWS, amx_tiles.q4k_columns, q4_k_columns)
 
 
 @njit(inline="always", **_JIT)
 def q5_k_columns_amx(w, xq, xd, xs, out, c0, c1):
-    """`q4_k_columns_amx` for Q5_K, from AMX_MIN_ROWS rows on."""
-    if xq.shape[0] >= AMX_MIN_ROWS:
-        amx_tiles.q5k_columns(w, xq, xd, xs, out, c0, c1)
-    else:
-        q5_k_columns(w, xq, xd, xs, out, c0, c1)
+    """`q5_k_columns` where AMX tiles may run, from AMX_MIN_ROWS rows on."""
+    _amx_from(w, xq, xd, xs, out, c0, c1, AMX_MIN_ROWS, amx_tiles.q5k_columns, q5_k_columns)
 
 
 @njit(inline="always", **_JIT)
 def q6_k_columns_amx(w, xq, xd, xs, out, c0, c1):
-    """`q4_k_columns_amx` for Q6_K, from AMX_MIN_ROWS rows on."""
-    if xq.shape[0] >= AMX_MIN_ROWS:
-        amx_tiles.q6k_columns(w, xq, xd, xs, out, c0, c1)
-    else:
-        q6_k_columns(w, xq, xd, xs, out, c0, c1)
+    """`q6_k_columns` where AMX tiles may run, from AMX_MIN_ROWS rows on."""
+    _amx_from(w, xq, xd, xs, out, c0, c1, AMX_MIN_ROWS, amx_tiles.q6k_columns, q6_k_columns)
 
 
 @njit(inline="always", **_JIT)
