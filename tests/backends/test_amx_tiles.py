@@ -11,13 +11,12 @@ import sys
 
 import numpy as np
 import pytest
-from numba import njit
 
-from panechat.backends.cpu import amx_tiles, packed256, q8k_dot, quant_kernels, repack
+from panechat.backends.cpu import amx_tiles, packed256, quant_kernels, repack
 from panechat.backends.cpu.generated import uses_amx
 from panechat.backends.quant import registry
 
-from .test_repacked import _blocks
+from .test_repacked import _blocks, assert_q8k_columns_give_the_reference
 
 needs_amx = pytest.mark.skipif(not amx_tiles.enabled(), reason="this CPU or kernel runs no AMX-INT8 tiles")
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -29,33 +28,14 @@ def test_amx_is_read_from_the_compile_targets_features():
     assert not amx_tiles.target_has_amx("+avx512f,+avx512vnni,+avx2")
 
 
-def _columns(qtype):
-    cols = getattr(amx_tiles, f"{qtype.lower().replace('_', '')}_columns")
-
-    @njit(cache=False)
-    def run(x, w, out):
-        xq, xd, xs = q8k_dot.quantized_rows(x)
-        cols(w, xq, xd, xs, out, 0, out.shape[1])
-
-    return run
-
-
 @needs_amx
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_amx_columns_give_the_reference_bits(qtype):
     """Rows 1..33 (one pass of fewer than 16, passes of 16, a last one overlapping the one
     before), 130 and 300 (blocks of 128 rows, a last block of 2 and of 44 rows), 24 and 40
     columns (a last group of 8), a row with a zero chunk of activations."""
-    rng = np.random.default_rng(7)
-    run = _columns(qtype)
-    K = 512
-    for M, N in [(m, 24) for m in range(1, 34)] + [(130, 40), (300, 16)]:
-        x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
-        x[0, 32:96] = 0
-        blocks = _blocks(rng, qtype, N, K)
-        out = np.full((M, N), np.nan, np.float32)
-        run(x, repack.pack(blocks, qtype), out)
-        assert np.array_equal(out, repack.reference(qtype, x, blocks)), (qtype, M, N)
+    cols = getattr(amx_tiles, f"{qtype.lower().replace('_', '')}_columns")
+    assert_q8k_columns_give_the_reference(cols, qtype, [(m, 24) for m in range(1, 34)] + [(130, 40), (300, 16)], 7)
 
 
 @needs_amx

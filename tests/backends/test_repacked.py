@@ -253,17 +253,23 @@ def test_record_panels_at_every_pass_shape(qtype):
     repeating its last), passes of eight, then four, then a last two (6, 11, 70 rows), and a
     last group of 8 columns; in this CPU's form."""
     cols = getattr(q8k_panel, f"{qtype.lower().replace('_', '')}_record_panel_columns")
+    assert_q8k_columns_give_the_reference(cols, qtype, ((1, 24), (2, 16), (3, 16), (6, 40), (11, 16), (70, 24)), 8)
 
+
+def assert_q8k_columns_give_the_reference(cols, qtype, cases, seed):
+    """A K-quant column product `cols` (w, xq, xd, xs, out, c0, c1) over Q8_K rows gives
+    `repack.reference`'s bits for each (rows M, columns N) of `cases`, K = 512, row 0 with a
+    zero chunk of activations."""
     @njit(cache=False)
     def run(x, w, out):
         xq, xd, xs = q8k_dot.quantized_rows(x)
         cols(w, xq, xd, xs, out, 0, out.shape[1])
 
-    rng = np.random.default_rng(8)
+    rng = np.random.default_rng(seed)
     K = 512
-    for M, N in ((1, 24), (2, 16), (3, 16), (6, 40), (11, 16), (70, 24)):
+    for M, N in cases:
         x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
-        x[0, 32:64] = 0
+        x[0, 32:96] = 0
         blocks = _blocks(rng, qtype, N, K)
         out = np.full((M, N), np.nan, np.float32)
         run(x, repack.pack(blocks, qtype), out)
