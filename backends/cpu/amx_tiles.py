@@ -23,8 +23,8 @@ whichever computes it and beside whichever rows. Bounds: |sum x * lo| <= 256 * 2
 A panel is decoded from the repacked records (`repack.LAYOUTS`) of one group of 16
 columns: per super-block four chunks of 64 weights, each a 1 KiB tile of 16 rows (four
 weights, `vpdpbusd`'s order) x 16 columns, the B operand; the activations are the A
-operand as they lie (16 rows x 64 int8 at the row stride). Each pass loads its tile
-configuration (rows = the pass's rows) and each column range ends with `tilerelease`.
+operand as they lie (16 rows x 64 int8 at the row stride). A column range loads one tile
+configuration (rows: min(M, 16)) and ends with `tilerelease`.
 
 Linux lets a process use AMX only after asking (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 `enabled()` asks once and says whether these kernels may run: the compile target has
