@@ -142,33 +142,31 @@ def _planes(builder, code, sc2, offset, store_lo, store_hi):
 
 
 def _record_panel(name, kind):
-    """An intrinsic (w, at, lo, hi, mm, po, pd, pdm, pdo): the record at byte `at` of w as
-    tile planes lo[po:po+4096], hi[...] and (Q4_K, Q5_K) mm[...], chunk t of 64 weights at
-    po + 1024 t, row i of it (weights 4i..4i+3 of the chunk) at + 64 i, lane 4c + e column
-    c's weight 4i + e; and its 16 d (and dmin) widened to float32 into pd[pdo:] (pdm[pdo:]).
-    kind: "q4k", "q5k" or "q6k"."""
+    """An intrinsic (w, at, lo, hi, mm, pd, pdm): the record at byte `at` of w as tile planes
+    lo[:4096], hi[:4096] and (Q4_K, Q5_K) mm[:4096], chunk t of 64 weights at 1024 t, row i
+    of it (weights 4i..4i+3 of the chunk) at + 64 i, lane 4c + e column c's weight 4i + e;
+    and its 16 d (and dmin) widened to float32 into pd[:16] (pdm[:16]). kind: "q4k", "q5k"
+    or "q6k"."""
 
-    def typer(typingctx, w, at, lo, hi, mm, po, pd, pdm, pdo):
+    def typer(typingctx, w, at, lo, hi, mm, pd, pdm):
         if not (_is_c_array(w, types.uint8) and all(_is_c_array(a, types.uint8) for a in (lo, hi, mm))
                 and _is_c_array(pd, types.float32) and _is_c_array(pdm, types.float32)
-                and all(isinstance(a, types.Integer) for a in (at, po, pdo))):
+                and isinstance(at, types.Integer)):
             return None
 
         def codegen(context, builder, sig, args):
             wp, lp, hp, mp, dp, dmp = [context.make_array(sig.args[k])(context, builder, args[k]).data
-                                       for k in (0, 2, 3, 4, 6, 7)]
-            at_, po_, pdo_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (1, 5, 8)]
-            rp = builder.gep(wp, [at_])
+                                       for k in (0, 2, 3, 4, 5, 6)]
+            rp = builder.gep(wp, [context.cast(builder, args[1], sig.args[1], types.int64)])
 
             def store(p, off, v):
-                builder.store(v, builder.bitcast(builder.gep(p, [builder.add(po_, _c64(off))]), _B64.as_pointer()),
-                              align=1)
+                builder.store(v, builder.bitcast(builder.gep(p, [_c64(off)]), _B64.as_pointer()), align=1)
 
             def row_at(j, v):  # sub-block j (of 32 weights), its weights 4v..4v+3: chunk j // 2, row 8 (j % 2) + v
                 return 1024 * (j // 2) + 64 * (8 * (j % 2) + v)
 
             def fstore(p, v):
-                builder.store(v, builder.bitcast(builder.gep(p, [pdo_]), _F16V.as_pointer()), align=4)
+                builder.store(v, builder.bitcast(p, _F16V.as_pointer()), align=4)
 
             fstore(dp, _widen_f16(builder, _load(builder, rp, 0, _H16)))
             if kind == "q6k":  # d | 16 int8 scales from 32 | ql, qh from 288 (`packed256._q6k`)
@@ -219,7 +217,7 @@ def _record_panel(name, kind):
                     store(mp, off, mn64)
             return context.get_dummy_value()
 
-        return types.void(w, at, lo, hi, mm, po, pd, pdm, pdo), codegen
+        return types.void(w, at, lo, hi, mm, pd, pdm), codegen
 
     typer.__name__ = typer.__qualname__ = name
     return intrinsic(typer)
@@ -378,7 +376,7 @@ def _columns(w, xq, xd, out, c0, c1, panel, rows):
                 if r0 == 0:
                     for b in range(0, rec, 64):  # never faults past the end
                         prefetch(w, at + COLS * rb + b)
-                panel(w, at, lo, hi, mm, 0, pd, pdm, 0)
+                panel(w, at, lo, hi, mm, pd, pdm)
                 for m in range(r0, min(r0 + ROW_BLOCK, M), TILE_ROWS):
                     m0 = min(m, M - n)
                     rows(acc, lo, hi, mm, pd, pdm, xq, xd, m0, n, s, m - m0)
