@@ -49,7 +49,7 @@ def test_the_parallel_product_in_blocks_of_rows_gives_each_row_its_bits(qtype):
     K, N = 2048, 48
     blocks = _blocks(rng, qtype, N, K)
     packed = repack.pack(blocks, qtype)
-    assert packed256.task_rows(K) == 128
+    assert packed256.task_rows(300, K) == 128
     x = rng.standard_normal((300, K), dtype=np.float32)
     want = repack.reference(qtype, x, blocks)
     for M in (300, 17, 5):
@@ -72,9 +72,16 @@ def test_panechat_amx_0_turns_the_amx_forms_off():
 
 
 @needs_amx
-def test_where_amx_runs_each_kquant_product_takes_its_amx_form():
+def test_where_amx_runs_the_kernels_a_model_calls_are_the_amx_forms_and_the_start_up_line_says_so():
+    """The op-by-op product kernel and the one-call step's range function of each K-quant
+    (what `Model.forward` calls) are the generated `_amx` copies, and the CPU backend's
+    description, printed at start-up, names them."""
+    from panechat.backends.cpu import block_tasks
+    from panechat.backends.cpu.numpy_backend import NumpyBackend
+
     for qtype in KQUANTS:
         t = registry.get(qtype)
         assert uses_amx(t)
-        name = t.cpu_packed.partition(":")[2]
-        assert getattr(packed256, name + "_amx") is not None
+        assert quant_kernels.packed_kernel(qtype).py_func.__name__ == f"_packed_{qtype.lower()}_amx"
+        assert block_tasks.range_function(t).__name__ == f"_range_{qtype.lower()}_amx"
+    assert NumpyBackend().describe().endswith(", Q4_K/Q5_K/Q6_K on AMX tiles for many rows")
