@@ -76,3 +76,17 @@ def test_a_model_loads_its_repacked_weights_into_an_arena_with_the_same_bytes():
     assert np.array_equal(w.data, repack.pack(blocks, "Q4_K"))
     outside = be.linear_weight(t)  # outside a load: numpy's memory, the same bytes
     assert np.array_equal(outside.data, w.data)
+
+
+def test_load_model_puts_the_models_repacked_weights_in_an_arena(model_path):
+    """Through `load_model`, as `panechat serve` loads: the default model's first repacked
+    weight (blk.0 attn_q, Q4_1) starts the arena's first chunk, on a 2 MiB boundary, and a
+    later one lies in the same chunk (not a numpy allocation of its own)."""
+    from panechat.engine.model.loader import load_model
+
+    lm = load_model(model_path, "numpy", max_positions=256)
+    layers = getattr(lm, "model", lm).layers
+    first, later = layers[0].attn_q, layers[3].ffn_up
+    assert isinstance(first, PackedWeight) and isinstance(later, PackedWeight)
+    assert first.data.ctypes.data % HUGE == 0
+    assert 0 < later.data.ctypes.data - first.data.ctypes.data < 64 << 20
