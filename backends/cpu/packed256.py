@@ -398,7 +398,7 @@ def packed_q8k_linear_driver(x, ws, outs, count, columns):
         quantize_row_q8k(x, m, xq, xd, xs)
     cols = TASK_GROUPS * GROUP
     t1, t2, t3 = column_tasks(outs, count, cols)
-    rows = max(1, task_rows(M, K))
+    rows = task_rows(M, K)
     for t in prange(t3 * ((M + rows - 1) // rows)):
         r0 = t // t3 * rows
         r1 = min(r0 + rows, M)
@@ -408,12 +408,13 @@ def packed_q8k_linear_driver(x, ws, outs, count, columns):
 
 
 TASK_BYTES = 1 << 18  # int8 activations a task's block of rows holds (an eighth of a core's L2: 1 MiB was 10-40% slower)
-WHOLE_ROWS = 128  # up to this many rows a task takes them all (`amx_tiles.ROW_BLOCK`: one panel decode for them)
+WHOLE_ROWS = amx_tiles.ROW_BLOCK  # up to this many rows a task takes them all (one AMX panel decode for them)
 
 
 @njit(inline="always", **_JIT)
 def task_rows(M, K):
     """Rows of a task's block: all M up to WHOLE_ROWS (at K = 8192, blocks of 32 made the
     AMX forms decode each panel for 32 rows, not 128: Q5_K 2048x8192 at M=128 9.3 ms, not
-    about 4.5), else TASK_BYTES of K int8 activations, a multiple of 16, at least 16."""
-    return M if M <= WHOLE_ROWS else max(16, TASK_BYTES // K // 16 * 16)
+    about 4.5), else TASK_BYTES of K int8 activations, a multiple of 16, at least 16; never
+    0 (M = 0: one empty block)."""
+    return max(1, M) if M <= WHOLE_ROWS else max(16, TASK_BYTES // K // 16 * 16)
