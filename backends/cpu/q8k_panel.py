@@ -26,8 +26,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array, prefetch
-from panechat.backends.cpu.packed32 import _widen_f16
+from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array
+from panechat.backends.cpu.packed32 import _widen_f16, prefetch_ahead
 from panechat.backends.cpu.q8k_dot import QK, _B16, _F16V, _H16, _I32, _V16, _dot2, _dot4, _float_step, _load, _splat, _splat_f32
 
 PANEL_COLS = 16  # columns a panel holds: one int32 / float32 lane each
@@ -297,8 +297,9 @@ def _passes(panel, xq, xd, xs, out, n0, n1, rows8, rows, rows2, rows1):
 def _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2, rows1, nsub):
     """out[:, c0:c1] (c0 a multiple of 16, c1 too or the last column) for repacked weights
     (`repack.pack`: uint8 [N', K/256 * bytes]) by panels, one a group of 16 columns, each
-    decoded from its records (`decode`: a `_record_decoder`) with the next group's record
-    prefetched (it comes from memory), then `_passes`."""
+    decoded from its records (`decode`: a `_record_decoder`), their lines asked for as the
+    record tiles do (`prefetch_ahead`; 1-5% faster than the next group's record, from memory,
+    at 24-128 rows), then `_passes`."""
     nsb = xq.shape[1] // QK
     rb = w.shape[1]
     rec = rb * PANEL_COLS // nsb
@@ -308,8 +309,7 @@ def _record_panel_columns(w, xq, xd, xs, out, c0, c1, decode, rows8, rows, rows2
         base = g * PANEL_COLS * rb
         for s in range(nsb):
             at = base + s * rec
-            for b in range(0, rec, 64):  # the next group's record (never faults past the end)
-                prefetch(w, at + PANEL_COLS * rb + b)
+            prefetch_ahead(w, at, rec)
             decode(w, at, codes, s * GROUPS * PANEL_COLS, scales, s * nsub * PANEL_COLS, pairs,
                    s * 8 * PANEL_COLS, pd, pdm, s * PANEL_COLS)
         _passes(panel, xq, xd, xs, out, g * PANEL_COLS, min(g * PANEL_COLS + PANEL_COLS, c1), rows8, rows, rows2,
