@@ -22,28 +22,30 @@ from panechat.backends.quant.registry import QuantType
 
 def loader_of(t: QuantType):
     """The CPU pair loader that `t.cpu_loader` names ("module:function")."""
-    module, _, name = t.cpu_loader.partition(":")
+    return _named(t.cpu_loader)
+
+
+def _named(ref: str):
+    module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
 def packed_columns_of(t: QuantType):
     """The column product over repacked weights that `t.cpu_packed` names, or None; its AMX
-    form ("<name>_amx", the same bits) where `uses_amx(t)`."""
+    form (`t.cpu_amx`, the same bits) where `uses_amx(t)`."""
     if not t.cpu_packed:
         return None
-    module, _, name = t.cpu_packed.partition(":")
-    return getattr(importlib.import_module(module), name + ("_amx" if uses_amx(t) else ""))
+    return _named(t.cpu_amx if uses_amx(t) else t.cpu_packed)
 
 
 def uses_amx(t: QuantType) -> bool:
-    """Whether `t`'s repacked product runs in its AMX form: its module has one
-    ("<name>_amx") and this process may run AMX tiles (`amx_tiles.enabled()`)."""
-    if not t.cpu_packed:
+    """Whether `t`'s repacked product runs in its AMX form: it has one (`cpu_amx`) and this
+    process may run AMX tiles (`amx_tiles.enabled()`)."""
+    if not (t.cpu_packed and t.cpu_amx):
         return False
     from panechat.backends.cpu import amx_tiles
 
-    module, _, name = t.cpu_packed.partition(":")
-    return hasattr(importlib.import_module(module), name + "_amx") and amx_tiles.enabled()
+    return amx_tiles.enabled()
 
 
 def packed_activations(t: QuantType) -> str:

@@ -31,7 +31,9 @@ class QuantType:
     records of 16 columns (`repack`), against activations rounded to int16 per 32
     (`packed32`) or to 8 bits per 256 (llama.cpp's Q8_K: `packed256`): every weight of the
     type is repacked and every product of it uses that instead of the float32 pair-loader
-    kernels; "" for none."""
+    kernels; "" for none. `cpu_amx`: "module:function" of the same product (the same bits)
+    where AMX tiles may run (`amx_tiles.enabled()`), choosing by row count between its tile
+    products and `cpu_packed`'s; "" for none."""
 
     name: str
     type_id: int
@@ -42,6 +44,7 @@ class QuantType:
     cpu_loader: str = ""
     cuda_form: str = ""
     cpu_packed: str = ""
+    cpu_amx: str = ""
 
     def fits(self, k: int) -> bool:
         """Whether a row of k values is whole blocks."""
@@ -52,9 +55,9 @@ class QuantType:
         return k // self.block_weights * self.block_bytes
 
 
-def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, packed="") -> QuantType:
+def _block(name, type_id, weights, nbytes, f16_at, cuda_form="", at_load=False, packed="", amx="") -> QuantType:
     return QuantType(name, type_id, weights, nbytes, f16_at, at_load, f"{_CPU}_pair_{name.lower()}", cuda_form,
-                     packed and f"{_PACKED}{packed}")
+                     packed and f"{_PACKED}{packed}", amx and f"{_PACKED}{amx}")
 
 
 # In the order messages list them (`read_types_text`); ids from ggml.h enum ggml_type,
@@ -63,16 +66,19 @@ _BUILT_IN = (
     QuantType("F32", 0, 1, 4),
     QuantType("F16", 1, 1, 2),
     QuantType("BF16", 30, 1, 2),
-    _block("Q4_0", 2, 32, 18, (0,), "q4", packed="packed32:q4_0_columns"),
+    _block("Q4_0", 2, 32, 18, (0,), "q4", packed="packed32:q4_0_columns", amx="amx_blocks32:q4_0_columns_amx"),
     _block("Q4_1", 3, 32, 20, (0, 2), "q4", packed="packed32:q4_1_columns"),
     _block("Q5_0", 6, 32, 22, (0,), "q5"),
     _block("Q5_1", 7, 32, 24, (0, 2), "q5"),
-    _block("Q8_0", 8, 32, 34, (0,), "q80", packed="packed32:q8_0_columns"),
+    _block("Q8_0", 8, 32, 34, (0,), "q80", packed="packed32:q8_0_columns", amx="amx_blocks32:q8_0_columns_amx"),
     _block("Q2_K", 10, 256, 84, (80, 82), at_load=True),
     _block("Q3_K", 11, 256, 110, (108,), at_load=True),
-    _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, packed="packed256:q4_k_columns"),
-    _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True, packed="packed256:q5_k_columns"),
-    _block("Q6_K", 14, 256, 210, (208,), "q6k", at_load=True, packed="packed256:q6_k_columns"),
+    _block("Q4_K", 12, 256, 144, (0, 2), "q4k", at_load=True, packed="packed256:q4_k_columns",
+           amx="packed256:q4_k_columns_amx"),
+    _block("Q5_K", 13, 256, 176, (0, 2), "q5k", at_load=True, packed="packed256:q5_k_columns",
+           amx="packed256:q5_k_columns_amx"),
+    _block("Q6_K", 14, 256, 210, (208,), "q6k", at_load=True, packed="packed256:q6_k_columns",
+           amx="packed256:q6_k_columns_amx"),
     _block("IQ4_NL", 20, 32, 18, (0,)),
     _block("IQ4_XS", 23, 256, 136, (0,), at_load=True),
 )

@@ -20,6 +20,7 @@ from .test_repacked import _blocks, assert_q8k_columns_give_the_reference
 
 needs_amx = pytest.mark.skipif(not amx_tiles.enabled(), reason="this CPU or kernel runs no AMX-INT8 tiles")
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+WITH_AMX = ("Q4_0", "Q8_0") + KQUANTS  # the types with an AMX form (registry `cpu_amx`)
 
 
 def test_amx_is_read_from_the_compile_targets_features():
@@ -59,13 +60,14 @@ def test_the_parallel_product_in_blocks_of_rows_gives_each_row_its_bits(qtype):
 
 
 def test_panechat_amx_0_turns_the_amx_forms_off():
-    """PANECHAT_AMX=0 (or a CPU without AMX): `enabled()` is False and every K-quant's
-    product is the record tiles' and panels' form, not compiled for AMX."""
+    """PANECHAT_AMX=0 (or a CPU without AMX): `enabled()` is False and every type's product
+    is the record tiles' and panels' form, not compiled for AMX."""
     code = ("from panechat.backends.cpu import amx_tiles; from panechat.backends.cpu.generated import "
             "packed_columns_of, uses_amx; from panechat.backends.quant import registry; "
             "assert not amx_tiles.enabled(); "
-            "assert not any(uses_amx(registry.get(t)) for t in ('Q4_K', 'Q5_K', 'Q6_K')); "
-            "assert packed_columns_of(registry.get('Q6_K')).__name__ == 'q6_k_columns'; print('ok')")
+            f"assert not any(uses_amx(registry.get(t)) for t in {WITH_AMX}); "
+            "assert packed_columns_of(registry.get('Q6_K')).__name__ == 'q6_k_columns'; "
+            "assert packed_columns_of(registry.get('Q8_0')).__name__ == 'q8_0_columns'; print('ok')")
     env = dict(os.environ, PANECHAT_AMX="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
@@ -73,15 +75,16 @@ def test_panechat_amx_0_turns_the_amx_forms_off():
 
 @needs_amx
 def test_where_amx_runs_the_kernels_a_model_calls_are_the_amx_forms_and_the_start_up_line_says_so():
-    """The op-by-op product kernel and the one-call step's range function of each K-quant
-    (what `Model.forward` calls) are the generated `_amx` copies, and the CPU backend's
-    description, printed at start-up, names them."""
+    """The op-by-op product kernel and the one-call step's range function of each type with
+    an AMX form (what `Model.forward` calls) are the generated `_amx` copies, and the CPU
+    backend's description, printed at start-up, names them."""
     from panechat.backends.cpu import block_tasks
     from panechat.backends.cpu.numpy_backend import NumpyBackend
 
-    for qtype in KQUANTS:
+    assert [t.name for t in registry.block_types() if t.cpu_amx] == list(WITH_AMX)
+    for qtype in WITH_AMX:
         t = registry.get(qtype)
         assert uses_amx(t)
         assert quant_kernels.packed_kernel(qtype).py_func.__name__ == f"_packed_{qtype.lower()}_amx"
         assert block_tasks.range_function(t).__name__ == f"_range_{qtype.lower()}_amx"
-    assert NumpyBackend().describe().endswith(", Q4_K/Q5_K/Q6_K on AMX tiles for many rows")
+    assert NumpyBackend().describe().endswith(", Q4_0/Q8_0/Q4_K/Q5_K/Q6_K on AMX tiles for many rows")
