@@ -14,7 +14,7 @@ from panechat.backends.cpu import amx_blocks32, amx_tiles, packed32, quant_kerne
 from panechat.backends.cpu.generated import uses_amx
 from panechat.backends.quant import registry
 
-from .test_repacked import _blocks
+from .test_repacked import _blocks, assert_runs_give_the_reference
 
 needs_amx = pytest.mark.skipif(not amx_tiles.enabled(), reason="this CPU or kernel runs no AMX-INT8 tiles")
 TYPES = ("Q4_0", "Q8_0")
@@ -33,19 +33,12 @@ def _run(cols):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_amx_columns_give_the_reference_bits(qtype):
     """Rows 1..33 at K = 256 (one pass of fewer than 16, passes of 16, a last one overlapping
-    the one before), 24 columns (a last group of 8), row 0 with a zero block of activations;
+    the one before), 24 columns (a last group of 8), row 0 with a zero chunk of activations;
     at K = 2048 300 rows (blocks of `task_rows` = 128 rows, the last of 44) and 270 (a last
     14 joining the block before)."""
     run = _run(getattr(amx_blocks32, f"{qtype.lower()}_columns"))
-    rng = np.random.default_rng(11)
-    for K, cases in ((256, [(m, 24) for m in range(1, 34)]), (2048, [(300, 40), (270, 16)])):
-        for M, N in cases:
-            x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
-            x[0, 32:64] = 0
-            blocks = _blocks(rng, qtype, N, K)
-            out = np.full((M, N), np.nan, np.float32)
-            run(x, repack.pack(blocks, qtype), out)
-            assert np.array_equal(out, repack.reference(qtype, x, blocks)), (qtype, K, M, N)
+    cases = [(m, 24, 256) for m in range(1, 34)] + [(300, 40, 2048), (270, 16, 2048)]
+    assert_runs_give_the_reference(run, qtype, cases, 11)
     assert packed32.task_rows(300, 2048) == 128 and packed32.task_rows(64, 8192) == 32
 
 

@@ -258,22 +258,26 @@ def test_record_panels_at_every_pass_shape(qtype):
 
 def assert_q8k_columns_give_the_reference(cols, qtype, cases, seed):
     """A K-quant column product `cols` (w, xq, xd, xs, out, c0, c1) over Q8_K rows gives
-    `repack.reference`'s bits for each (rows M, columns N) of `cases`, K = 512, row 0 with a
-    zero chunk of activations."""
+    `repack.reference`'s bits for each (rows M, columns N) of `cases`, K = 512."""
     @njit(cache=False)
     def run(x, w, out):
         xq, xd, xs = q8k_dot.quantized_rows(x)
         cols(w, xq, xd, xs, out, 0, out.shape[1])
 
+    assert_runs_give_the_reference(run, qtype, [(M, N, 512) for M, N in cases], seed)
+
+
+def assert_runs_give_the_reference(run, qtype, cases, seed):
+    """run(x, packed weights, out) gives `repack.reference`'s bits for each (rows M, columns
+    N, K) of `cases`, row 0 with a zero chunk of activations (64 of them)."""
     rng = np.random.default_rng(seed)
-    K = 512
-    for M, N in cases:
+    for M, N, K in cases:
         x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
         x[0, 32:96] = 0
         blocks = _blocks(rng, qtype, N, K)
         out = np.full((M, N), np.nan, np.float32)
         run(x, repack.pack(blocks, qtype), out)
-        assert np.array_equal(out, repack.reference(qtype, x, blocks)), (qtype, M, N)
+        assert np.array_equal(out, repack.reference(qtype, x, blocks)), (qtype, M, N, K)
 
 
 @pytest.mark.parametrize("qtype", [t if t in EVERY_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES])
