@@ -39,7 +39,7 @@ from panechat.backends.cpu import packed32
 from panechat.backends.cpu.amx_tiles import TILE_ROWS, _c64, _call, _imm, _ptr, tile_release
 from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array
 from panechat.backends.cpu.packed32 import QB, _widen_f16, high_nibbles, low_nibbles, prefetch_ahead, task_rows
-from panechat.backends.cpu.q8k_dot import _B64, _F16V, _H16, _I32, _V16, _load, _splat, _splat_f32
+from panechat.backends.cpu.q8k_dot import _B64, _F16V, _H16, _V16, _load, _splat, _splat_f32
 from panechat.backends.cpu.repack import GROUP
 
 Q4_0_MIN_ROWS = 16  # Q4_0's tile products from this many rows on (1B shape: S_TG B=16 148-155 tok/s, record tiles 129-132)
