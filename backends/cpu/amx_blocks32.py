@@ -32,11 +32,10 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from panechat.backends.cpu import packed32
-from panechat.backends.cpu.amx_tiles import TILE_ROWS, _c64, _call, _imm, _ptr, tile_release
+from panechat.backends.cpu.amx_tiles import _PTR, TILE_ROWS, _c64, _call, _imm, _ptr, tile_config_of, tile_release
 from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array
 from panechat.backends.cpu.packed32 import QB, _widen_f16, high_nibbles, low_nibbles, prefetch_ahead, task_rows
 from panechat.backends.cpu.q8k_dot import _B64, _F16V, _H16, _V16, _load, _splat, _splat_f32
@@ -47,32 +46,11 @@ Q8_0_MIN_ROWS = 12  # Q8_0's (12 rows: 1.15-1.3x the record tiles, 10: 0.93-1.14
 PAIR = 2  # blocks a pass sums (2 x PAIR C tiles of the 8)
 CODES = QB * GROUP  # bytes of a block's B tile: 512
 SLOT = 2 * PAIR * 256  # int32 sums a pass stores
-_I8 = ir.IntType(8)
-_A, _B = 0, 1  # tile registers; the C tiles from 2: block j's a plane 2 + 2j, its b plane 3 + 2j
+_A, _B = 0, 1  # tile registers (`tile_config32`); the C tiles from 2: block j's a plane 2 + 2j, its b plane 3 + 2j
 
 
-@intrinsic
-def tile_config32(typingctx, n):
-    """Load the tile configuration of passes of n rows (1..16): A (n rows of 32 int8), B (8
-    rows of 64), the C sums (n rows of 16 int32). All tiles are zeroed."""
-    if not isinstance(n, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        cfg = cgutils.alloca_once_value(builder, ir.Constant(ir.ArrayType(_I8, 64), None))
-        cfgp = builder.bitcast(cfg, ir.PointerType(_I8))
-        builder.store(ir.Constant(ir.ArrayType(_I8, 64), None), cfg)
-        n8 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), _I8)
-        builder.store(_imm(1), cfgp)  # palette 1
-        for t in range(2 + 2 * PAIR):
-            colsb, rows = (QB, n8) if t == _A else ((64, _imm(QB // 4)) if t == _B else (64, n8))
-            builder.store(ir.Constant(ir.IntType(16), colsb),
-                          builder.bitcast(builder.gep(cfgp, [_c64(16 + 2 * t)]), ir.IntType(16).as_pointer()))
-            builder.store(rows, builder.gep(cfgp, [_c64(48 + t)]))
-        _call(builder, "llvm.x86.ldtilecfg", cfgp)
-        return context.get_dummy_value()
-
-    return types.void(n), codegen
+# passes of n rows: A (n rows of 32 int8), B (8 rows of 64), the C sums (n rows of 16 int32)
+tile_config32 = tile_config_of("amx_tile_config32", ((QB, None), (64, QB // 4)) + ((64, None),) * (2 * PAIR))
 
 
 def _record_panel(name, qtype):
@@ -128,7 +106,7 @@ def tile_sums(typingctx, p, xq, cs, m0, b, cslot):
         pp, cp = [context.make_array(sig.args[k])(context, builder, args[k]).data for k in (0, 2)]
         K2 = builder.extract_value(xa.shape, 1)  # the row stride
         m0_, b_, cs_ = [context.cast(builder, args[k], sig.args[k], types.int64) for k in (3, 4, 5)]
-        cp = builder.bitcast(builder.gep(cp, [builder.mul(cs_, _c64(SLOT))]), ir.PointerType(_I8))
+        cp = builder.bitcast(builder.gep(cp, [builder.mul(cs_, _c64(SLOT))]), _PTR)
         xrow = builder.gep(xa.data, [builder.add(builder.mul(m0_, K2), builder.mul(b_, _c64(QB)))])
         half = builder.udiv(K2, _c64(2))  # the b plane: K past the a plane
         for t in range(2 * PAIR):

@@ -235,27 +235,36 @@ panel_q6k = _record_panel("amx_panel_q6k", "q6k")
 _A, _BLO, _BHI, _BM, _CLO, _CHI, _CM = range(7)  # tile registers
 
 
-@intrinsic
-def tile_config(typingctx, n):
-    """Load the tile configuration of passes of n rows (1..16): A (n rows of 64 int8), the
-    B planes (16 rows of 64), the C sums (n rows of 16 int32). All tiles are zeroed."""
-    if not isinstance(n, types.Integer):
-        return None
+def tile_config_of(name, shapes):
+    """An intrinsic (n) loading the tile configuration in which tile register t holds
+    shapes[t] = (bytes a row, rows), rows None for n (1..16, the rows of a pass). All tiles
+    are zeroed."""
 
-    def codegen(context, builder, sig, args):
-        cfg = cgutils.alloca_once_value(builder, ir.Constant(ir.ArrayType(_I8, 64), None))
-        cfgp = builder.bitcast(cfg, _PTR)
-        builder.store(ir.Constant(ir.ArrayType(_I8, 64), None), cfg)
-        n8 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), _I8)
-        builder.store(_imm(1), cfgp)  # palette 1
-        for t in (_A, _BLO, _BHI, _BM, _CLO, _CHI, _CM):
-            builder.store(ir.Constant(_I16, 64), builder.bitcast(builder.gep(cfgp, [_c64(16 + 2 * t)]),
-                                                                 _I16.as_pointer()))  # bytes a row
-            builder.store(_imm(16) if t in (_BLO, _BHI, _BM) else n8, builder.gep(cfgp, [_c64(48 + t)]))  # rows
-        _call(builder, "llvm.x86.ldtilecfg", cfgp)
-        return context.get_dummy_value()
+    def typer(typingctx, n):
+        if not isinstance(n, types.Integer):
+            return None
 
-    return types.void(n), codegen
+        def codegen(context, builder, sig, args):
+            cfg = cgutils.alloca_once_value(builder, ir.Constant(ir.ArrayType(_I8, 64), None))
+            cfgp = builder.bitcast(cfg, _PTR)
+            builder.store(ir.Constant(ir.ArrayType(_I8, 64), None), cfg)
+            n8 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), _I8)
+            builder.store(_imm(1), cfgp)  # palette 1
+            for t, (colsb, rows) in enumerate(shapes):
+                builder.store(ir.Constant(_I16, colsb), builder.bitcast(builder.gep(cfgp, [_c64(16 + 2 * t)]),
+                                                                        _I16.as_pointer()))
+                builder.store(n8 if rows is None else _imm(rows), builder.gep(cfgp, [_c64(48 + t)]))
+            _call(builder, "llvm.x86.ldtilecfg", cfgp)
+            return context.get_dummy_value()
+
+        return types.void(n), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+# passes of n rows: A (n rows of 64 int8), the B planes (16 rows of 64), the C sums (n rows of 16 int32)
+tile_config = tile_config_of("amx_tile_config", ((64, None),) + ((64, 16),) * 3 + ((64, None),) * 3)
 
 
 @intrinsic

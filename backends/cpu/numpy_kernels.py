@@ -540,6 +540,16 @@ def column_task(t, t1, t2, cols):
     return j, (t - (0 if j == 0 else (t1 if j == 1 else t2))) * cols
 
 
+@njit(inline="always", **_JIT)
+def block_task(t, t1, t2, t3, cols, rows, M):
+    """(output j, first column n0, rows r0..r1) of task t when the t3 tasks of `column_tasks`
+    repeat for each block of `rows` of the M rows, block by block (a thread's tasks in a
+    row share their block's activations): t3 * ceil(M / rows) tasks."""
+    j, n0 = column_task(t % t3, t1, t2, cols)
+    r0 = t // t3 * rows
+    return j, n0, r0, min(r0 + rows, M)
+
+
 def _require(name, a, dtype, ndim):
     """Raise ValueError unless a is a C-contiguous ndarray of dtype with ndim dims."""
     ok = isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim

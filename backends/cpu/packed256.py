@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from panechat.backends.cpu import amx_tiles
-from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec, vzero
+from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec, vzero
 from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_nibbles, low_nibbles, prefetch_ahead,
                                             splat_i32, store_group)
 from panechat.backends.cpu.q8k_dot import (_B16, _B64, _F16V, _H16, _I32, _V16, _dot2, _dot4, _load, _splat, _splat_f32,
@@ -400,9 +400,7 @@ def packed_q8k_linear_driver(x, ws, outs, count, columns):
     t1, t2, t3 = column_tasks(outs, count, cols)
     rows = task_rows(M, K)
     for t in prange(t3 * ((M + rows - 1) // rows)):
-        r0 = t // t3 * rows
-        r1 = min(r0 + rows, M)
-        j, n0 = column_task(t % t3, t1, t2, cols)
+        j, n0, r0, r1 = block_task(t, t1, t2, t3, cols, rows, M)
         out = outs[j]
         columns(ws[j], xq[r0:r1], xd[r0:r1], xs[r0:r1], out[r0:r1], n0, min(n0 + cols, out.shape[1]))
 

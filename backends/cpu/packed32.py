@@ -52,7 +52,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from panechat.backends.cpu.decode_attention import HAS_F16C
-from panechat.backends.cpu.numpy_kernels import (_JIT, _element_ptr, _is_c_array, column_task, column_tasks, f32vec,
+from panechat.backends.cpu.numpy_kernels import (_JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec,
                                                   prefetch, vzero)
 from panechat.backends.cpu.repack import GROUP, LAYOUTS
 from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32, dot4_plain
@@ -466,8 +466,6 @@ def packed_linear_driver(x, ws, outs, count, columns):
     t1, t2, t3 = column_tasks(outs, count, cols)
     rows = task_rows(M, K)
     for t in prange(t3 * ((M + rows - 1) // rows)):
-        r0 = t // t3 * rows
-        r1 = min(r0 + rows, M)
-        j, n0 = column_task(t % t3, t1, t2, cols)
+        j, n0, r0, r1 = block_task(t, t1, t2, t3, cols, rows, M)
         out = outs[j]
         columns(ws[j], xq[r0:r1], xd[r0:r1], xs[r0:r1], sx[r0:r1], out[r0:r1], n0, min(n0 + cols, out.shape[1]))
