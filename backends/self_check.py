@@ -49,7 +49,7 @@ class CheckPlan:
     batches: tuple[int, ...] = (2, 3, 5, 8, 17, 32, 64)  # 64: Q4_K's AMX form (packed256.Q4K_AMX_MIN_ROWS)
     linear: tuple[tuple[str, int, int], ...] = (
         ("F32", 70, 96), ("F32", 64, 200),  # leftover columns; a K tail
-        ("Q8_0", 70, 128), ("Q4_0", 64, 192), ("Q4_1", 64, 192))  # K/32 even: AMX forms (amx_blocks32) from 17 and 32
+        ("Q8_0", 70, 128), ("Q4_0", 64, 192), ("Q4_1", 64, 192))  # K/32 even: the AMX forms (amx_blocks32) at 17, 32, 64
     norm_widths: tuple[int, ...] = (300,)
     attention: tuple[AttentionCase, ...] = (AttentionCase(4, 2, 80, 40, 6, (37,)),
                                             AttentionCase(4, 2, 80, 40, 6, (37,), window=21))
