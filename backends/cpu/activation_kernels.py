@@ -42,17 +42,27 @@ def gelu_mul_one(g, u):
 
 
 @njit(error_model="numpy", **_JIT)
+def _gated_row(g, u, o, c0, c1, gelu):
+    """o[c0:c1] = act(g) * u there, for one row (float32 [N] each)."""
+    if gelu:
+        for n in range(c0, c1):
+            o[n] = gelu_mul_one(g[n], u[n])
+    else:
+        for n in range(c0, c1):
+            o[n] = silu_mul_one(g[n], u[n])
+
+
+@njit(error_model="numpy", **_JIT)
 def gated_columns(gate, up, out, c0, c1, gelu):
     """out[:, c0:c1] = act(gate) * up there (float32 [R, N] each): one contiguous loop per
-    row and activation, which the vectoriser turns into vector code."""
+    row and activation, which the vectoriser turns into vector code. Row by row through
+    `_gated_row`: written as one loop nest over rows and columns, LLVM guarded its vector
+    code with overlap checks over all the rows' ranges at once, which some placements of
+    three separate buffers failed, so the whole nest ran scalar (4x slower: 1.9 ms of a
+    5-row decode step of a 1B model, docs/benchmarks.md). A row's check is plain range
+    overlap, which separate buffers never fail."""
     for r in range(gate.shape[0]):
-        g, u, o = gate[r], up[r], out[r]
-        if gelu:
-            for n in range(c0, c1):
-                o[n] = gelu_mul_one(g[n], u[n])
-        else:
-            for n in range(c0, c1):
-                o[n] = silu_mul_one(g[n], u[n])
+        _gated_row(gate[r], up[r], out[r], c0, c1, gelu)
 
 
 @njit(parallel=True, error_model="numpy", **_JIT)

@@ -237,9 +237,15 @@ def _residual(x, p, vec, has_post, eps, c0, c1, sync, tid, n):
             for d in range(D):
                 x[r, d] = x[r, d] + p[r, d]
     else:
-        for r in range(x.shape[0]):
-            for c in range(c0, c1):
-                x[r, c] = p[r, c] + x[r, c]
+        for r in range(x.shape[0]):  # row by row: see activation_kernels.gated_columns
+            _add_columns(x[r], p[r], c0, c1)
+
+
+@njit(**_JIT)
+def _add_columns(x, p, c0, c1):
+    """x[c0:c1] = p + x there (one row)."""
+    for c in range(c0, c1):
+        x[c] = p[c] + x[c]
 
 
 @njit(**_JIT)

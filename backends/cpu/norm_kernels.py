@@ -77,19 +77,28 @@ def _pairwise(a, n, task_o, task_n, vals):
 
 
 @njit(**_JIT)
+def _rms_norm_row(x, weight, eps, out, sq, task_o, task_n, vals):
+    """One row (float32 [D]) of `_rms_norm`; sq [D], task_o, task_n, vals: its scratch."""
+    D = x.shape[0]
+    for d in range(D):
+        sq[d] = x[d] * x[d]
+    total = np.float32(0.0) + _pairwise(sq, D, task_o, task_n, vals)
+    ms = np.float32(np.float64(total) / np.float64(D))
+    inv = np.float32(1.0) / np.float32(math.sqrt(ms + eps))
+    for d in range(D):
+        out[d] = (x[d] * inv) * weight[d]
+
+
+@njit(**_JIT)
 def _rms_norm(x, weight, eps, out):
+    """Row by row (see `activation_kernels.gated_columns`: a loop nest over rows and
+    columns may lose its vector code to LLVM's overlap checks over all the rows)."""
     R, D = x.shape
     sq = np.empty(D, np.float32)
     task_o, task_n = np.empty(192, np.int64), np.empty(192, np.int64)  # 3 per level: ample
     vals = np.empty(64, np.float32)
     for r in range(R):
-        for d in range(D):
-            sq[d] = x[r, d] * x[r, d]
-        total = np.float32(0.0) + _pairwise(sq, D, task_o, task_n, vals)
-        ms = np.float32(np.float64(total) / np.float64(D))
-        inv = np.float32(1.0) / np.float32(math.sqrt(ms + eps))
-        for d in range(D):
-            out[r, d] = (x[r, d] * inv) * weight[d]
+        _rms_norm_row(x[r], weight, eps, out[r], sq, task_o, task_n, vals)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
