@@ -33,8 +33,8 @@ from numba.extending import intrinsic
 
 from panechat.backends.cpu import amx_tiles
 from panechat.backends.cpu.numpy_kernels import _JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec, vzero
-from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, high_nibbles, low_nibbles, prefetch_ahead,
-                                            splat_i32, store_group)
+from panechat.backends.cpu.packed32 import (ROWS, TASK_GROUPS, _widen_f16, five_rows, high_nibbles, low_nibbles,
+                                            prefetch_ahead, splat_i32, store_group)
 from panechat.backends.cpu.q8k_dot import (_B16, _B64, _F16V, _H16, _I32, _V16, _dot2, _dot4, _load, _splat, _splat_f32,
                                            quantize_row_q8k)
 from panechat.backends.cpu.q8k_dot import reference as q8k_reference
@@ -305,8 +305,7 @@ def _columns(w, xq, xd, xs, out, c0, c1, r1, r2, r3, r4, t5):
     4 + 1); one row against pairs of groups (`_row_pair`)."""
     M = xq.shape[0]
     z = vzero()
-    five = M >= 5 and M % ROWS == 1
-    stop = M - 5 if five else M  # rows the four-row tiles cover
+    five, stop = five_rows(M)
     g0, g1 = c0 // GROUP, (c1 + GROUP - 1) // GROUP
     if M == 1:
         while g0 + 2 <= g1:

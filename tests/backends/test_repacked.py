@@ -178,7 +178,8 @@ def _columns_source(qtype):
     return run
 
 
-def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (6, 48), (9, 16), (25, 40)), types=EVERY_RUN):
+def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (5, 40), (6, 48), (9, 16), (25, 40)),
+                          types=EVERY_RUN):
     rng = np.random.default_rng(4)
     for qtype in types:
         run = njit(cache=False)(_columns_source(qtype))
@@ -195,7 +196,7 @@ def _check_reference_bits(shapes=((1, 16), (1, 48), (3, 32), (4, 16), (6, 48), (
 @pytest.mark.parametrize("form", q8k_dot.FORMS)
 def test_every_form_gives_the_reference_bits(form, monkeypatch):
     """vnni, avx512 (no VNNI), avx2 and generic: the same exact integers, so the same bits
-    (4-row tiles, tails of 1-3 rows, the K-quants' 5-row tile at 9 rows, one row against
+    (4-row tiles, tails of 1-3 rows, the 5-row tile at 5, 9 and 25 rows, one row against
     pairs of groups and a last one at 48 columns, Q6_K's record panels at 25 rows and a
     last group of 8 columns). This CPU runs each form whose instructions it has."""
     need = {"vnni": "vnni", "avx512": "avx512", "avx2": "avx2"}.get(form)
