@@ -55,6 +55,7 @@ from panechat.backends.cpu.decode_attention import HAS_F16C
 from panechat.backends.cpu.numpy_kernels import (_JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec,
                                                   prefetch, vzero)
 from panechat.backends.cpu.repack import GROUP, LAYOUTS
+from panechat.backends.cpu.row_rounding import abs_max16, lane_max, round_int16_16
 from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32, dot4_plain
 
 QB = 32  # weights (and activations) a block
@@ -73,22 +74,18 @@ _I64 = ir.IntType(64)
 
 @njit(**_JIT)
 def quantize_row(x, m, xq, xd, xs, sx):
-    """Row m of x (float32 [M, K], K a multiple of 32) rounded to int16 per 32 (module
-    docstring), as two int8 planes: q = 256 * xq[m, k] + xq[m, K + k] (xq int8 [M, 2K]);
-    xd float32 [M, K/32], xs int32 [M, K/32] (the codes' sum), sx float32 [M, K/32] (dx * f32(xs))."""
+    """Row m of x (float32 [M, K], C-contiguous, K a multiple of 32) rounded to int16 per 32
+    (module docstring), as two int8 planes: q = 256 * xq[m, k] + xq[m, K + k] (xq int8
+    [M, 2K]); xd float32 [M, K/32], xs int32 [M, K/32] (the codes' sum), sx float32 [M, K/32]
+    (dx * f32(xs)). 16 values a vector (`row_rounding`)."""
     K = x.shape[1]
     for b in range(K // QB):
         o = b * QB
-        amax = np.float32(0.0)
-        for j in range(o, o + QB):
-            amax = max(amax, abs(x[m, j]))
+        at = m * K + o
+        amax = lane_max(abs_max16(x, at + 16, abs_max16(x, at, vzero())))
         iscale = np.float32(QMAX) / amax if amax > 0 else np.float32(0.0)
-        s = np.int32(0)
-        for j in range(o, o + QB):
-            q = np.int32(np.rint(x[m, j] * iscale))
-            low = ((q + 128) & 255) - 128
-            xq[m, j], xq[m, K + j] = (q - low) >> 8, low
-            s += q
+        qa = 2 * m * K + o
+        s = round_int16_16(x, at, iscale, xq, qa, qa + K) + round_int16_16(x, at + 16, iscale, xq, qa + 16, qa + K + 16)
         d = amax / np.float32(QMAX)
         xd[m, b], xs[m, b], sx[m, b] = d, s, d * np.float32(s)
 

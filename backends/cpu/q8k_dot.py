@@ -41,7 +41,8 @@ from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, config
 
-from panechat.backends.cpu.numpy_kernels import _JIT
+from panechat.backends.cpu.numpy_kernels import _JIT, LANES, vzero
+from panechat.backends.cpu.row_rounding import abs_max16, first_of_magnitude16, lane_max, round_q8k16
 
 QK = 256  # weights (and activations) a super-block
 
@@ -172,32 +173,36 @@ def _float_step(builder, acc, dd, isum, dm, msum):
 
 @njit(inline="always", **_JIT)
 def quantize_row_q8k(x, m, xq, xd, xs):
-    """Row m of x (float32 [M, K], K a multiple of 256) as llama.cpp's Q8_K: per block of 256,
-    iscale = -127 / (the value of largest magnitude, the first one), q = min(127,
-    round-half-even(iscale * x)), d = 1 / iscale (0 and q = 0 for an all-zero block); xq
-    int8 [M, K], xd float32 [M, K / 256], xs int16 [M, K / 16] (sums of 16 q)."""
+    """Row m of x (float32 [M, K], C-contiguous, K a multiple of 256) as llama.cpp's Q8_K:
+    per block of 256, iscale = -127 / (the value of largest magnitude, the first one), q =
+    min(127, round-half-even(iscale * x)), d = 1 / iscale (0 and q = 0 for an all-zero
+    block); xq int8 [M, K], xd float32 [M, K / 256], xs int16 [M, K / 16] (sums of 16 q).
+    16 values a vector (`row_rounding`)."""
     K = x.shape[1]
     for b in range(K // QK):
         o = b * QK
-        amax, mx = np.float32(0.0), np.float32(0.0)
-        for j in range(o, o + QK):
-            ax = abs(x[m, j])
-            if ax > amax:
-                amax, mx = ax, x[m, j]
+        at = m * K + o
+        v = abs_max16(x, at, vzero())
+        for t in range(LANES, QK, LANES):
+            v = abs_max16(x, at + t, v)
+        amax = lane_max(v)
         if amax == 0:
             xd[m, b] = np.float32(0.0)
             for j in range(o, o + QK):
                 xq[m, j] = 0
+            for g in range(o // 16, (o + QK) // 16):
+                xs[m, g] = 0
         else:
-            iscale = np.float32(-127.0) / mx
-            for j in range(o, o + QK):
-                xq[m, j] = min(127, np.int32(np.rint(iscale * x[m, j])))
+            t = 0
+            while True:  # the first value of that magnitude (it is there)
+                lane = first_of_magnitude16(x, at + t, amax)
+                if lane < LANES:
+                    break
+                t += LANES
+            iscale = np.float32(-127.0) / x[m, o + t + lane]
+            for g in range(QK // 16):
+                xs[m, o // 16 + g] = round_q8k16(x, at + 16 * g, iscale, xq, at + 16 * g)
             xd[m, b] = np.float32(1.0) / iscale
-        for g in range(o // 16, (o + QK) // 16):
-            s = np.int32(0)
-            for j in range(16 * g, 16 * g + 16):
-                s += np.int32(xq[m, j])
-            xs[m, g] = s
 
 
 @njit(inline="always", **_JIT)

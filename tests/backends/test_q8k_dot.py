@@ -60,6 +60,21 @@ def test_rounding_follows_llama_cpp(rounding):
     assert xs[0, 0] == -64 and xs.dtype == np.int16
 
 
+@pytest.mark.parametrize("rounding", [q.reference_q8k, _quantized_rows], ids=["numpy", "compiled"])
+def test_the_first_value_of_largest_magnitude_is_found_in_order(rounding):
+    """The compiled rounding takes the largest magnitude 16 values a vector, then looks for
+    its first value in order: a tie of opposite signs in later vectors, the negative one
+    first, sets iscale's sign; so does a tie inside one vector, its later lane positive."""
+    x = np.zeros((2, 512), np.float32)
+    x[0, 200], x[0, 230], x[0, 20] = -3.0, 3.0, 1.0
+    x[1, 256 + 37], x[1, 256 + 33], x[1, 256 + 40] = 4.0, -4.0, -2.0  # lane 1 (-4) before lane 5 (4)
+    xq, xd, xs = rounding(x)
+    assert xq[0, 200] == -127 and xq[0, 230] == 127 and xq[0, 20] == 42  # iscale -127 / -3 > 0
+    assert xq[1, 256 + 33] == -127 and xq[1, 256 + 37] == 127 and xq[1, 256 + 40] == -64  # 31.75: -63.5 to even
+    assert xd[0, 0] == np.float32(1) / (np.float32(-127.0) / np.float32(-3.0)) and xd[0, 1] == 0
+    assert xd[1, 1] == np.float32(1) / (np.float32(-127.0) / np.float32(-4.0))
+
+
 @pytest.mark.parametrize("qtype", list(q.REFERENCES))
 def test_reference_is_gguf_on_exact_activations(qtype):
     """Activations that are int8 values with 127 in every block round to themselves (scale
