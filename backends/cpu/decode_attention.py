@@ -10,9 +10,9 @@ numpy calls. At decode every row belongs to a different sequence, so here one ca
 * turns q and k by RoPE when asked (`NumpyBackend.rope_attend`: two calls fewer a layer),
 * rounds the new K and V rows to the store's dtype and writes them (the same bits as
   numpy's float32 -> float16 assignment: IEEE round to nearest even),
-* splits the (row, kv head) tasks among the threads in runs of about equal cost
+* splits the (row, query head) tasks among the threads in runs of about equal cost
   (`share_tasks`), so a thread mostly takes whole rows: it walks a row's blocks once for
-  all its kv heads, whose keys (and values) lie next to each other in each block, so the
+  all its heads, whose keys (and values) lie next to each other in each block, so the
   reads are one stream the hardware prefetcher follows; where a sequence's blocks jump,
   the block two ahead is prefetched into L2. (A task per (row, kv head) read 2 KB pieces
   6 KB apart, and waited on memory for half its time: 29 -> 13 us per (row, kv head) at
@@ -42,7 +42,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import config
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _expf, _is_c_array, _scores16, _sum, _v1x4,
+from panechat.backends.cpu.numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _exp_less_max, _is_c_array, _scores16, _sum, _v1x4,
                             f32vec, load_kv, prefetch_l2, vload, vload_kv, vmac, vmul, vsplat, vstore)
 
 _HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
@@ -254,11 +254,13 @@ def _task_cost(last, window):
 
 @njit(**_JIT)
 def share_tasks(pos, window, G, tid, n):
-    """Thread tid of n's (row, kv head) tasks as [k, 3] rows (r, g0, g1): kv heads g0..g1-1
-    of row r. The tasks in row-major order are split into n runs of about equal cost
-    (attended positions + `_TASK_COST` each), so a thread takes whole rows where it can and
-    reads each of their blocks once for all its heads, in one stream. Which thread runs a
-    task never changes its bits."""
+    """Thread tid of n's (row, head) tasks as [k, 3] rows (r, g0, g1): heads g0..g1-1 of row
+    r, of G a row (kv heads, for the K/V writes; query heads, for attention). The tasks in
+    row-major order are split into n runs of about equal cost (attended positions +
+    `_TASK_COST` each), so a thread takes whole rows where it can and reads each of their
+    blocks once for all its heads, in one stream. Which thread runs a task never changes
+    its bits. (Attention split by kv heads left a thread waiting: the default model's 3 kv
+    heads went 2 and 1, gemma-3-270m's 1 all to one thread.)"""
     R = pos.shape[0]
     total = 0
     for r in range(R):
@@ -279,16 +281,16 @@ def share_tasks(pos, window, G, tid, n):
 
 
 @njit(**_JIT)
-def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, out):
-    """Query heads of kv heads g0..g1-1 for row r over positions first..last of the
-    sequence whose block table is `table`: each block's keys (then values) of those heads,
-    adjacent in the store, are read once, in one pass over the blocks; each head's
-    arithmetic is the same whatever g0..g1 is."""
+def _attend_blocks(q, k_blocks, v_blocks, table, r, h0, h1, first, last, scale, out):
+    """Query heads h0..h1-1 of row r over positions first..last of the sequence whose block
+    table is `table`: each block's keys (then values) of their kv heads, adjacent in the
+    store, are read once, in one pass over the blocks, for all of those query heads; each
+    head's arithmetic is the same whatever h0..h1 is."""
     H, D = q.shape[1], q.shape[2]
     G, B = k_blocks.shape[1], k_blocks.shape[2]
     grp = H // G
     P = last + 1 - first
-    h0, nh = g0 * grp, (g1 - g0) * grp
+    g0, g1, nh = h0 // grp, (h1 - 1) // grp + 1, h1 - h0
     e = np.empty((nh, P), np.float32)  # scores, then exp(score - max)
     ef = e.reshape(-1)
     buf = np.empty((B, D), np.float32)
@@ -302,20 +304,17 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, 
         n = min(B - off, last + 1 - p)
         _prefetch_jump(k_blocks, table, p // B + _AHEAD, last_b, g0, g1)
         for g in range(g0, g1):
+            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0  # its query heads here
             _convert(k_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
             if n == LANES and D % LANES == 0:  # a whole block of keys and whole vectors: kept tight
-                for j in range(g * grp - h0, (g + 1) * grp - h0):
+                for j in range(ja, jb):
                     vstore(ef, j * P + p - first, vmul(_scores16(q, (r * H + h0 + j) * D, buf, 0, D, D), sv))
             else:
-                for j in range(g * grp - h0, (g + 1) * grp - h0):
+                for j in range(ja, jb):
                     _segment_scores(q, (r * H + h0 + j) * D, buf, n, scale, ef, j * P + p - first)
         p += n
     for j in range(nh):
-        mx = e[j, 0]
-        for t in range(1, P):
-            mx = max(mx, e[j, t])
-        for t in range(P):
-            e[j, t] = _expf(e[j, t] - mx)
+        _exp_less_max(e[j], P)
     acc = np.zeros((nh, D), np.float32)
     for b in range(b0 + 1, b0 + _AHEAD):
         _prefetch_jump(v_blocks, table, b, last_b, g0, g1)
@@ -325,9 +324,9 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, g0, g1, first, last, scale, 
         n = min(B - off, last + 1 - p)
         _prefetch_jump(v_blocks, table, p // B + _AHEAD, last_b, g0, g1)
         for g in range(g0, g1):
-            j = (g - g0) * grp
+            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
             _convert(v_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
-            _segment_v(e[j:j + grp], p - first, buf, n, acc[j:j + grp])
+            _segment_v(e[ja:jb], p - first, buf, n, acc[ja:jb])
         p += n
     for j in range(nh):
         inv = _F(1.0) / _sum(e[j], P)
@@ -405,7 +404,7 @@ def _decode(q, k, v, k_blocks, v_blocks, tables, row_seq, row_pos, scale, window
                 _write_row(k_blocks, o, k, (r * G + g) * D, D)
             _write_row(v_blocks, o, v, (r * G + g) * D, D)
     for tid in prange(n):  # n: numba's thread count
-        for task in share_tasks(row_pos, window, G, tid, n):
+        for task in share_tasks(row_pos, window, H, tid, n):  # query heads: even shares
             r, last = task[0], row_pos[task[0]]
             _attend_blocks(qr, k_blocks, v_blocks, tables[row_seq[r]], r, task[1], task[2],
                            first_position(last, window), last, scale, out)

@@ -304,7 +304,7 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
                         _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + Q_NORM), eps, qh.reshape((1, hd)))
                     _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
         barrier(sync, n)  # every row's K/V written: a sequence's later rows attend its earlier ones
-        for task in tasks:
+        for task in share_tasks(pos, windows[i], n_head, tid, n):  # by query heads: even shares
             r = task[0]
             pr = pos[r]
             _attend_blocks(qr, kb, vb, tables[seqs[r]], r, task[1], task[2], first_position(pr, windows[i]), pr,

@@ -284,6 +284,33 @@ def vmac(typingctx, acc, a, b):
 
 
 @intrinsic
+def vmax(typingctx, m, v):
+    """Lane-wise v if v > m, else m (a NaN in v never replaces m)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[1], args[0]), args[1], args[0])
+
+    return f32vec(f32vec, f32vec), codegen
+
+
+@intrinsic
+def lane_max(typingctx, v):
+    """The largest lane of v (lanes compared by `>`, in a fixed tree)."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v, n = args[0], LANES
+        while n > 1:
+            n //= 2
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [(k + n) % LANES for k in range(LANES)]))
+            v = builder.select(builder.fcmp_ordered(">", hi, v), hi, v)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
 def vsum(typingctx, v):
     """Fixed-tree horizontal sum: lanes l and l+h are added for h = 8, 4, 2, 1."""
 
@@ -669,6 +696,26 @@ def _scores(q, qo, kc, ko, P, scale, e):
 
 
 @njit(**_JIT)
+def _exp_less_max(e, P):
+    """e[t] = exp(e[t] - m) in place for t < P (float32 [>= P]), m the largest of e[0:P]:
+    softmax's numerators. The largest value is the same whatever order it is found in (a
+    tie of +0 and -0 may give either, and x - 0 and x + 0 are equal but for x = -0, whose
+    exp is 1 either way), so 16 lanes find it (a loop-carried scalar `max` would not be
+    vectorised); the exp loop is a loop of its own over one row, which LLVM vectorises."""
+    pv = P - P % LANES
+    m = e[0]
+    if pv:
+        v = vload(e, 0)
+        for t in range(LANES, pv, LANES):
+            v = vmax(v, vload(e, t))
+        m = max(m, lane_max(v))
+    for t in range(pv, P):
+        m = max(m, e[t])
+    for t in range(P):
+        e[t] = _expf(e[t] - m)
+
+
+@njit(**_JIT)
 def _sum(e, P):
     """Fixed-order sum of e[0:P] (16 lane partial sums, tree, sequential tail)."""
     pv = P - P % LANES
@@ -742,11 +789,7 @@ def _attend_heads(q, kc, vc, kvo, r, h0, grp, P, scale, out):
     for j in range(grp):
         _scores(q, (r * H + h0 + j) * D, kc, kvo, P, scale, e[j])
     for j in range(grp):
-        mx = e[j, 0]
-        for t in range(1, P):
-            mx = max(mx, e[j, t])
-        for t in range(P):
-            e[j, t] = _expf(e[j, t] - mx)
+        _exp_less_max(e[j], P)
     acc = np.zeros((grp, D), np.float32)
     _weighted_v(e, vc, kvo, P, acc)
     for j in range(grp):

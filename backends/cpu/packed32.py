@@ -52,10 +52,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from panechat.backends.cpu.decode_attention import HAS_F16C
-from panechat.backends.cpu.numpy_kernels import (_JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec,
+from panechat.backends.cpu.numpy_kernels import (_JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec, lane_max,
                                                   prefetch, vzero)
 from panechat.backends.cpu.repack import GROUP, LAYOUTS
-from panechat.backends.cpu.row_rounding import abs_max16, lane_max, round_int16_16
+from panechat.backends.cpu.row_rounding import abs_max16, round_int16_16
 from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32, dot4_plain
 
 QB = 32  # weights (and activations) a block

@@ -41,8 +41,8 @@ from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, config
 
-from panechat.backends.cpu.numpy_kernels import _JIT, LANES, vzero
-from panechat.backends.cpu.row_rounding import abs_max16, first_of_magnitude16, lane_max, round_q8k16
+from panechat.backends.cpu.numpy_kernels import _JIT, LANES, lane_max, vzero
+from panechat.backends.cpu.row_rounding import abs_max16, first_of_magnitude16, round_q8k16
 
 QK = 256  # weights (and activations) a super-block
 

@@ -83,24 +83,6 @@ def abs_max16(typingctx, x, i, m):
 
 
 @intrinsic
-def lane_max(typingctx, v):
-    """The largest lane of v (float32; lanes compared by `>`, in a fixed tree)."""
-    if v != f32vec:
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        n = LANES
-        while n > 1:
-            n //= 2
-            hi = builder.shuffle_vector(v, v, ir.Constant(_VI, [(k + n) % LANES for k in range(LANES)]))
-            v = builder.select(builder.fcmp_ordered(">", hi, v), hi, v)
-        return builder.extract_element(v, ir.Constant(_I32, 0))
-
-    return types.float32(v), codegen
-
-
-@intrinsic
 def first_of_magnitude16(typingctx, x, i, a):
     """The first l < 16 with |x[i + l]| == a, else 16."""
     if not (_is_c_array(x, types.float32) and isinstance(i, types.Integer) and isinstance(a, types.Float)):

@@ -170,13 +170,14 @@ def test_rope_attend_equals_rope_then_attend_rows_1_to_33(style, rope_dim, dtype
 
 @pytest.mark.parametrize("window", [0, 40])
 def test_share_tasks_gives_every_row_and_kv_head_to_one_thread_in_balanced_runs(window):
-    """The threads' (row, kv heads) runs cover each (row, kv head) once, in row-major order,
-    and no thread's cost exceeds an even share by more than one task."""
+    """The threads' (row, heads) runs cover each (row, head) once, in row-major order, and
+    no thread's cost exceeds an even share by more than one task (G: kv heads for the K/V
+    writes, query heads for attention)."""
     rng = np.random.default_rng(12)
     for R in range(1, 34):
         pos = rng.integers(0, 300, R).astype(np.int32)
         cost = [p + 1 - (max(0, p - window + 1) if window else 0) + da._TASK_COST for p in pos]
-        for G in (1, 2, 3, 4):
+        for G in (1, 2, 3, 4, 9):
             for n in (1, 2, 3, 4, 7):
                 seen, loads = [], []
                 for tid in range(n):
@@ -187,6 +188,28 @@ def test_share_tasks_gives_every_row_and_kv_head_to_one_thread_in_balanced_runs(
                     loads.append(sum(cost[r] for r, _ in tasks))
                 assert seen == [(r, g) for r in range(R) for g in range(G)], (R, G, n)
                 assert max(loads) <= sum(loads) / n + max(cost), (R, G, n, loads)
+
+
+@pytest.mark.parametrize("H,G", [(9, 3), (4, 1), (8, 2)])
+def test_any_split_of_a_rows_query_heads_gives_each_head_its_bits(H, G):
+    """Threads split a row's attention by query heads (`share_tasks` over H), so a task may
+    hold part of a kv head's group: every split, inside groups or across them, gives each
+    head the bits of the task holding them all."""
+    rng = np.random.default_rng(14)
+    D, nb = 64, 6
+    kb, vb = _store(rng, nb, G, D, np.float16)
+    kb, vb = kb.view(np.uint16), vb.view(np.uint16)
+    table = rng.permutation(nb).astype(np.int32)
+    q = rng.standard_normal((2, H, D), dtype=np.float32)
+    for first, last in ((0, 70), (21, 90), (5, 5)):
+        whole = np.zeros_like(q)
+        da._attend_blocks(q, kb, vb, table, 1, 0, H, first, last, np.float32(0.125), whole)
+        for cuts in ([1], [H - 1], [H // 2], [1, 2, H - 1]):
+            got = np.zeros_like(q)
+            for h0, h1 in zip([0] + cuts, cuts + [H]):
+                da._attend_blocks(q, kb, vb, table, 1, h0, h1, first, last, np.float32(0.125), got)
+            assert np.array_equal(got, whole), (first, last, cuts)
+        assert whole[1].any() and not whole[0].any()
 
 
 def test_paged_decode_same_bits_at_any_thread_count_and_block_order():
