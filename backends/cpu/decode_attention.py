@@ -335,6 +335,111 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, h0, h1, first, last, scale, 
 
 
 @njit(**_JIT)
+def _attend_run(q, k_blocks, v_blocks, table, r0, m, h0, h1, window, last0, scale, out):
+    """`_attend_blocks` for query heads h0..h1-1 of rows r0..r0+m-1, one sequence's rows at
+    positions last0..last0+m-1 (a decode row and its drafts): each block's keys (then
+    values) are converted once for all m rows, and each row computes from them exactly what
+    `_attend_blocks` computes for it alone: its segment of the block (its window's first
+    position to its own), 16 keys at a time where the segment is a whole block, the same
+    softmax and the same weighted sum key after key."""
+    if m == 1:
+        _attend_blocks(q, k_blocks, v_blocks, table, r0, h0, h1, first_position(last0, window), last0, scale, out)
+        return
+    H, D = q.shape[1], q.shape[2]
+    G, B = k_blocks.shape[1], k_blocks.shape[2]
+    grp = H // G
+    g0, g1, nh = h0 // grp, (h1 - 1) // grp + 1, h1 - h0
+    lastm = last0 + m - 1
+    first0 = first_position(last0, window)
+    W = lastm + 1 - first0  # room for every row's scores (the last row's are the most)
+    e = np.empty((m, nh, W), np.float32)  # row, head: scores, then exp(score - max)
+    buf = np.empty((B, D), np.float32)
+    sv = vsplat(scale)
+    b0, last_b = first0 // B, lastm // B
+    for b in range(b0 + 1, b0 + _AHEAD):
+        _prefetch_jump(k_blocks, table, b, last_b, g0, g1)
+    for b in range(b0, last_b + 1):
+        _prefetch_jump(k_blocks, table, b + _AHEAD, last_b, g0, g1)
+        s, t = max(b * B, first0), min(b * B + B, lastm + 1)  # every row's keys in this block
+        for g in range(g0, g1):
+            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
+            _convert(k_blocks, ((table[b] * G + g) * B + s - b * B) * D, t - s, buf)
+            for i in range(m):
+                first = first_position(last0 + i, window)
+                a, z = max(s, first), min(t, last0 + i + 1)  # this row's segment
+                if a >= z:
+                    continue
+                ef = e[i].reshape(-1)
+                qo = ((r0 + i) * H + h0) * D
+                if z - a == LANES and D % LANES == 0:
+                    for j in range(ja, jb):
+                        vstore(ef, j * W + a - first, vmul(_scores16(q, qo + j * D, buf, (a - s) * D, D, D), sv))
+                else:
+                    for j in range(ja, jb):
+                        _segment_scores(q, qo + j * D, buf[a - s:], z - a, scale, ef, j * W + a - first)
+    for i in range(m):
+        for j in range(nh):
+            _exp_less_max(e[i, j], last0 + i + 1 - first_position(last0 + i, window))
+    acc = np.zeros((m, nh, D), np.float32)
+    for b in range(b0 + 1, b0 + _AHEAD):
+        _prefetch_jump(v_blocks, table, b, last_b, g0, g1)
+    for b in range(b0, last_b + 1):
+        _prefetch_jump(v_blocks, table, b + _AHEAD, last_b, g0, g1)
+        s, t = max(b * B, first0), min(b * B + B, lastm + 1)
+        for g in range(g0, g1):
+            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
+            _convert(v_blocks, ((table[b] * G + g) * B + s - b * B) * D, t - s, buf)
+            for i in range(m):
+                first = first_position(last0 + i, window)
+                a, z = max(s, first), min(t, last0 + i + 1)
+                if a < z:
+                    _segment_v(e[i, ja:jb], a - first, buf[a - s:], z - a, acc[i, ja:jb])
+    for i in range(m):
+        P = last0 + i + 1 - first_position(last0 + i, window)
+        for j in range(nh):
+            inv = _F(1.0) / _sum(e[i, j], P)
+            for d in range(D):
+                out[r0 + i, h0 + j, d] = acc[i, j, d] * inv
+
+
+@njit(**_JIT)
+def share_runs(seqs, pos, window, H, tid, n):
+    """Thread tid of n's attention tasks as [k, 4] rows (r0, m, h0, h1): query heads
+    h0..h1-1 of rows r0..r0+m-1, a run of one sequence's rows at consecutive positions
+    (a decode row and its drafts; other rows are runs of one). The (run, head) units in
+    run-major order are split into n runs of about equal cost (the run's attended
+    positions + `_TASK_COST` a row), so a verify step's rows are split by heads and each
+    thread reads a block once for all of them (`_attend_run`)."""
+    R = pos.shape[0]
+    starts = np.empty(R + 1, np.int64)
+    k = 0
+    for r in range(R):
+        if r == 0 or seqs[r] != seqs[r - 1] or pos[r] != pos[r - 1] + 1:
+            starts[k] = r
+            k += 1
+    starts[k] = R
+    total = 0
+    for r in range(R):
+        total += H * _task_cost(pos[r], window)
+    out = np.empty((k, 4), np.int64)
+    c, start = 0, 0
+    for u in range(k):
+        r0, r1 = starts[u], starts[u + 1]
+        cost = 0
+        for r in range(r0, r1):
+            cost += _task_cost(pos[r], window)
+        h0, h1 = H, 0
+        for h in range(H):
+            if (start + h * cost) * n // total == tid:
+                h0, h1 = min(h0, h), h + 1
+        start += H * cost
+        if h0 < h1:
+            out[c, 0], out[c, 1], out[c, 2], out[c, 3] = r0, r1 - r0, h0, h1
+            c += 1
+    return out[:c]
+
+
+@njit(**_JIT)
 def check_rows(tables, seqs, pos, n_blocks, B, max_pos, max_run):
     """0 if a decode call can run: every row's sequence and position in range (below
     max_pos and within its table), its table entries valid, and each sequence's rows, in

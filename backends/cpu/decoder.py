@@ -51,7 +51,7 @@ from panechat.backends.cpu.activation_kernels import gated_columns
 from panechat.backends.cpu.addresses import call_void, f32_at
 from panechat.backends.cpu.block_tasks import range_functions, share, step_codes
 from panechat.backends.quant import registry
-from panechat.backends.cpu.decode_attention import _attend_blocks, _rope_row, _write_row, first_position, share_tasks
+from panechat.backends.cpu.decode_attention import _attend_run, _rope_row, _write_row, share_runs, share_tasks
 from panechat.backends.cpu.decode_attention import check_rows as decode_check_rows
 from panechat.backends.cpu.norm_kernels import _rms_norm
 from panechat.backends.cpu.packed32 import GROUP
@@ -304,11 +304,9 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
                         _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + Q_NORM), eps, qh.reshape((1, hd)))
                     _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
         barrier(sync, n)  # every row's K/V written: a sequence's later rows attend its earlier ones
-        for task in share_tasks(pos, windows[i], n_head, tid, n):  # by query heads: even shares
+        for task in share_runs(seqs, pos, windows[i], n_head, tid, n):  # by query heads: even shares
             r = task[0]
-            pr = pos[r]
-            _attend_blocks(qr, kb, vb, tables[seqs[r]], r, task[1], task[2], first_position(pr, windows[i]), pr,
-                           scale, att3)
+            _attend_run(qr, kb, vb, tables[seqs[r]], r, task[1], task[2], task[3], windows[i], pos[r], scale, att3)
         barrier(sync, n)
         c0, c1 = _product(fns, mats, mi + OUT, att, p, tid, n)
         _residual(x, p, _vector(vectors, vi + POST_ATTN_NORM), has[POST_ATTN_NORM], eps, c0, c1, sync, tid, n)

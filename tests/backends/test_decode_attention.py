@@ -212,6 +212,58 @@ def test_any_split_of_a_rows_query_heads_gives_each_head_its_bits(H, G):
         assert whole[1].any() and not whole[0].any()
 
 
+@pytest.mark.parametrize("window", [0, 20, 37])
+def test_a_run_of_rows_gives_each_row_its_own_bits(window):
+    """`_attend_run` converts each block once for a sequence's consecutive rows (a verify
+    step's): every row, at any head range, gets the bits `_attend_blocks` gives it alone,
+    whether its window starts in the first block of the run or later, and a run starting
+    mid-block or at a block's last position."""
+    rng = np.random.default_rng(15)
+    H, G, D, nb = 9, 3, 64, 10
+    kb, vb = _store(rng, nb, G, D, np.float16)
+    kb, vb = kb.view(np.uint16), vb.view(np.uint16)
+    table = rng.permutation(nb).astype(np.int32)
+    for last0, m in ((40, 5), (15, 2), (47, 9), (3, 16), (100, 3)):
+        q = rng.standard_normal((m + 2, H, D), dtype=np.float32)
+        for h0, h1 in ((0, H), (2, 7), (4, 5)):
+            want, got = np.zeros_like(q), np.zeros_like(q)
+            for i in range(m):
+                last = last0 + i
+                da._attend_blocks(q, kb, vb, table, 1 + i, h0, h1, da.first_position(last, window), last,
+                                  np.float32(0.125), want)
+            da._attend_run(q, kb, vb, table, 1, m, h0, h1, window, last0, np.float32(0.125), got)
+            assert np.array_equal(got, want), (last0, m, h0, h1)
+            assert got[1:1 + m, h0:h1].all() and not got[0].any() and not got[1 + m:].any()
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_share_runs_splits_a_sequences_rows_by_heads(window):
+    """The threads' (run, heads) tasks cover each (row, query head) once; a sequence's
+    consecutive rows form one run (rows elsewhere, or at a gap, their own), and no thread's
+    cost exceeds an even share by more than one (run, head) unit."""
+    rng = np.random.default_rng(16)
+    for _ in range(40):
+        seqs, pos = [], []
+        for s in rng.permutation(6)[:rng.integers(1, 6)]:
+            p0, k = int(rng.integers(0, 200)), int(rng.integers(1, 6))
+            seqs += [int(s)] * k
+            pos += list(range(p0, p0 + k))
+        seqs, pos = np.asarray(seqs, np.int32), np.asarray(pos, np.int32)
+        cost = [p + 1 - (max(0, p - window + 1) if window else 0) + da._TASK_COST for p in pos]
+        for H in (1, 4, 9):
+            for n in (1, 2, 3):
+                seen, loads, units = [], [], []
+                for tid in range(n):
+                    tasks = da.share_runs(seqs, pos, window, H, tid, n)
+                    for r0, m, h0, h1 in tasks:
+                        assert all(seqs[r] == seqs[r0] and pos[r] == pos[r0] + r - r0 for r in range(r0, r0 + m))
+                        seen += [(r, h) for r in range(r0, r0 + m) for h in range(h0, h1)]
+                        units.append(sum(cost[r0:r0 + m]))
+                    loads.append(sum(sum(cost[r0:r0 + m]) * (h1 - h0) for r0, m, h0, h1 in tasks))
+                assert sorted(seen) == [(r, h) for r in range(len(pos)) for h in range(H)]
+                assert max(loads) <= sum(loads) / n + max(units), (H, n, loads)
+
+
 def test_paged_decode_same_bits_at_any_thread_count_and_block_order():
     """Rows attended by one thread (whole rows) or four (split rows), over tables whose
     blocks run in order, jump, or are shuffled, give the same bits as the composed ops."""
