@@ -236,7 +236,7 @@ def _segment_v(e, t0, vb, n, acc):
 
 
 _AHEAD = 2  # blocks between a prefetch and the block's use
-_TASK_COST = 16  # a (row, kv head) task's fixed cost, in attended positions
+_TASK_COST = 16  # a (row, head) task's fixed cost, in attended positions
 
 
 @njit(**_JIT)
@@ -247,8 +247,8 @@ def first_position(last, window):
 
 @njit(**_JIT)
 def _task_cost(last, window):
-    """The cost of a (row, kv head) task of a row at position `last`: its attended
-    positions plus `_TASK_COST`."""
+    """The cost of a (row, head) task of a row at position `last`: its attended positions
+    plus `_TASK_COST`."""
     return last + 1 - first_position(last, window) + _TASK_COST
 
 

@@ -10,8 +10,10 @@ barrier before the next one reads what it wrote:
   1. RMS norm of x (every thread its own copy: no barrier), then its columns of q, k, v
   2. per (row, kv head): biases, q/k norms, RoPE and the K/V write, then (after a
      barrier, so a row at p + 1 sees the K/V the row at p of its sequence writes in this
-     step) attention (a thread's tasks in runs of whole rows where it can:
-     `decode_attention.share_tasks`)
+     step) attention by query heads (`decode_attention.share_runs`: a sequence's
+     consecutive rows, a decode row and its drafts, are one run whose K/V blocks are
+     converted once for all of them, `_attend_run`; a thread takes whole rows or runs
+     where it can)
   3. its columns of the output product, added into x (or normed first, gemma3)
   4. norm, its columns of gate and up, act(gate) * up for those columns
   5. its columns of the down product, added into x
