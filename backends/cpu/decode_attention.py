@@ -262,22 +262,11 @@ def share_tasks(pos, window, G, tid, n):
     its bits. (Attention split by kv heads left a thread waiting: the default model's 3 kv
     heads went 2 and 1, gemma-3-270m's 1 all to one thread.)"""
     R = pos.shape[0]
-    total = 0
-    for r in range(R):
-        total += G * _task_cost(pos[r], window)
-    out = np.empty((R, 3), np.int64)
-    k, start = 0, 0
-    for r in range(R):
-        cost = _task_cost(pos[r], window)
-        g0, g1 = G, 0
-        for g in range(G):
-            if (start + g * cost) * n // total == tid:
-                g0, g1 = min(g0, g), g + 1
-        start += G * cost
-        if g0 < g1:
-            out[k, 0], out[k, 1], out[k, 2] = r, g0, g1
-            k += 1
-    return out[:k]
+    runs = _share_units(np.arange(R + 1), pos, window, G, tid, n)
+    out = np.empty((runs.shape[0], 3), np.int64)
+    for k in range(runs.shape[0]):
+        out[k, 0], out[k, 1], out[k, 2] = runs[k, 0], runs[k, 2], runs[k, 3]
+    return out
 
 
 @njit(**_JIT)
@@ -418,23 +407,33 @@ def share_runs(seqs, pos, window, H, tid, n):
             starts[k] = r
             k += 1
     starts[k] = R
+    return _share_units(starts[:k + 1], pos, window, H, tid, n)
+
+
+@njit(**_JIT)
+def _share_units(starts, pos, window, U, tid, n):
+    """Thread tid of n's share of the (run, unit) pairs, U units a run, the runs of rows
+    starts[u]..starts[u+1]-1: [k, 4] rows (r0, m, u0, u1), units u0..u1-1 of the run of m
+    rows from r0. The pairs in run-major order are split into n runs of about equal cost
+    (each row's attended positions + `_TASK_COST`, a unit)."""
+    R = pos.shape[0]
     total = 0
     for r in range(R):
-        total += H * _task_cost(pos[r], window)
-    out = np.empty((k, 4), np.int64)
+        total += U * _task_cost(pos[r], window)
+    out = np.empty((starts.shape[0] - 1, 4), np.int64)
     c, start = 0, 0
-    for u in range(k):
+    for u in range(starts.shape[0] - 1):
         r0, r1 = starts[u], starts[u + 1]
         cost = 0
         for r in range(r0, r1):
             cost += _task_cost(pos[r], window)
-        h0, h1 = H, 0
-        for h in range(H):
+        u0, u1 = U, 0
+        for h in range(U):
             if (start + h * cost) * n // total == tid:
-                h0, h1 = min(h0, h), h + 1
-        start += H * cost
-        if h0 < h1:
-            out[c, 0], out[c, 1], out[c, 2], out[c, 3] = r0, r1 - r0, h0, h1
+                u0, u1 = min(u0, h), h + 1
+        start += U * cost
+        if u0 < u1:
+            out[c, 0], out[c, 1], out[c, 2], out[c, 3] = r0, r1 - r0, u0, u1
             c += 1
     return out[:c]
 
