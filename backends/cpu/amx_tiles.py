@@ -45,7 +45,7 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array
+from panechat.backends.cpu.numpy_kernels import _JIT, _is_c_array, call_llvm
 from panechat.backends.cpu.packed32 import _widen_f16, high_nibbles, low_nibbles, prefetch_ahead
 from panechat.backends.cpu.q8k_dot import _B16, _B64, _H16, _F16V, _I32, _V16, _float_step, _load, _splat, _splat_f32
 
@@ -106,8 +106,7 @@ def _imm(v):
 
 
 def _call(builder, name, *args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, [a.type for a in args]), name)
-    return builder.call(fn, list(args))
+    return call_llvm(builder, name, _VOID, *args)
 
 
 def _ptr(builder, p, offset):

@@ -128,6 +128,19 @@ def _element_ptr(context, builder, arrty, arr, idxty, idx):
     return builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
 
 
+def call_llvm(builder, name, ret, *args):
+    """Call the LLVM intrinsic (or function) `name` returning `ret`, declared in the module
+    on first use."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, list(args))
+
+
+def splat_value(builder, s, vty):
+    """A vector of type vty with the scalar value s in every lane."""
+    v = builder.insert_element(ir.Constant(vty, None), s, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, None), ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
 @intrinsic
 def vzero(typingctx):
     """All-zero vector."""

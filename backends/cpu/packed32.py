@@ -53,7 +53,7 @@ from numba.extending import intrinsic
 
 from panechat.backends.cpu.decode_attention import HAS_F16C
 from panechat.backends.cpu.numpy_kernels import (_JIT, _element_ptr, _is_c_array, block_task, column_tasks, f32vec, lane_max,
-                                                  prefetch, vzero)
+                                                  prefetch, splat_value, vzero)
 from panechat.backends.cpu.repack import GROUP, LAYOUTS
 from panechat.backends.cpu.row_rounding import abs_max16, round_int16_16
 from panechat.backends.cpu.q8k_dot import FORM, _B64, _I16, _I32, _F16V, _V16, _dot4, _load, _splat, _splat_f32, dot4_plain
@@ -290,8 +290,7 @@ def plane_dots(builder, xa, xb, at, codes, dot):
 
 
 def splat_i32(builder, s):
-    return builder.shuffle_vector(builder.insert_element(ir.Constant(_V16, None), s, ir.Constant(_I32, 0)),
-                                  ir.Constant(_V16, None), ir.Constant(_V16, [0] * 16))
+    return splat_value(builder, s, _V16)
 
 
 _BLOCKS = {(t, r): record_intrinsic(f"{t.lower()}_record{r}", r, _block32(t)) for t in PACKED for r in (1, 2, 3, 4, 5)}

@@ -39,9 +39,9 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit
-from numba.core import cgutils, config
+from numba.core import config
 
-from panechat.backends.cpu.numpy_kernels import _JIT, LANES, lane_max, vzero
+from panechat.backends.cpu.numpy_kernels import _JIT, LANES, call_llvm, lane_max, splat_value, vzero
 from panechat.backends.cpu.row_rounding import abs_max16, first_of_magnitude16, round_q8k16
 
 QK = 256  # weights (and activations) a super-block
@@ -92,9 +92,7 @@ def _load(builder, ptr, offset, ty):
     return builder.load(builder.bitcast(p, ty.as_pointer()), align=1, typ=ty)
 
 
-def _call(builder, name, ret, *args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, list(args))
+_call = call_llvm
 
 
 def _halves(builder, v, lanes):
@@ -159,8 +157,7 @@ def _dot2(builder, acc, a, b):
 
 
 def _splat_f32(builder, s):
-    return builder.shuffle_vector(builder.insert_element(ir.Constant(_F16V, None), s, ir.Constant(_I32, 0)),
-                                  ir.Constant(_F16V, None), ir.Constant(_V16, [0] * 16))
+    return splat_value(builder, s, _F16V)
 
 
 def _float_step(builder, acc, dd, isum, dm, msum):

@@ -12,7 +12,7 @@ is the plain loops': the largest magnitude is the same value in any order (a NaN
 skipped, as the loops' `>` skips it), the first value of that magnitude is found in order,
 and each code is the same IEEE multiply, round-half-even (`llvm.rint`, the default
 rounding mode) and conversion lane by lane; the codes' sums are exact integers.
-(tests/backends/test_row_rounding.py: the numpy references' bits.)
+(tests/backends/test_q8k_dot.py and test_repacked.py: the numpy references' bits.)
 
 All arrays are C-contiguous; `i` indexes their flat data. No bounds checks.
 """
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import LANES, _element_ptr, _is_c_array, f32vec
+from panechat.backends.cpu.numpy_kernels import LANES, _element_ptr, _is_c_array, call_llvm, f32vec, splat_value
 
 _F32 = ir.FloatType()
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -47,26 +46,16 @@ def _abs(builder, v):
     return builder.bitcast(builder.and_(builder.bitcast(v, _VI), mask), _VF)
 
 
-def _call(builder, name, ret, *args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, list(args))
-
-
-def _splat(builder, s, vty):
-    v = builder.insert_element(ir.Constant(vty, None), s, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, None), ir.Constant(_VI, [0] * LANES))
-
-
 def _codes(builder, context, sig, args, scaled_first):
     """fptosi(rint(x[i:i+16] * s)) as <16 x i32>: x is args 0, 1 and s arg 2."""
     x = _load16(builder, _ptr(context, builder, sig, args, 0))
-    s = _splat(builder, args[2], _VF)
+    s = splat_value(builder, args[2], _VF)
     prod = builder.fmul(s, x) if scaled_first else builder.fmul(x, s)
-    return builder.fptosi(_call(builder, "llvm.rint.v16f32", _VF, prod), _VI)
+    return builder.fptosi(call_llvm(builder, "llvm.rint.v16f32", _VF, prod), _VI)
 
 
 def _sum(builder, v):
-    return _call(builder, "llvm.vector.reduce.add.v16i32", _I32, v)
+    return call_llvm(builder, "llvm.vector.reduce.add.v16i32", _I32, v)
 
 
 @intrinsic
@@ -91,9 +80,9 @@ def first_of_magnitude16(typingctx, x, i, a):
     def codegen(context, builder, sig, args):
         v = _abs(builder, _load16(builder, _ptr(context, builder, sig, args, 0)))
         a32 = context.cast(builder, args[2], sig.args[2], types.float32)
-        hits = builder.bitcast(builder.fcmp_ordered("==", v, _splat(builder, a32, _VF)), _I16)
+        hits = builder.bitcast(builder.fcmp_ordered("==", v, splat_value(builder, a32, _VF)), _I16)
         word = builder.or_(builder.zext(hits, _I32), ir.Constant(_I32, 1 << LANES))
-        return builder.sext(_call(builder, "llvm.cttz.i32", _I32, word, ir.Constant(ir.IntType(1), 0)),
+        return builder.sext(call_llvm(builder, "llvm.cttz.i32", _I32, word, ir.Constant(ir.IntType(1), 0)),
                             ir.IntType(64))
 
     return types.int64(x, i, a), codegen
