@@ -12,14 +12,16 @@ numpy calls. At decode every row belongs to a different sequence, so here one ca
   numpy's float32 -> float16 assignment: IEEE round to nearest even),
 * splits the (row, query head) tasks among the threads in runs of about equal cost
   (`share_tasks`), so a thread mostly takes whole rows: it walks a row's blocks once for
-  all its heads, whose keys (and values) lie next to each other in each block, so the
-  reads are one stream the hardware prefetcher follows; where a sequence's blocks jump,
-  the block two ahead is prefetched into L2. (A task per (row, kv head) read 2 KB pieces
+  all its heads, whose keys (and values) lie next to each other in each block, each
+  block prefetched into L2 two blocks ahead (`_prefetch_block`). (A task per (row, kv head) read 2 KB pieces
   6 KB apart, and waited on memory for half its time: 29 -> 13 us per (row, kv head) at
   576 positions, docs/benchmarks.md.)
 * converts each block of keys of a kv head to float32 once into a 16-row scratch that
-  stays in L1 and serves every query head of the group (GQA), and likewise each block of
-  values (three heads accumulate from each loaded value vector).
+  stays in L1 and serves every query head of the group (GQA); values are read straight
+  from the store, each value vector converted once for up to four heads of the group
+  (`numpy_kernels.value_sums`; through the scratch, and three heads at a time, the value
+  sums took 2.9x as long: 91 against 31.5 us for the default model's 9 heads at 2000
+  positions, in L2).
 
 Every output element's float32 arithmetic is `numpy_kernels.paged_attention`'s, operation for
 operation: the same lane scheme per score (16 keys at a time through `_scores16`, the
@@ -42,8 +44,8 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import config
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _exp_less_max, _is_c_array, _scores16, _sum, _v1x4,
-                            f32vec, load_kv, prefetch_l2, vload, vload_kv, vmac, vmul, vsplat, vstore)
+from panechat.backends.cpu.numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _exp_less_max, _is_c_array, _scores16, _sum,
+                            f32vec, load_kv, prefetch_l2, value_sums, vload, vload_kv, vmul, vsplat, vstore)
 
 _HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
 
@@ -141,11 +143,14 @@ def _convert(blocks, o, n, buf):
 
 
 @njit(**_JIT)
-def _prefetch_jump(blocks, table, b, last_b, g0, g1):
-    """Prefetch block table[b]'s kv heads g0..g1-1 into L2 when the sequence's blocks jump
-    there (table[b] != table[b-1] + 1). Along adjacent blocks the heads' chunks are one
-    stream the hardware prefetcher follows, and prefetching them too costs time."""
-    if b <= last_b and table[b] != table[b - 1] + 1:
+def _prefetch_block(blocks, table, b, last_b, g0, g1):
+    """Prefetch block table[b]'s kv heads g0..g1-1 into L2 (b <= last_b). Weights stream
+    through the caches between one layer's attention and the next, so a long context's
+    keys and values come from L3 or memory; with each block asked for two ahead, the
+    default model's heads at 2000 positions attended in 127-150 us a layer instead of
+    168-195 (one thread, the weights' stream between layers), while the hardware
+    prefetcher alone followed the sequence's blocks only within each 4 KiB page."""
+    if b <= last_b:
         G, B, D = blocks.shape[1], blocks.shape[2], blocks.shape[3]
         for i in range(((table[b] * G + g0) * B) * D, ((table[b] * G + g1) * B) * D, 64 // blocks.itemsize):
             prefetch_l2(blocks, i)
@@ -172,67 +177,6 @@ def _segment_scores(q, qo, kb, n, scale, ef, eo):
             ef[eo + t + i] = st * scale
     for t in range(nv, n):
         ef[eo + t] = _dot(q, qo, kb, t * D, D) * scale
-
-
-@njit(**_JIT)
-def _v3x4(e, j, t0, vb, n, acc, c):
-    """acc[j..j+2, c : c + 64] += e[j..j+2, t0 + i] * vb[i, c : c + 64] for i < n in order:
-    three query heads share each loaded value vector (GQA), twelve independent chains."""
-    D = acc.shape[1]
-    a0, a1 = vload(acc, j * D + c), vload(acc, j * D + c + LANES)
-    a2, a3 = vload(acc, j * D + c + 2 * LANES), vload(acc, j * D + c + 3 * LANES)
-    b0, b1 = vload(acc, (j + 1) * D + c), vload(acc, (j + 1) * D + c + LANES)
-    b2, b3 = vload(acc, (j + 1) * D + c + 2 * LANES), vload(acc, (j + 1) * D + c + 3 * LANES)
-    c0, c1 = vload(acc, (j + 2) * D + c), vload(acc, (j + 2) * D + c + LANES)
-    c2, c3 = vload(acc, (j + 2) * D + c + 2 * LANES), vload(acc, (j + 2) * D + c + 3 * LANES)
-    for i in range(n):
-        o = i * D + c
-        v0, v1, v2, v3 = vload(vb, o), vload(vb, o + LANES), vload(vb, o + 2 * LANES), vload(vb, o + 3 * LANES)
-        ea, eb, ec = vsplat(e[j, t0 + i]), vsplat(e[j + 1, t0 + i]), vsplat(e[j + 2, t0 + i])
-        a0, a1, a2, a3 = vmac(a0, ea, v0), vmac(a1, ea, v1), vmac(a2, ea, v2), vmac(a3, ea, v3)
-        b0, b1, b2, b3 = vmac(b0, eb, v0), vmac(b1, eb, v1), vmac(b2, eb, v2), vmac(b3, eb, v3)
-        c0, c1, c2, c3 = vmac(c0, ec, v0), vmac(c1, ec, v1), vmac(c2, ec, v2), vmac(c3, ec, v3)
-    vstore(acc, j * D + c, a0)
-    vstore(acc, j * D + c + LANES, a1)
-    vstore(acc, j * D + c + 2 * LANES, a2)
-    vstore(acc, j * D + c + 3 * LANES, a3)
-    vstore(acc, (j + 1) * D + c, b0)
-    vstore(acc, (j + 1) * D + c + LANES, b1)
-    vstore(acc, (j + 1) * D + c + 2 * LANES, b2)
-    vstore(acc, (j + 1) * D + c + 3 * LANES, b3)
-    vstore(acc, (j + 2) * D + c, c0)
-    vstore(acc, (j + 2) * D + c + LANES, c1)
-    vstore(acc, (j + 2) * D + c + 2 * LANES, c2)
-    vstore(acc, (j + 2) * D + c + 3 * LANES, c3)
-
-
-@njit(**_JIT)
-def _segment_v(e, t0, vb, n, acc):
-    """acc[j, :] += e[j, t0 + i] * vb[i, :] for i = 0..n-1 in order (`_weighted_v`'s bits:
-    each element of acc gets its products added one key after the other)."""
-    grp, D = acc.shape
-    dv = D - D % LANES
-    c4 = dv - dv % (4 * LANES)
-    vf = vb.reshape(-1)
-    j = 0
-    while j + 3 <= grp:
-        for c in range(0, c4, 4 * LANES):
-            _v3x4(e, j, t0, vb, n, acc, c)
-        j += 3
-    for j in range(j, grp):
-        for c in range(0, c4, 4 * LANES):
-            _v1x4(e, j, t0, vb, 0, n, acc, c)
-    for j in range(grp):
-        for c in range(c4, dv, LANES):
-            a = vload(acc, j * D + c)
-            for i in range(n):
-                a = vmac(a, vsplat(e[j, t0 + i]), vload(vb, i * D + c))
-            vstore(acc, j * D + c, a)
-        for d in range(dv, D):
-            a1 = acc[j, d]
-            for i in range(n):
-                a1 = a1 + e[j, t0 + i] * vf[i * D + d]
-            acc[j, d] = a1
 
 
 _AHEAD = 2  # blocks between a prefetch and the block's use
@@ -285,13 +229,13 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, h0, h1, first, last, scale, 
     buf = np.empty((B, D), np.float32)
     sv = vsplat(scale)
     b0, last_b = first // B, last // B
-    for b in range(b0 + 1, b0 + _AHEAD):
-        _prefetch_jump(k_blocks, table, b, last_b, g0, g1)
+    for b in range(b0, b0 + _AHEAD):
+        _prefetch_block(k_blocks, table, b, last_b, g0, g1)
     p = first
     while p <= last:
         off = p % B
         n = min(B - off, last + 1 - p)
-        _prefetch_jump(k_blocks, table, p // B + _AHEAD, last_b, g0, g1)
+        _prefetch_block(k_blocks, table, p // B + _AHEAD, last_b, g0, g1)
         for g in range(g0, g1):
             ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0  # its query heads here
             _convert(k_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
@@ -305,17 +249,18 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, h0, h1, first, last, scale, 
     for j in range(nh):
         _exp_less_max(e[j], P)
     acc = np.zeros((nh, D), np.float32)
-    for b in range(b0 + 1, b0 + _AHEAD):
-        _prefetch_jump(v_blocks, table, b, last_b, g0, g1)
+    af = acc.reshape(-1)
+    for b in range(b0, b0 + _AHEAD):
+        _prefetch_block(v_blocks, table, b, last_b, g0, g1)
     p = first
     while p <= last:
         off = p % B
         n = min(B - off, last + 1 - p)
-        _prefetch_jump(v_blocks, table, p // B + _AHEAD, last_b, g0, g1)
+        _prefetch_block(v_blocks, table, p // B + _AHEAD, last_b, g0, g1)
         for g in range(g0, g1):
             ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
-            _convert(v_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
-            _segment_v(e[ja:jb], p - first, buf, n, acc[ja:jb])
+            value_sums(ef, ja * P + p - first, P, jb - ja, v_blocks, ((table[p // B] * G + g) * B + off) * D, n,
+                       af, ja * D, D)
         p += n
     for j in range(nh):
         inv = _F(1.0) / _sum(e[j], P)
@@ -345,10 +290,10 @@ def _attend_run(q, k_blocks, v_blocks, table, r0, m, h0, h1, window, last0, scal
     buf = np.empty((B, D), np.float32)
     sv = vsplat(scale)
     b0, last_b = first0 // B, lastm // B
-    for b in range(b0 + 1, b0 + _AHEAD):
-        _prefetch_jump(k_blocks, table, b, last_b, g0, g1)
+    for b in range(b0, b0 + _AHEAD):
+        _prefetch_block(k_blocks, table, b, last_b, g0, g1)
     for b in range(b0, last_b + 1):
-        _prefetch_jump(k_blocks, table, b + _AHEAD, last_b, g0, g1)
+        _prefetch_block(k_blocks, table, b + _AHEAD, last_b, g0, g1)
         s, t = max(b * B, first0), min(b * B + B, lastm + 1)  # every row's keys in this block
         for g in range(g0, g1):
             ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
@@ -370,19 +315,20 @@ def _attend_run(q, k_blocks, v_blocks, table, r0, m, h0, h1, window, last0, scal
         for j in range(nh):
             _exp_less_max(e[i, j], last0 + i + 1 - first_position(last0 + i, window))
     acc = np.zeros((m, nh, D), np.float32)
-    for b in range(b0 + 1, b0 + _AHEAD):
-        _prefetch_jump(v_blocks, table, b, last_b, g0, g1)
+    ea, af = e.reshape(-1), acc.reshape(-1)
+    for b in range(b0, b0 + _AHEAD):
+        _prefetch_block(v_blocks, table, b, last_b, g0, g1)
     for b in range(b0, last_b + 1):
-        _prefetch_jump(v_blocks, table, b + _AHEAD, last_b, g0, g1)
+        _prefetch_block(v_blocks, table, b + _AHEAD, last_b, g0, g1)
         s, t = max(b * B, first0), min(b * B + B, lastm + 1)
         for g in range(g0, g1):
             ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
-            _convert(v_blocks, ((table[b] * G + g) * B + s - b * B) * D, t - s, buf)
             for i in range(m):
                 first = first_position(last0 + i, window)
                 a, z = max(s, first), min(t, last0 + i + 1)
                 if a < z:
-                    _segment_v(e[i, ja:jb], a - first, buf[a - s:], z - a, acc[i, ja:jb])
+                    value_sums(ea, (i * nh + ja) * W + a - first, W, jb - ja, v_blocks,
+                               ((table[b] * G + g) * B + a - b * B) * D, z - a, af, (i * nh + ja) * D, D)
     for i in range(m):
         P = last0 + i + 1 - first_position(last0 + i, window)
         for j in range(nh):

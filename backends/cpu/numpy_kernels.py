@@ -277,6 +277,16 @@ def vadd(typingctx, a, b):
 
 
 @intrinsic
+def vsub(typingctx, a, b):
+    """Lane-wise a - b."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+
+    return f32vec(f32vec, f32vec), codegen
+
+
+@intrinsic
 def vmul(typingctx, a, b):
     """Lane-wise a * b."""
 
@@ -646,6 +656,33 @@ def _expf(x):
     return p * _i32_bits_as_f32((np.int32(n) + 127) << 23)
 
 
+@intrinsic
+def vexp(typingctx, v):
+    """Lane-wise `_expf`: the same operations on 16 lanes, so the same bits (NaN included:
+    the clamp keeps a NaN, as `max` does). LLVM's vectoriser left `_expf`'s loop at about
+    1.3 cycles a value; this is half that."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def splat(c):
+            return splat_value(builder, ir.Constant(ir.FloatType(), float(c)), _VEC)
+
+        x, lo = args[0], splat(_EXP_LO)
+        x = builder.select(builder.fcmp_ordered("<", x, lo), lo, x)
+        n = call_llvm(builder, "llvm.floor.v16f32", _VEC, builder.fadd(builder.fmul(x, splat(_LOG2E)), splat(0.5)))
+        r = builder.fsub(builder.fsub(x, builder.fmul(n, splat(_LN2_HI))), builder.fmul(n, splat(_LN2_LO)))
+        p = splat(_P0)
+        for c in (_P1, _P2, _P3, _P4, _P5):
+            p = builder.fadd(builder.fmul(p, r), splat(c))
+        p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), splat(1.0))
+        ivec = ir.VectorType(_I32, LANES)
+        k = builder.add(builder.fptosi(n, ivec), splat_value(builder, ir.Constant(_I32, 127), ivec))
+        return builder.fmul(p, builder.bitcast(builder.shl(k, splat_value(builder, ir.Constant(_I32, 23), ivec)), _VEC))
+
+    return f32vec(v), codegen
+
+
 @njit(**_JIT)
 def _dot(a, ao, b, bo, D):
     """sum_d a.flat[ao + d] * b.flat[bo + d] with the same lane scheme as linear."""
@@ -714,7 +751,7 @@ def _exp_less_max(e, P):
     softmax's numerators. The largest value is the same whatever order it is found in (a
     tie of +0 and -0 may give either, and x - 0 and x + 0 are equal but for x = -0, whose
     exp is 1 either way), so 16 lanes find it (a loop-carried scalar `max` would not be
-    vectorised); the exp loop is a loop of its own over one row, which LLVM vectorises."""
+    vectorised); exp runs 16 lanes at a time (`vexp`, `_expf`'s bits), the tail one by one."""
     pv = P - P % LANES
     m = e[0]
     if pv:
@@ -724,7 +761,10 @@ def _exp_less_max(e, P):
         m = max(m, lane_max(v))
     for t in range(pv, P):
         m = max(m, e[t])
-    for t in range(P):
+    mv = vsplat(m)
+    for t in range(0, pv, LANES):
+        vstore(e, t, vexp(vsub(vload(e, t), mv)))
+    for t in range(pv, P):
         e[t] = _expf(e[t] - m)
 
 
@@ -744,24 +784,149 @@ def _sum(e, P):
 _KEY_BLOCK = 64  # keys per block of the weighted V sum (the V block stays in L1)
 
 
+# The weighted V sums: acc[j, d] += e[j, t] * v[t, d] key after key, each element's chain
+# in position order from its running value (`vmac`: a rounded product, then a rounded add).
+# `_vNx4` take N heads' chains over 64 columns (four vectors a head) at once, so each value
+# vector is loaded (and, from a float16 store, converted: `vload_kv`, exact) once for all N
+# heads of a kv group; 4N independent chains hide the add latency. Flat offsets throughout:
+# e[j, t] is ef[eo + j * P + t], acc[j, d] acc[ao + j * D + d], v[t, d] vb.flat[vo + t * D + d].
+
+
 @njit(**_JIT)
-def _v1x4(e, j, t0, vc, vo, n, acc, c):
-    """acc[j, c : c + 64] += e[j, t0 + i] * vc.flat[vo + i*D + c :][:64] for i < n, added in
-    order: four independent chains hide the add latency."""
-    D = acc.shape[1]
-    ao = j * D + c
-    a0, a1 = vload(acc, ao), vload(acc, ao + LANES)
-    a2, a3 = vload(acc, ao + 2 * LANES), vload(acc, ao + 3 * LANES)
+def _v1x4(ef, eo, P, vb, vo, n, acc, ao, D, c):
+    """One head's 64 columns from c (module comment above)."""
+    o0 = ao + c
+    a0, a1, a2, a3 = vload(acc, o0), vload(acc, o0 + LANES), vload(acc, o0 + 2 * LANES), vload(acc, o0 + 3 * LANES)
     for i in range(n):
-        ev, o = vsplat(e[j, t0 + i]), vo + i * D + c
-        a0 = vmac(a0, ev, vload(vc, o))
-        a1 = vmac(a1, ev, vload(vc, o + LANES))
-        a2 = vmac(a2, ev, vload(vc, o + 2 * LANES))
-        a3 = vmac(a3, ev, vload(vc, o + 3 * LANES))
-    vstore(acc, ao, a0)
-    vstore(acc, ao + LANES, a1)
-    vstore(acc, ao + 2 * LANES, a2)
-    vstore(acc, ao + 3 * LANES, a3)
+        o = vo + i * D + c
+        v0, v1, v2, v3 = vload_kv(vb, o), vload_kv(vb, o + LANES), vload_kv(vb, o + 2 * LANES), vload_kv(vb, o + 3 * LANES)
+        ea = vsplat(ef[eo + i])
+        a0, a1, a2, a3 = vmac(a0, ea, v0), vmac(a1, ea, v1), vmac(a2, ea, v2), vmac(a3, ea, v3)
+    vstore(acc, o0, a0)
+    vstore(acc, o0 + LANES, a1)
+    vstore(acc, o0 + 2 * LANES, a2)
+    vstore(acc, o0 + 3 * LANES, a3)
+
+
+@njit(**_JIT)
+def _v2x4(ef, eo, P, vb, vo, n, acc, ao, D, c):
+    """Two heads' 64 columns from c, sharing each value vector."""
+    o0, o1 = ao + c, ao + D + c
+    a0, a1, a2, a3 = vload(acc, o0), vload(acc, o0 + LANES), vload(acc, o0 + 2 * LANES), vload(acc, o0 + 3 * LANES)
+    b0, b1, b2, b3 = vload(acc, o1), vload(acc, o1 + LANES), vload(acc, o1 + 2 * LANES), vload(acc, o1 + 3 * LANES)
+    for i in range(n):
+        o = vo + i * D + c
+        v0, v1, v2, v3 = vload_kv(vb, o), vload_kv(vb, o + LANES), vload_kv(vb, o + 2 * LANES), vload_kv(vb, o + 3 * LANES)
+        ea, eb = vsplat(ef[eo + i]), vsplat(ef[eo + P + i])
+        a0, a1, a2, a3 = vmac(a0, ea, v0), vmac(a1, ea, v1), vmac(a2, ea, v2), vmac(a3, ea, v3)
+        b0, b1, b2, b3 = vmac(b0, eb, v0), vmac(b1, eb, v1), vmac(b2, eb, v2), vmac(b3, eb, v3)
+    vstore(acc, o0, a0)
+    vstore(acc, o0 + LANES, a1)
+    vstore(acc, o0 + 2 * LANES, a2)
+    vstore(acc, o0 + 3 * LANES, a3)
+    vstore(acc, o1, b0)
+    vstore(acc, o1 + LANES, b1)
+    vstore(acc, o1 + 2 * LANES, b2)
+    vstore(acc, o1 + 3 * LANES, b3)
+
+
+@njit(**_JIT)
+def _v3x4(ef, eo, P, vb, vo, n, acc, ao, D, c):
+    """Three heads' 64 columns from c, sharing each value vector."""
+    o0, o1, o2 = ao + c, ao + D + c, ao + 2 * D + c
+    a0, a1, a2, a3 = vload(acc, o0), vload(acc, o0 + LANES), vload(acc, o0 + 2 * LANES), vload(acc, o0 + 3 * LANES)
+    b0, b1, b2, b3 = vload(acc, o1), vload(acc, o1 + LANES), vload(acc, o1 + 2 * LANES), vload(acc, o1 + 3 * LANES)
+    c0, c1, c2, c3 = vload(acc, o2), vload(acc, o2 + LANES), vload(acc, o2 + 2 * LANES), vload(acc, o2 + 3 * LANES)
+    for i in range(n):
+        o = vo + i * D + c
+        v0, v1, v2, v3 = vload_kv(vb, o), vload_kv(vb, o + LANES), vload_kv(vb, o + 2 * LANES), vload_kv(vb, o + 3 * LANES)
+        ea, eb, ec = vsplat(ef[eo + i]), vsplat(ef[eo + P + i]), vsplat(ef[eo + 2 * P + i])
+        a0, a1, a2, a3 = vmac(a0, ea, v0), vmac(a1, ea, v1), vmac(a2, ea, v2), vmac(a3, ea, v3)
+        b0, b1, b2, b3 = vmac(b0, eb, v0), vmac(b1, eb, v1), vmac(b2, eb, v2), vmac(b3, eb, v3)
+        c0, c1, c2, c3 = vmac(c0, ec, v0), vmac(c1, ec, v1), vmac(c2, ec, v2), vmac(c3, ec, v3)
+    vstore(acc, o0, a0)
+    vstore(acc, o0 + LANES, a1)
+    vstore(acc, o0 + 2 * LANES, a2)
+    vstore(acc, o0 + 3 * LANES, a3)
+    vstore(acc, o1, b0)
+    vstore(acc, o1 + LANES, b1)
+    vstore(acc, o1 + 2 * LANES, b2)
+    vstore(acc, o1 + 3 * LANES, b3)
+    vstore(acc, o2, c0)
+    vstore(acc, o2 + LANES, c1)
+    vstore(acc, o2 + 2 * LANES, c2)
+    vstore(acc, o2 + 3 * LANES, c3)
+
+
+@njit(**_JIT)
+def _v4x4(ef, eo, P, vb, vo, n, acc, ao, D, c):
+    """Four heads' 64 columns from c, sharing each value vector."""
+    o0, o1, o2, o3 = ao + c, ao + D + c, ao + 2 * D + c, ao + 3 * D + c
+    a0, a1, a2, a3 = vload(acc, o0), vload(acc, o0 + LANES), vload(acc, o0 + 2 * LANES), vload(acc, o0 + 3 * LANES)
+    b0, b1, b2, b3 = vload(acc, o1), vload(acc, o1 + LANES), vload(acc, o1 + 2 * LANES), vload(acc, o1 + 3 * LANES)
+    c0, c1, c2, c3 = vload(acc, o2), vload(acc, o2 + LANES), vload(acc, o2 + 2 * LANES), vload(acc, o2 + 3 * LANES)
+    d0, d1, d2, d3 = vload(acc, o3), vload(acc, o3 + LANES), vload(acc, o3 + 2 * LANES), vload(acc, o3 + 3 * LANES)
+    for i in range(n):
+        o = vo + i * D + c
+        v0, v1, v2, v3 = vload_kv(vb, o), vload_kv(vb, o + LANES), vload_kv(vb, o + 2 * LANES), vload_kv(vb, o + 3 * LANES)
+        ea, eb = vsplat(ef[eo + i]), vsplat(ef[eo + P + i])
+        ec, ed = vsplat(ef[eo + 2 * P + i]), vsplat(ef[eo + 3 * P + i])
+        a0, a1, a2, a3 = vmac(a0, ea, v0), vmac(a1, ea, v1), vmac(a2, ea, v2), vmac(a3, ea, v3)
+        b0, b1, b2, b3 = vmac(b0, eb, v0), vmac(b1, eb, v1), vmac(b2, eb, v2), vmac(b3, eb, v3)
+        c0, c1, c2, c3 = vmac(c0, ec, v0), vmac(c1, ec, v1), vmac(c2, ec, v2), vmac(c3, ec, v3)
+        d0, d1, d2, d3 = vmac(d0, ed, v0), vmac(d1, ed, v1), vmac(d2, ed, v2), vmac(d3, ed, v3)
+    vstore(acc, o0, a0)
+    vstore(acc, o0 + LANES, a1)
+    vstore(acc, o0 + 2 * LANES, a2)
+    vstore(acc, o0 + 3 * LANES, a3)
+    vstore(acc, o1, b0)
+    vstore(acc, o1 + LANES, b1)
+    vstore(acc, o1 + 2 * LANES, b2)
+    vstore(acc, o1 + 3 * LANES, b3)
+    vstore(acc, o2, c0)
+    vstore(acc, o2 + LANES, c1)
+    vstore(acc, o2 + 2 * LANES, c2)
+    vstore(acc, o2 + 3 * LANES, c3)
+    vstore(acc, o3, d0)
+    vstore(acc, o3 + LANES, d1)
+    vstore(acc, o3 + 2 * LANES, d2)
+    vstore(acc, o3 + 3 * LANES, d3)
+
+
+@njit(**_JIT)
+def value_sums(ef, eo, P, nh, vb, vo, n, acc, ao, D):
+    """acc[j, :] += e[j, t] * v[t, :] for heads j < nh and keys t < n, added in order
+    (flat offsets as in the module comment above; vb float32 or float16 KV as uint16): up
+    to four heads share each loaded value vector, then 16-lane and scalar column tails."""
+    dv = D - D % LANES
+    c4 = dv - dv % (4 * LANES)
+    for c in range(0, c4, 4 * LANES):
+        j = 0
+        while j < nh:
+            left = nh - j
+            if left >= 4:
+                _v4x4(ef, eo + j * P, P, vb, vo, n, acc, ao + j * D, D, c)
+                j += 4
+            elif left == 3:
+                _v3x4(ef, eo + j * P, P, vb, vo, n, acc, ao + j * D, D, c)
+                j += 3
+            elif left == 2:
+                _v2x4(ef, eo + j * P, P, vb, vo, n, acc, ao + j * D, D, c)
+                j += 2
+            else:
+                _v1x4(ef, eo + j * P, P, vb, vo, n, acc, ao + j * D, D, c)
+                j += 1
+    for j in range(nh):
+        for c in range(c4, dv, LANES):
+            a = vload(acc, ao + j * D + c)
+            for i in range(n):
+                a = vmac(a, vsplat(ef[eo + j * P + i]), vload_kv(vb, vo + i * D + c))
+            vstore(acc, ao + j * D + c, a)
+        for d in range(dv, D):
+            a1 = acc[ao + j * D + d]
+            for i in range(n):
+                a1 = a1 + ef[eo + j * P + i] * load_kv(vb, vo + i * D + d)
+            acc[ao + j * D + d] = a1
 
 
 @njit(**_JIT)
@@ -769,28 +934,13 @@ def _weighted_v(e, vc, vo, P, acc):
     """acc[j, :] = sum_t e[j, t] * v[t, :] for t = 0..P-1, added sequentially in t.
 
     v[t, :] is vc.flat[vo + t*D : vo + (t+1)*D].  Keys are walked in blocks so
-    each block of V is reused from L1 by every head and every 16-lane chunk.
+    each block of V stays in L1 while every head's chains pass over it.
     """
     grp, D = acc.shape
-    dv = D - D % LANES
-    vflat = vc.reshape(-1)
+    ef, af = e.reshape(-1), acc.reshape(-1)
     for t0 in range(0, P, _KEY_BLOCK):
         t1 = min(t0 + _KEY_BLOCK, P)
-        for j in range(grp):
-            c = 0
-            while c + 4 * LANES <= dv:
-                _v1x4(e, j, t0, vc, vo + t0 * D, t1 - t0, acc, c)
-                c += 4 * LANES
-            for c in range(c, dv, LANES):
-                a = vload(acc, j * D + c)
-                for t in range(t0, t1):
-                    a = vmac(a, vsplat(e[j, t]), vload(vc, vo + t * D + c))
-                vstore(acc, j * D + c, a)
-            for d in range(dv, D):
-                a1 = acc[j, d]
-                for t in range(t0, t1):
-                    a1 = a1 + e[j, t] * vflat[vo + t * D + d]
-                acc[j, d] = a1
+        value_sums(ef, t0, P, grp, vc, vo + t0 * D, t1 - t0, af, 0, D)
 
 
 @njit(**_JIT)

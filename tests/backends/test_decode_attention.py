@@ -32,7 +32,7 @@ def _composed(q, k, v, kb, vb, tables, seqs, poss, scale, window):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("D,H,G,window", [(64, 9, 3, 0), (40, 6, 2, 0), (64, 6, 2, 37), (80, 4, 4, 16)])
+@pytest.mark.parametrize("D,H,G,window", [(64, 9, 3, 0), (40, 6, 2, 0), (64, 6, 2, 37), (80, 4, 4, 16), (64, 8, 2, 0)])
 def test_paged_decode_equals_write_then_paged_attention_rows_1_to_33(dtype, D, H, G, window):
     rng = np.random.default_rng(11)
     S, nb = 40, 12  # up to 192 positions per sequence

@@ -372,6 +372,56 @@ def test_vsum16_equals_sixteen_vsums(rng):
     assert np.array_equal(packed, single)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("D", [64, 80, 40, 128])
+def test_value_sums_add_each_key_in_order_for_any_head_count(rng, dtype, D):
+    """`value_sums` (1-4 heads sharing each value vector, then column tails): every element
+    is its running value plus e * v key after key, each product and sum rounded to float32,
+    whatever the number of heads taken together."""
+    P, n, t0 = 50, 13, 7
+    v = rng.standard_normal((n, D)).astype(dtype)
+    store = np.concatenate([rng.standard_normal(5 * D).astype(dtype), v.reshape(-1)])  # v from offset 5 * D
+    bits = store.view(np.uint16) if dtype == np.float16 else store
+    for nh in range(1, 7):
+        e = rng.random((nh, P), dtype=np.float32)
+        acc = rng.standard_normal((nh + 1, D), dtype=np.float32)
+        want = acc.copy()
+        for j in range(nh):
+            for i in range(n):
+                want[1 + j] = want[1 + j] + e[j, t0 + i] * v[i].astype(np.float32)
+        got = acc.copy()
+        nk.value_sums(e.reshape(-1), t0, P, nh, bits, 5 * D, n, got.reshape(-1), D, D)
+        assert np.array_equal(got, want), nh
+
+
+def test_vexp_gives_expf_bits_on_every_lane(rng):
+    """Softmax's exp runs 16 lanes at a time (`vexp`): each lane the bits of the scalar
+    `_expf`, over values at every scale, the clamp's edge, subnormals, infinities, NaN, and
+    a stride through all 2^32 bit patterns."""
+    from numba import njit
+
+    @njit
+    def lanes(a, out):
+        for t in range(0, a.shape[0], 16):
+            nk.vstore(out, t, nk.vexp(nk.vload(a, t)))
+
+    @njit
+    def scalar(a, out):
+        for t in range(a.shape[0]):
+            out[t] = nk._expf(a[t])
+
+    special = np.array([0.0, -0.0, nk._EXP_LO, np.nextafter(nk._EXP_LO, np.float32(-1)), -88.0, -103.97, -1e30,
+                        -np.inf, np.inf, np.nan, -np.nan, 1e-40, -1e-40, -1e-45, 88.0, 3e38, -0.5, 0.5], np.float32)
+    parts = [special, np.arange(0, 2**32, 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+    parts += [(rng.standard_normal(1 << 16) * s).astype(np.float32) for s in (1e-3, 1.0, 10.0, 100.0)]
+    a = np.concatenate(parts)
+    a = np.concatenate([a, np.zeros(-len(a) % 16, np.float32)])
+    got, want = np.empty_like(a), np.empty_like(a)
+    lanes(a, got)
+    scalar(a, want)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_cpu_backend_picks_the_kernel_policy(monkeypatch):
     from panechat.backends.cpu.numpy_backend import NumpyBackend, StackedGemvBackend, cpu_backend
 
