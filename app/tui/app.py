@@ -57,6 +57,7 @@ class PanechatApp(App):
         self.backend_ready = asyncio.Event()
         self.fatal_error: str | None = None
         self.share_line: str | None = None
+        self._backend_closed = False  # the backend (and sharing) closed: `_close_backend`
         for theme in THEMES:
             self.register_theme(theme)
         self.theme = self._saved_theme()
@@ -114,10 +115,20 @@ class PanechatApp(App):
     async def action_quit(self) -> None:
         if getattr(self, "main", None) is not None:
             self.main.keep_partial_replies()  # before the backend closes and the replies end
+        # every stream ends now, not after the app's teardown: that took 0.6 s during a fast
+        # reply, and the reply ran on meanwhile (hundreds of tokens, for no one)
+        await self._close_backend()
         await super().action_quit()
 
     async def on_unmount(self) -> None:
-        # closing the backend ends every stream (engine stopped, socket closed, requests cancelled)
+        await self._close_backend()  # however the app ends (ctrl+q closed it already)
+
+    async def _close_backend(self) -> None:
+        """Stop sharing, then close the backend, once: that ends every stream (engine stopped,
+        socket closed, requests cancelled)."""
+        if self._backend_closed:
+            return
+        self._backend_closed = True
         if self.close_share is not None:
             await self.close_share()
         await self.backend.close()
