@@ -79,6 +79,17 @@ async def wait_for(pilot, predicate, timeout: float = 60.0, step: float = 0.05, 
         await pilot.pause(step)
 
 
+async def wait_busy(predicate, timeout: float = 60.0, what: str = "condition"):
+    """`wait_for` without waiting for the app to be idle (`pilot.pause` does): a fast reply
+    keeps the app busy with its deltas until it ends, so a test that must act in the middle
+    of a reply polls between them (the app's messages run while this sleeps)."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
 def wait_engine_idle(engine, timeout: float = 30.0) -> None:
     """Block until the engine has no streams and its 1 s tok/s window is empty."""
     t0 = time.monotonic()
@@ -104,7 +115,18 @@ async def type_and_send(pilot, pane, text: str) -> None:
     await pilot.press("enter")
 
 
-__all__ = ["MAX_TOKENS", "make_app", "wait_for", "wait_engine_idle", "type_and_send", "type_into", "asyncio"]
+async def type_and_send_busy(pilot, pane, text: str) -> None:
+    """`type_and_send` whose Enter is posted as the terminal driver delivers it, without
+    `pilot.press`'s wait for an idle app (which lasts until a fast reply has ended): for a
+    test that acts in the middle of the reply (with `wait_busy`)."""
+    from textual import events
+
+    await type_into(pilot, pane, text)
+    pilot.app.post_message(events.Key("enter", "\r"))
+
+
+__all__ = ["MAX_TOKENS", "make_app", "wait_for", "wait_busy", "wait_engine_idle", "type_and_send", "type_and_send_busy",
+           "type_into", "asyncio"]
 
 
 @pytest.fixture

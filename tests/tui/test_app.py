@@ -15,7 +15,7 @@ from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
 from panechat.app.tui.widgets.transcript import AssistantMessage, UserMessage
 
-from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_for
+from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_busy, wait_for
 
 SIZE = (160, 45)
 
@@ -83,7 +83,7 @@ async def test_stop_cancels_one_pane_mid_stream(tui_engine, store):
         await type_into(pilot, second, "Say hi")
         for p in (first, second):  # Enter in both, back to back (see above)
             p.query_one(PromptInput).post_message(events.Key("enter", None))
-        await wait_for(pilot, lambda: first.meter is not None and first.meter.tokens >= 3, what="tokens")
+        await wait_busy(lambda: first.meter is not None and first.meter.tokens >= 3, what="tokens")
         first.focus_input()
         await pilot.pause()
         app.post_message(events.Key("ctrl+s", None))  # as the terminal driver delivers it (no idle wait)

@@ -16,7 +16,7 @@ from panechat.app.store import Store
 from panechat.app.tui.widgets.prompt_input import PromptInput
 from panechat.app.tui.widgets.transcript import AssistantMessage, ContextNotice
 
-from .conftest import make_app, running_engine, type_and_send, wait_engine_idle, wait_for
+from .conftest import make_app, running_engine, type_and_send, type_and_send_busy, wait_busy, wait_engine_idle, wait_for
 
 CTX = 256
 SIZE = (160, 45)
@@ -108,8 +108,8 @@ async def test_quitting_mid_reply_keeps_the_partial_reply_marked(kind, tui_engin
     async with app.run_test(size=SIZE) as pilot:
         pane = await _ready(pilot)
         cid = pane.conversation.id
-        await type_and_send(pilot, pane, "Write a very long story about three dragons")
-        await wait_for(pilot, lambda: len(pane._received) >= 2, timeout=120, what="the reply to start")
+        await type_and_send_busy(pilot, pane, "Write a very long story about three dragons")
+        await wait_busy(lambda: len(pane._received) >= 2, timeout=120, what="the reply to start")
         await pilot.press("ctrl+q")
     if kind == "remote":  # the server keeps what it generated for the terminal that left, marked
         t0 = time.monotonic()

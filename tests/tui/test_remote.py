@@ -18,7 +18,7 @@ from panechat.app.tui.widgets.dashboard import Dashboard
 from panechat.app.tui.widgets.prompt_input import PromptInput
 from panechat.engine.serving.stats import EngineStats
 
-from .conftest import MAX_TOKENS, make_app, type_and_send, type_into, wait_for
+from .conftest import MAX_TOKENS, make_app, type_and_send, type_and_send_busy, type_into, wait_busy, wait_for
 
 SIZE = (160, 45)
 
@@ -146,8 +146,8 @@ async def test_ws_cancel_reaches_the_server(server, store):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, app.backend_ready.is_set, what="the connection")
         pane = app.main.panes[0]
-        await type_and_send(pilot, pane, "Tell me a long story")
-        await wait_for(pilot, lambda: pane.meter is not None and pane.meter.tokens >= 2, what="tokens")
+        await type_and_send_busy(pilot, pane, "Tell me a long story")
+        await wait_busy(lambda: pane.meter is not None and pane.meter.tokens >= 2, what="tokens")
         app.post_message(events.Key("ctrl+s", None))  # as the terminal driver delivers it (no idle wait)
         await wait_for(pilot, lambda: not pane.busy, timeout=30, what="the cancel")
         assert pane.last_finish.reason == "cancelled" and pane.meter.tokens < 400
