@@ -13,9 +13,9 @@ numpy calls. At decode every row belongs to a different sequence, so here one ca
 * splits the (row, query head) tasks among the threads in runs of about equal cost
   (`share_tasks`), so a thread mostly takes whole rows: it walks a row's blocks once for
   all its heads, whose keys (and values) lie next to each other in each block, each
-  block prefetched into L2 two blocks ahead (`_prefetch_block`). (A task per (row, kv head) read 2 KB pieces
-  6 KB apart, and waited on memory for half its time: 29 -> 13 us per (row, kv head) at
-  576 positions, docs/benchmarks.md.)
+  block prefetched into L2 two blocks ahead (`_prefetch_block`). (A task per (row, kv
+  head) read 2 KB pieces 6 KB apart, and waited on memory for half its time: 29 -> 13 us
+  per (row, kv head) at 576 positions, docs/benchmarks.md.)
 * converts each block of keys of a kv head to float32 once into a 16-row scratch that
   stays in L1 and serves every query head of the group (GQA); values are read straight
   from the store, each value vector converted once for up to four heads of the group
