@@ -44,8 +44,8 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import config
 from numba.extending import intrinsic
 
-from panechat.backends.cpu.numpy_kernels import (LANES, _F, _JIT, _dot, _element_ptr, _exp_less_max, _is_c_array, _scores16, _sum,
-                            f32vec, load_kv, prefetch_l2, value_sums, vload, vload_kv, vmul, vsplat, vstore)
+from panechat.backends.cpu.numpy_kernels import (LANES, _JIT, _dot, _element_ptr, _exp_less_max, _is_c_array, _scores16,
+                            f32vec, load_kv, normalized, prefetch_l2, value_sums, vload, vload_kv, vmul, vsplat, vstore)
 
 _HALF_VEC = ir.VectorType(ir.HalfType(), LANES)
 
@@ -179,6 +179,12 @@ def _segment_scores(q, qo, kb, n, scale, ef, eo):
         ef[eo + t] = _dot(q, qo, kb, t * D, D) * scale
 
 
+@njit(**_JIT)
+def _group_heads(g, grp, h0, h1):
+    """Kv head g's query heads among h0..h1-1 (grp a kv head), as offsets from h0: ja..jb-1."""
+    return max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
+
+
 _AHEAD = 2  # blocks between a prefetch and the block's use
 _TASK_COST = 16  # a (row, head) task's fixed cost, in attended positions
 
@@ -237,7 +243,7 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, h0, h1, first, last, scale, 
         n = min(B - off, last + 1 - p)
         _prefetch_block(k_blocks, table, p // B + _AHEAD, last_b, g0, g1)
         for g in range(g0, g1):
-            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0  # its query heads here
+            ja, jb = _group_heads(g, grp, h0, h1)
             _convert(k_blocks, ((table[p // B] * G + g) * B + off) * D, n, buf)
             if n == LANES and D % LANES == 0:  # a whole block of keys and whole vectors: kept tight
                 for j in range(ja, jb):
@@ -258,14 +264,12 @@ def _attend_blocks(q, k_blocks, v_blocks, table, r, h0, h1, first, last, scale, 
         n = min(B - off, last + 1 - p)
         _prefetch_block(v_blocks, table, p // B + _AHEAD, last_b, g0, g1)
         for g in range(g0, g1):
-            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
+            ja, jb = _group_heads(g, grp, h0, h1)
             value_sums(ef, ja * P + p - first, P, jb - ja, v_blocks, ((table[p // B] * G + g) * B + off) * D, n,
                        af, ja * D, D)
         p += n
     for j in range(nh):
-        inv = _F(1.0) / _sum(e[j], P)
-        for d in range(D):
-            out[r, h0 + j, d] = acc[j, d] * inv
+        normalized(acc[j], e[j], P, out, r, h0 + j)
 
 
 @njit(**_JIT)
@@ -296,7 +300,7 @@ def _attend_run(q, k_blocks, v_blocks, table, r0, m, h0, h1, window, last0, scal
         _prefetch_block(k_blocks, table, b + _AHEAD, last_b, g0, g1)
         s, t = max(b * B, first0), min(b * B + B, lastm + 1)  # every row's keys in this block
         for g in range(g0, g1):
-            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
+            ja, jb = _group_heads(g, grp, h0, h1)
             _convert(k_blocks, ((table[b] * G + g) * B + s - b * B) * D, t - s, buf)
             for i in range(m):
                 first = first_position(last0 + i, window)
@@ -322,7 +326,7 @@ def _attend_run(q, k_blocks, v_blocks, table, r0, m, h0, h1, window, last0, scal
         _prefetch_block(v_blocks, table, b + _AHEAD, last_b, g0, g1)
         s, t = max(b * B, first0), min(b * B + B, lastm + 1)
         for g in range(g0, g1):
-            ja, jb = max(h0, g * grp) - h0, min(h1, (g + 1) * grp) - h0
+            ja, jb = _group_heads(g, grp, h0, h1)
             for i in range(m):
                 first = first_position(last0 + i, window)
                 a, z = max(s, first), min(t, last0 + i + 1)
@@ -332,9 +336,7 @@ def _attend_run(q, k_blocks, v_blocks, table, r0, m, h0, h1, window, last0, scal
     for i in range(m):
         P = last0 + i + 1 - first_position(last0 + i, window)
         for j in range(nh):
-            inv = _F(1.0) / _sum(e[i, j], P)
-            for d in range(D):
-                out[r0 + i, h0 + j, d] = acc[i, j, d] * inv
+            normalized(acc[i, j], e[i, j], P, out, r0 + i, h0 + j)
 
 
 @njit(**_JIT)

@@ -268,8 +268,17 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
     B = k_all.shape[3]
     h = hbuf[tid]
     q3, att3 = q.reshape((R, n_head, hd)), att.reshape((R, n_head, hd))
+    # this thread's K/V-write tasks and attention runs depend on the layer's window only:
+    # made again where it changes (gemma3's sliding and global layers), not every layer
+    window = windows[0]
+    tasks = share_tasks(pos, window, n_kv, tid, n)
+    runs = share_runs(seqs, pos, window, n_head, tid, n)
     for i in range(L):
         mi, vi = i * N_MATRICES, i * N_VECTORS
+        if windows[i] != window:
+            window = windows[i]
+            tasks = share_tasks(pos, window, n_kv, tid, n)
+            runs = share_runs(seqs, pos, window, n_head, tid, n)
         _rms_norm(x, _vector(vectors, vi + ATTN_NORM), eps, h)
         _product(fns, mats, mi + Q, h, q, tid, n)
         _product(fns, mats, mi + K, h, k, tid, n)
@@ -278,7 +287,6 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
         kb, vb = k_all[i], v_all[i]
         c = numba.carray(f32_at(rope[i, 0]), (rope[i, 2], rope[i, 3]))
         s = numba.carray(f32_at(rope[i, 1]), (rope[i, 2], rope[i, 3]))
-        tasks = share_tasks(pos, windows[i], n_kv, tid, n)
         for task in tasks:
             r, g0, g1 = task[0], task[1], task[2]
             pr = pos[r]
@@ -306,9 +314,9 @@ def decode_step(x, weights, rows, form, bufs, sync, tid, n):
                         _rms_norm(qh.reshape((1, hd)), _vector(vectors, vi + Q_NORM), eps, qh.reshape((1, hd)))
                     _rope_row(q, (r * n_head + hh) * hd, pr, c, s, neox, qr, (r * n_head + hh) * hd, hd)
         barrier(sync, n)  # every row's K/V written: a sequence's later rows attend its earlier ones
-        for task in share_runs(seqs, pos, windows[i], n_head, tid, n):  # by query heads: even shares
+        for task in runs:  # by query heads: even shares
             r = task[0]
-            _attend_run(qr, kb, vb, tables[seqs[r]], r, task[1], task[2], task[3], windows[i], pos[r], scale, att3)
+            _attend_run(qr, kb, vb, tables[seqs[r]], r, task[1], task[2], task[3], window, pos[r], scale, att3)
         barrier(sync, n)
         c0, c1 = _product(fns, mats, mi + OUT, att, p, tid, n)
         _residual(x, p, _vector(vectors, vi + POST_ATTN_NORM), has[POST_ATTN_NORM], eps, c0, c1, sync, tid, n)

@@ -947,6 +947,14 @@ def _weighted_v(e, vc, vo, P, acc):
 
 
 @njit(**_JIT)
+def normalized(acc, e, P, out, r, h):
+    """out[r, h, :] = acc / (the fixed-order sum of e[0:P]): softmax's division, last."""
+    inv = _F(1.0) / _sum(e, P)
+    for d in range(acc.shape[0]):
+        out[r, h, d] = acc[d] * inv
+
+
+@njit(**_JIT)
 def _attend_heads(q, kc, vc, kvo, r, h0, grp, P, scale, out):
     """Query heads h0..h0+grp-1 of row r over the P keys k[t] = kc.flat[kvo + t*D:] (and
     V likewise); the keys are read once per group."""
@@ -959,9 +967,7 @@ def _attend_heads(q, kc, vc, kvo, r, h0, grp, P, scale, out):
     acc = np.zeros((grp, D), np.float32)
     _weighted_v(e, vc, kvo, P, acc)
     for j in range(grp):
-        inv = _F(1.0) / _sum(e[j], P)
-        for d in range(D):
-            out[r, h0 + j, d] = acc[j, d] * inv
+        normalized(acc[j], e[j], P, out, r, h0 + j)
 
 
 @njit(**_JIT)

@@ -92,9 +92,6 @@ def _load(builder, ptr, offset, ty):
     return builder.load(builder.bitcast(p, ty.as_pointer()), align=1, typ=ty)
 
 
-_call = call_llvm
-
-
 def _halves(builder, v, lanes):
     """v's low and high halves (each `lanes` elements)."""
     return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, lanes), list(range(h, h + lanes))))
@@ -110,10 +107,10 @@ def _madd_words(builder, a, b):
     """Lane l (int32): a16[2l] * b16[2l] + a16[2l + 1] * b16[2l + 1], the int16 halves of
     a and b (vpmaddwd; LLVM's integer vectors in the generic form)."""
     if FORM in ("vnni", "avx512"):
-        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _V16, builder.bitcast(a, _H32), builder.bitcast(b, _H32))
+        return call_llvm(builder, "llvm.x86.avx512.pmaddw.d.512", _V16, builder.bitcast(a, _H32), builder.bitcast(b, _H32))
     if FORM == "avx2":
         pa, pb = _halves(builder, builder.bitcast(a, _H32), 16), _halves(builder, builder.bitcast(b, _H32), 16)
-        return _join(builder, *[_call(builder, "llvm.x86.avx2.pmadd.wd", _V8, x, y) for x, y in zip(pa, pb)])
+        return _join(builder, *[call_llvm(builder, "llvm.x86.avx2.pmadd.wd", _V8, x, y) for x, y in zip(pa, pb)])
     wide = ir.VectorType(_I32, 32)
     prod = builder.mul(builder.sext(builder.bitcast(a, _H32), wide), builder.sext(builder.bitcast(b, _H32), wide))
     even, odd = ([builder.shuffle_vector(prod, prod, ir.Constant(_V16, [2 * l + i for l in range(16)]))
@@ -126,15 +123,15 @@ def _pair_sums(builder, u8, s8):
     below 64, which never reach its saturation)."""
     if FORM == "avx2":
         hu, hs = _halves(builder, u8, 32), _halves(builder, s8, 32)
-        return _join(builder, *[_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, x, y) for x, y in zip(hu, hs)])
-    return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _H32, u8, s8)
+        return _join(builder, *[call_llvm(builder, "llvm.x86.avx2.pmadd.ub.sw", _H16, x, y) for x, y in zip(hu, hs)])
+    return call_llvm(builder, "llvm.x86.avx512.pmaddubs.w.512", _H32, u8, s8)
 
 
 def _dot4(builder, acc, u8, s8):
     """acc[l] + sum_{i<4} u8[4l+i] * s8[4l+i] for 16 int32 lanes (u8 below 64; exact)."""
     u8, s8 = builder.bitcast(u8, _B64), builder.bitcast(s8, _B64)
     if FORM == "vnni":
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16, acc, builder.bitcast(u8, _V16),
+        return call_llvm(builder, "llvm.x86.avx512.vpdpbusd.512", _V16, acc, builder.bitcast(u8, _V16),
                      builder.bitcast(s8, _V16))
     if FORM in ("avx512", "avx2"):
         return builder.add(acc, _madd_words(builder, _pair_sums(builder, u8, s8), _splat(builder, _H32, 1)))
@@ -152,7 +149,7 @@ def dot4_plain(builder, acc, u8, s8):
 def _dot2(builder, acc, a, b):
     """acc[l] + a16[2l] * b16[2l] + a16[2l+1] * b16[2l+1], the signed int16 halves of a, b."""
     if FORM == "vnni":
-        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", _V16, acc, a, b)
+        return call_llvm(builder, "llvm.x86.avx512.vpdpwssd.512", _V16, acc, a, b)
     return builder.add(acc, _madd_words(builder, a, b))
 
 
