@@ -59,7 +59,9 @@ async def test_the_dashboard_shows_a_live_streams_acceptance(tui_engine):
         app = _Host(backend)
         async with app.run_test(size=(60, 30)) as pilot:
             ids = tui_engine.completion_ids("1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2")
-            gen = tui_engine.submit(prompt_ids=ids, params=SamplingParams(max_tokens=120))
+            # long enough to outlast a few of the dashboard's 4 Hz refreshes (120 tokens of this
+            # repetitive reply ran out in under one, drafts standing); cancelled once seen
+            gen = tui_engine.submit(prompt_ids=ids, params=SamplingParams(max_tokens=900))
             table, seen, deadline = app.query_one(DataTable), set(), time.monotonic() + 60
             batch, lines = app.query_one("#dash-batch", Static), set()
             while time.monotonic() < deadline and not (any(w.startswith("spec ") for w in seen)
